@@ -1,0 +1,92 @@
+#include "weight_bank.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace hybridjit {
+
+const char* WeightFormatName(WeightFormat format) {
+  switch (format) {
+    case WeightFormat::kF32:
+      return "f32";
+    case WeightFormat::kBf16:
+      return "bf16";
+    case WeightFormat::kFp8E4M3Fn:
+      return "fp8";
+  }
+  return "unknown";
+}
+
+namespace {
+
+void CheckLayer(const LayerWeights& layer) {
+  if (layer.hidden <= 0 || layer.inter <= 0) {
+    throw std::invalid_argument("hidden and inter must be positive");
+  }
+  if (layer.experts.empty()) throw std::invalid_argument("a layer needs at least one expert");
+  const bool fp8 = layer.format == WeightFormat::kFp8E4M3Fn;
+  if (fp8 && (layer.block_rows <= 0 || layer.block_cols <= 0)) {
+    throw std::invalid_argument("fp8 scale blocks must be positive");
+  }
+  for (size_t e = 0; e < layer.experts.size(); ++e) {
+    const ExpertWeights& w = layer.experts[e];
+    const bool has_weights = w.gate && w.up && w.down;
+    const bool has_scales = w.gate_scale && w.up_scale && w.down_scale;
+    if (!has_weights || (fp8 && !has_scales)) {
+      throw std::invalid_argument("expert " + std::to_string(e) + ": null weight or scale pointer");
+    }
+  }
+}
+
+}  // namespace
+
+WeightBank& WeightBank::Global() {
+  static WeightBank* bank = new WeightBank();  // never destroyed: handlers may run during exit
+  return *bank;
+}
+
+int64_t WeightBank::Add(LayerWeights layer) {
+  CheckLayer(layer);
+  auto entry = std::make_shared<LayerLease::Entry>();
+  entry->weights = std::move(layer);
+  std::lock_guard<std::mutex> guard(mutex_);
+  const int64_t id = next_id_++;
+  layers_.emplace(id, std::move(entry));
+  return id;
+}
+
+bool WeightBank::Remove(int64_t id) {
+  std::shared_ptr<LayerLease::Entry> entry;
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    auto it = layers_.find(id);
+    if (it == layers_.end()) return false;
+    entry = std::move(it->second);
+    layers_.erase(it);
+  }
+  // No new lease can start now; wait for the running ones.
+  std::unique_lock<std::shared_mutex> drain(entry->in_use);
+  return true;
+}
+
+LayerLease WeightBank::Find(int64_t id) const {
+  std::lock_guard<std::mutex> guard(mutex_);
+  auto it = layers_.find(id);
+  if (it == layers_.end()) return {};
+  // Taken under mutex_, so Remove (which erases under mutex_ before locking in_use) cannot slip
+  // between the lookup and the lock.
+  std::shared_lock<std::shared_mutex> lock(it->second->in_use);
+  return LayerLease(it->second, std::move(lock));
+}
+
+std::vector<int64_t> WeightBank::Ids() const {
+  std::lock_guard<std::mutex> guard(mutex_);
+  std::vector<int64_t> ids;
+  ids.reserve(layers_.size());
+  for (const auto& [id, entry] : layers_) ids.push_back(id);
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+}  // namespace hybridjit

@@ -1,0 +1,87 @@
+// Registry of routed-expert layers whose weights live in host memory owned by someone else.
+//
+// The bank never copies or frees weights: it records pointers (numpy arrays, np.memmap views into
+// safetensors files, pinned buffers) and the Python side keeps their owners alive until the layer is
+// removed. A custom call names its layer by the integer id handed out here.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace hybridjit {
+
+enum class WeightFormat { kF32, kBf16, kFp8E4M3Fn };
+
+const char* WeightFormatName(WeightFormat format);
+
+// The three projections of one expert, each a row-major matrix: gate and up [inter, hidden], down
+// [hidden, inter]. For FP8 each matrix has a row-major float32 grid of multipliers, one per
+// (block_rows x block_cols) block: [ceil(rows / block_rows), ceil(cols / block_cols)]; the last
+// row and column of blocks may be partial. Scale pointers are null for the other formats.
+struct ExpertWeights {
+  const void* gate = nullptr;
+  const void* up = nullptr;
+  const void* down = nullptr;
+  const float* gate_scale = nullptr;
+  const float* up_scale = nullptr;
+  const float* down_scale = nullptr;
+};
+
+struct LayerWeights {
+  WeightFormat format = WeightFormat::kF32;
+  int64_t hidden = 0;
+  int64_t inter = 0;
+  int64_t block_rows = 0;  // FP8 scale block along the output dimension of a projection
+  int64_t block_cols = 0;  // ... and along its input dimension
+  std::vector<ExpertWeights> experts;
+
+  int64_t n_experts() const { return static_cast<int64_t>(experts.size()); }
+};
+
+// Read access to one registered layer. While a lease is alive the layer cannot finish being removed,
+// so the Python owner of the weights cannot drop them under a running kernel.
+class LayerLease {
+ public:
+  LayerLease() = default;
+  explicit operator bool() const { return entry_ != nullptr; }
+  const LayerWeights& weights() const { return entry_->weights; }
+
+ private:
+  friend class WeightBank;
+  struct Entry {
+    LayerWeights weights;
+    std::shared_mutex in_use;  // shared by leases, taken exclusively by Remove
+  };
+  LayerLease(std::shared_ptr<Entry> entry, std::shared_lock<std::shared_mutex> lock)
+      : entry_(std::move(entry)), lock_(std::move(lock)) {}
+
+  std::shared_ptr<Entry> entry_;
+  std::shared_lock<std::shared_mutex> lock_;
+};
+
+// Thread-safe. Ids start at 1 and are never reused, so a graph compiled against a removed layer
+// fails with "unknown layer" rather than running on another layer's weights.
+class WeightBank {
+ public:
+  static WeightBank& Global();
+
+  // Validates the description (not the memory behind the pointers) and throws
+  // std::invalid_argument when it is inconsistent.
+  int64_t Add(LayerWeights layer);
+  // Returns false if the id is not registered. Blocks until every lease on the layer is released.
+  bool Remove(int64_t id);
+  // An empty lease if the id is not registered.
+  LayerLease Find(int64_t id) const;
+  std::vector<int64_t> Ids() const;
+
+ private:
+  mutable std::mutex mutex_;
+  std::unordered_map<int64_t, std::shared_ptr<LayerLease::Entry>> layers_;
+  int64_t next_id_ = 1;
+};
+
+}  // namespace hybridjit

@@ -1,0 +1,120 @@
+"""The `hybridjit` command: `generate` a completion, or show `info` about a checkpoint."""
+
+import argparse
+import collections
+import sys
+import time
+
+from hybridjit.checkpoint import Checkpoint
+from hybridjit.config import ModelConfig
+from hybridjit.resolve import resolve_model
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+class LoadingProgress:
+    """One self-overwriting line on stderr: bytes of weights taken so far, and the rate."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.last = 0.0
+
+    def __call__(self, done: int, total: int):
+        now = time.perf_counter()
+        if now - self.last < 0.1 and done < total:
+            return
+        self.last = now
+        rate = done / max(now - self.start, 1e-9)
+        print(
+            f"\rloading weights {100 * done / max(total, 1):5.1f}% ({_gib(done)} of {_gib(total)}, "
+            f"{_gib(int(rate))}/s)",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
+        if done >= total:
+            print(file=sys.stderr)
+
+
+def cmd_generate(args) -> int:
+    import hybridjit  # deferred: jax start-up is slow and `info` does not need it
+
+    model = hybridjit.load(args.model, dtype=args.dtype, progress=LoadingProgress())
+    for delta in model.stream(
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    ):
+        print(delta, end="", flush=True)
+    print()
+    return 0
+
+
+def cmd_info(args) -> int:
+    path = resolve_model(args.checkpoint)
+    cfg = ModelConfig.from_json_file(path / "config.json")
+    ckpt = Checkpoint(path)
+    by_dtype = collections.Counter()
+    expert_bytes = 0
+    for info in ckpt.tensors.values():
+        by_dtype[info.dtype] += info.nbytes
+        if ".mlp.experts." in info.name:
+            expert_bytes += info.nbytes
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    lines = [
+        f"checkpoint      {path}",
+        f"model type      {cfg.model_type}",
+        f"layers          {cfg.num_hidden_layers} ({cfg.first_k_dense_replace} dense, {n_moe} MoE)",
+        f"hidden size     {cfg.hidden_size}, vocab {cfg.vocab_size}, context {cfg.max_position_embeddings}",
+        f"attention       MLA: {cfg.num_attention_heads} heads, q_lora {cfg.q_lora_rank}, kv_lora "
+        f"{cfg.kv_lora_rank}, nope/rope/v {cfg.qk_nope_head_dim}/{cfg.qk_rope_head_dim}/{cfg.v_head_dim}, "
+        f"rope {'yarn x' + str(cfg.rope.yarn_factor) if cfg.rope.yarn_factor else 'plain'}",
+        f"experts         {cfg.n_routed_experts} routed (top-{cfg.num_experts_per_tok}, {cfg.topk_method}, "
+        f"{cfg.n_group} groups keep {cfg.topk_group}), {cfg.n_shared_experts} shared, "
+        f"intermediate {cfg.moe_intermediate_size}",
+        f"format          {'fp8 e4m3, block ' + 'x'.join(map(str, cfg.fp8.block)) if cfg.fp8 else 'unquantized'}",
+        f"tensors         {len(ckpt.tensors)}, {_gib(ckpt.total_bytes())} "
+        f"({', '.join(f'{k} {_gib(v)}' for k, v in by_dtype.most_common())})",
+        f"routed experts  {_gib(expert_bytes)} in host memory; the rest {_gib(ckpt.total_bytes() - expert_bytes)}",
+    ]
+    print("\n".join(lines))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybridjit", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete a prompt")
+    gen.add_argument("prompt")
+    gen.add_argument(
+        "--model", default=None, help="checkpoint path, repo id or name (default: the embedded model)"
+    )
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--dtype", default=None, help="compute dtype: float32 or bfloat16 (default by backend)")
+    gen.set_defaults(run=cmd_generate)
+    info = sub.add_parser("info", help="describe a checkpoint without loading its weights")
+    info.add_argument("checkpoint", nargs="?", default=None)
+    info.set_defaults(run=cmd_info)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError) as e:  # our errors name the file/tensor/argument at fault
+        print(f"hybridjit: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

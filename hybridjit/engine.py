@@ -1,0 +1,232 @@
+"""`hybridjit.load(...)` and the Model it returns: logits, generate and stream over the jitted programs.
+
+The programs are module-level jitted functions of (config, weights, ...): the config is static, the
+weights are arguments (never baked-in constants) and the KV cache is donated so each decode step updates
+it in place. Shapes are bucketed (powers of two) so a handful of programs serve every request.
+"""
+
+from collections.abc import Iterator, Sequence
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hybridjit.checkpoint import Checkpoint
+from hybridjit.config import ModelConfig
+from hybridjit.models import deepseek_v3 as dsv3
+from hybridjit.resolve import resolve_model
+from hybridjit.sampling import SamplingParams, sample
+from hybridjit.tokenizer import IncrementalDecoder, load_tokenizer
+from hybridjit.weights import Progress, WeightLoader
+
+MIN_BUCKET = 8
+
+
+@partial(jax.jit, static_argnums=0)
+def _logits_program(cfg, weights, tokens):
+    return dsv3.prefill(cfg, weights, tokens)[0]
+
+
+@partial(jax.jit, static_argnums=0, donate_argnames="cache")
+def _prefill_program(cfg, weights, tokens, lengths, cache, key, temperature, top_k, top_p):
+    logits, cache = dsv3.prefill(cfg, weights, tokens, cache)
+    last = logits[jnp.arange(tokens.shape[0]), lengths - 1]
+    return sample(last, key, temperature, top_k, top_p), cache
+
+
+@partial(jax.jit, static_argnums=0, donate_argnames="cache")
+def _decode_program(cfg, weights, tokens, positions, cache, key, temperature, top_k, top_p):
+    logits, cache = dsv3.decode_step(cfg, weights, tokens, positions, cache)
+    return sample(logits, key, temperature, top_k, top_p), cache
+
+
+def _bucket(n: int) -> int:
+    return max(MIN_BUCKET, 1 << (n - 1).bit_length())
+
+
+class Model:
+    """A loaded checkpoint. `weights` and `config` compose with `hybridjit.models.deepseek_v3` functions."""
+
+    def __init__(self, path: Path, config: ModelConfig, weights, expert_layers, tokenizer, dtype):
+        self.path, self.config, self.weights = path, config, weights
+        self.expert_layers = expert_layers  # keeps the C++ bank's layers registered while the model lives
+        self.tokenizer, self.dtype = tokenizer, dtype
+
+    def close(self):
+        for layer in self.expert_layers:
+            layer.close()
+
+    # ---------------------------------------------------------------------------------- inputs
+
+    def _check_ids(self, sequences: Sequence[Sequence[int]]) -> list[list[int]]:
+        out = []
+        for i, seq in enumerate(sequences):
+            seq = [int(t) for t in seq]
+            if not seq:
+                raise ValueError(f"sequence {i} is empty")
+            bad = [t for t in seq if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"sequence {i}: token id {bad[0]} outside the vocabulary [0, {self.config.vocab_size})"
+                )
+            out.append(seq)
+        return out
+
+    def _encode(self, prompt) -> tuple[list[list[int]], str]:
+        """Normalises a prompt to token-id lists and says what shape the answer takes."""
+        if isinstance(prompt, str):
+            return [self._tokenize(prompt)], "text"
+        prompt = list(prompt)
+        if prompt and all(isinstance(p, str) for p in prompt):
+            return [self._tokenize(p) for p in prompt], "texts"
+        if prompt and all(isinstance(p, (int, np.integer)) for p in prompt):
+            return self._check_ids([prompt]), "ids"
+        return self._check_ids(prompt), "id_lists"
+
+    def _tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.path} has no tokenizer.json: pass token ids instead of text")
+        return self._check_ids([self.tokenizer.encode(text)])[0]
+
+    # ------------------------------------------------------------------------------- research
+
+    def logits(self, token_ids: Sequence[Sequence[int]]) -> np.ndarray:
+        """float32 logits [batch, max_len, vocab] of whole sequences (right-padded; padding rows unspecified)."""
+        seqs = self._check_ids(token_ids)
+        longest = max(len(s) for s in seqs)
+        self._check_context(longest)
+        tokens = np.zeros((len(seqs), _bucket(longest)), np.int32)
+        for i, s in enumerate(seqs):
+            tokens[i, : len(s)] = s
+        return np.asarray(_logits_program(self.config, self.weights, tokens))[:, :longest]
+
+    def _check_context(self, length: int):
+        if length > self.config.max_position_embeddings:
+            raise ValueError(
+                f"{length} tokens exceed the model's context of {self.config.max_position_embeddings} "
+                f"(max_position_embeddings in {self.path / 'config.json'})"
+            )
+
+    # ----------------------------------------------------------------------------- generation
+
+    def _steps(
+        self, seqs: list[list[int]], max_new_tokens: int, params: SamplingParams
+    ) -> Iterator[np.ndarray]:
+        """Yields the next token of every sequence, step after step, up to max_new_tokens steps."""
+        if max_new_tokens < 1:
+            return
+        lengths = np.array([len(s) for s in seqs], np.int32)
+        longest = int(lengths.max())
+        self._check_context(longest + max_new_tokens)
+        cache_len = min(_bucket(longest + max_new_tokens), self.config.max_position_embeddings)
+        tokens = np.zeros((len(seqs), min(_bucket(longest), cache_len)), np.int32)
+        for i, s in enumerate(seqs):
+            tokens[i, : len(s)] = s
+        cache = dsv3.init_cache(self.config, len(seqs), cache_len, self.dtype)
+        key = jax.random.key(params.seed)
+        sampling = params.device_args()
+        current, cache = _prefill_program(
+            self.config, self.weights, tokens, lengths, cache, jax.random.fold_in(key, 0), *sampling
+        )
+        for step in range(max_new_tokens):
+            if step + 1 < max_new_tokens:  # dispatch the next step before waiting on this one's tokens
+                upcoming, cache = _decode_program(
+                    self.config,
+                    self.weights,
+                    current,
+                    lengths + step,
+                    cache,
+                    jax.random.fold_in(key, step + 1),
+                    *sampling,
+                )
+            yield np.asarray(current)
+            if step + 1 < max_new_tokens:
+                current = upcoming
+
+    def generate(
+        self,
+        prompt,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: str | Sequence[str] | None = None,
+        seed: int = 0,
+    ):
+        """Completes a prompt: text -> text, list of texts -> list of texts, token ids -> new token ids,
+        list of token-id lists -> list of new token-id lists.
+
+        Generation of a sequence ends at an end-of-sequence token (kept in token outputs), at a stop string
+        (text outputs end before it) or after max_new_tokens. temperature=0 is greedy and deterministic.
+        """
+        seqs, kind = self._encode(prompt)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if stops and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this checkpoint has no tokenizer.json")
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        new = [[] for _ in seqs]
+        done = [False] * len(seqs)
+        for tokens in self._steps(seqs, max_new_tokens, params):
+            for i, token in enumerate(tokens.tolist()):
+                if done[i]:
+                    continue
+                new[i].append(token)
+                done[i] = token in self.config.eos_token_ids or (
+                    bool(stops) and any(s in self.tokenizer.decode(new[i]) for s in stops)
+                )
+            if all(done):
+                break
+        if kind == "ids":
+            return new[0]
+        if kind == "id_lists":
+            return new
+        texts = [_cut_at_stop(self.tokenizer.decode(ids), stops) for ids in new]
+        return texts[0] if kind == "text" else texts
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+    ) -> Iterator:
+        """Like generate for one prompt, yielding text deltas (text prompt) or token ids as they come."""
+        seqs, kind = self._encode(prompt)
+        if len(seqs) != 1:
+            raise ValueError("stream takes one prompt")
+        decoder = IncrementalDecoder(self.tokenizer) if kind == "text" else None
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        for tokens in self._steps(seqs, max_new_tokens, params):
+            token = int(tokens[0])
+            if token in self.config.eos_token_ids:
+                return
+            if decoder is None:
+                yield token
+            elif delta := decoder.push(token):
+                yield delta
+
+
+def _cut_at_stop(text: str, stops: list[str]) -> str:
+    cuts = [text.index(s) for s in stops if s in text]
+    return text[: min(cuts)] if cuts else text
+
+
+def default_dtype():
+    """float32 on XLA:CPU (exact against the references, and CPU bf16 dots are no faster); bf16 on GPU."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def load(name_or_path=None, *, dtype=None, progress: Progress | None = None) -> Model:
+    """Loads a checkpoint by path, Hugging Face repo id or known name; no argument loads the embedded model.
+
+    dtype is the compute dtype of the non-expert weights and activations ("float32", "bfloat16").
+    """
+    path = resolve_model(name_or_path)
+    config = ModelConfig.from_json_file(path / "config.json")
+    dtype = jnp.dtype(dtype) if dtype is not None else default_dtype()
+    weights, expert_layers = WeightLoader(config, Checkpoint(path), dtype, progress).load()
+    return Model(path, config, weights, expert_layers, load_tokenizer(path, config.bos_token_id), dtype)

@@ -1,0 +1,70 @@
+"""Writes checkpoints in the Hugging Face layout: config.json, safetensors shards and their index."""
+
+import json
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+from hybridjit.checkpoint import INDEX_FILE
+from hybridjit.config import ModelConfig
+from hybridjit.models import deepseek_v3 as dsv3
+from hybridjit.weights import PROJECTIONS, build_weights
+
+
+def export_tensors(
+    cfg: ModelConfig, weights: dsv3.Weights, dtype=ml_dtypes.bfloat16
+) -> dict[str, np.ndarray]:
+    """Checkpoint tensors of a weights pytree whose routed experts are JAX-held (e.g. a trained model).
+
+    Correction biases stay float32, as in the real checkpoints; everything else is stored as `dtype`.
+    """
+
+    def routed(prefix):
+        return dsv3.Experts(*(f"{prefix}.experts.{{}}.{proj}.weight" for proj in PROJECTIONS)), None
+
+    names = build_weights(cfg, lambda name, dtype=None: name, routed)
+    tensors = {}
+    for name, leaf in zip(jax.tree.leaves(names), jax.tree.leaves(weights), strict=True):
+        array = np.asarray(leaf)
+        target = np.float32 if name.endswith("e_score_correction_bias") else dtype
+        if "{}" in name:  # stacked routed experts: one tensor per expert
+            tensors.update({name.format(e): array[e].astype(target) for e in range(array.shape[0])})
+        else:
+            tensors[name] = array.astype(target)
+    return tensors
+
+
+def save_checkpoint(
+    directory, config: dict, tensors: dict[str, np.ndarray], max_shard_bytes: int = 4 << 30
+) -> Path:
+    """Writes `tensors` as safetensors shards of at most max_shard_bytes (an index when more than one)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(tensors):
+        if shards[-1] and size + tensors[name].nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += tensors[name].nbytes
+    if len(shards) == 1:
+        save_file(
+            {n: np.ascontiguousarray(tensors[n]) for n in shards[0]}, str(directory / "model.safetensors")
+        )
+    else:
+        weight_map = {}
+        for i, names in enumerate(shards):
+            file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file({n: np.ascontiguousarray(tensors[n]) for n in names}, str(directory / file_name))
+            weight_map.update(dict.fromkeys(names, file_name))
+        index = {
+            "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+            "weight_map": weight_map,
+        }
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return directory

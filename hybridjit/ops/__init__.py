@@ -1,0 +1,1 @@
+"""JAX bindings of the C++ kernels in `hybridjit._ffi` (XLA FFI custom calls)."""

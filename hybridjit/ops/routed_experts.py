@@ -1,0 +1,201 @@
+"""Routed experts as the XLA FFI custom call ``hybridjit_routed_experts``.
+
+Expert weights are not XLA operands. They are registered once in the C++ weight bank of
+``hybridjit._ffi`` and the custom call names them by an integer layer id (an ``int64`` attribute),
+so a jitted model graph carries only the activations and the routing.
+
+Zero-copy: ``register_layer`` hands the bank the addresses of the given numpy arrays (np.memmap views
+into safetensors files included) without copying them, and the returned ``ExpertLayer`` holds
+references to the arrays so that the memory stays valid until the layer is unregistered. Unregistering
+(``close()``, idempotent, also run on garbage collection) waits for calls already running on the layer
+and only then drops the references. A compiled graph that still names a closed layer fails cleanly
+with "unknown layer id" (ids are never reused), it never reads freed memory.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from hybridjit import _ffi
+
+TARGET = "hybridjit_routed_experts"
+
+_FORMATS = {
+    np.dtype(np.float32): "f32",
+    np.dtype(ml_dtypes.bfloat16): "bf16",
+    np.dtype(ml_dtypes.float8_e4m3fn): "fp8",
+}
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+jax.ffi.register_ffi_target(TARGET, _ffi.routed_experts_cpu(), platform="cpu")
+
+
+class ExpertLayer:
+    """A layer of routed experts registered in the C++ weight bank; pass ``.id`` to `routed_experts`."""
+
+    def __init__(self, layer_id: int, n_experts: int, hidden: int, inter: int, fmt: str, arrays: list):
+        self.id = layer_id
+        self.n_experts = n_experts
+        self.hidden = hidden
+        self.inter = inter
+        self.format = fmt
+        # The finalizer, not the instance, owns the arrays: they outlive the unregistration.
+        self._finalizer = weakref.finalize(self, _unregister, layer_id, arrays)
+
+    def close(self) -> None:
+        """Unregisters the layer (after its running calls finish) and releases the weights."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self) -> ExpertLayer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "registered"
+        return (
+            f"ExpertLayer(id={self.id}, n_experts={self.n_experts}, hidden={self.hidden}, "
+            f"inter={self.inter}, format={self.format!r}, {state})"
+        )
+
+
+def _unregister(layer_id: int, arrays: list) -> None:
+    _ffi.unregister_layer(layer_id)
+    arrays.clear()
+
+
+def _check_matrix(a, expert: int, proj: str, shape: tuple[int, int], dtype: np.dtype, what: str = ""):
+    where = f"expert {expert} {proj}{what}"
+    if not isinstance(a, np.ndarray):
+        raise ValueError(f"{where}: expected a numpy array, got {type(a).__name__}")
+    if a.dtype != dtype:
+        raise ValueError(f"{where}: dtype {a.dtype}, expected {dtype}")
+    if a.shape != shape:
+        raise ValueError(f"{where}: shape {a.shape}, expected {shape}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{where}: not C-contiguous (the bank reads the array in place and never copies)")
+
+
+def _block_grid(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:
+    return -(-rows // block[0]), -(-cols // block[1])
+
+
+def register_layer(
+    gate: Sequence[np.ndarray],
+    up: Sequence[np.ndarray],
+    down: Sequence[np.ndarray],
+    gate_scale: Sequence[np.ndarray] | None = None,
+    up_scale: Sequence[np.ndarray] | None = None,
+    down_scale: Sequence[np.ndarray] | None = None,
+    block: tuple[int, int] = (128, 128),
+) -> ExpertLayer:
+    """Registers one layer of routed experts, zero-copy, and returns its handle.
+
+    gate, up: one [inter, hidden] array per expert; down: one [hidden, inter] array per expert; all
+    C-contiguous and of one dtype: float32, bfloat16 or float8_e4m3fn. For float8 the scales are
+    float32 [ceil(out / block[0]), ceil(in / block[1])] multipliers (the checkpoint's
+    ``weight_scale_inv``: w = fp8 * scale). Raises ValueError naming the expert and projection.
+    """
+    gate, up, down = list(gate), list(up), list(down)
+    if not gate:
+        raise ValueError("register_layer needs at least one expert")
+    if not len(gate) == len(up) == len(down):
+        raise ValueError(f"expert counts differ: gate {len(gate)}, up {len(up)}, down {len(down)}")
+    first = gate[0]
+    if not isinstance(first, np.ndarray) or first.ndim != 2:
+        raise ValueError("expert 0 gate_proj: expected a 2-D numpy array [inter, hidden]")
+    dtype = first.dtype
+    if dtype not in _FORMATS:
+        raise ValueError(f"expert 0 gate_proj: dtype {dtype} is not one of float32, bfloat16, float8_e4m3fn")
+    fmt = _FORMATS[dtype]
+    inter, hidden = first.shape
+    shapes = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    weights = dict(zip(_PROJECTIONS, (gate, up, down), strict=True))
+    for proj, arrays in weights.items():
+        for e, a in enumerate(arrays):
+            _check_matrix(a, e, proj, shapes[proj], dtype)
+
+    scales = {"gate_proj": gate_scale, "up_proj": up_scale, "down_proj": down_scale}
+    if fmt == "fp8":
+        if len(block) != 2 or min(operator.index(b) for b in block) <= 0:
+            raise ValueError(f"block must be two positive sizes (rows, cols), got {block}")
+        block = (operator.index(block[0]), operator.index(block[1]))
+        for proj, seq in scales.items():
+            if seq is None:
+                raise ValueError(
+                    f"{proj}: float8 weights need block scales, {proj[: -len('_proj')]}_scale is missing"
+                )
+            seq = scales[proj] = list(seq)
+            if len(seq) != len(gate):
+                raise ValueError(f"{proj}: {len(seq)} scale arrays for {len(gate)} experts")
+            grid = _block_grid(*shapes[proj], block)
+            for e, s in enumerate(seq):
+                _check_matrix(s, e, proj, grid, np.dtype(np.float32), what=" scale")
+    else:
+        for proj, seq in scales.items():
+            if seq is not None:
+                raise ValueError(f"{proj}: scales are only for float8 weights, these are {dtype}")
+        scales = {proj: [] for proj in _PROJECTIONS}
+        block = (0, 0)
+
+    def addresses(arrays):
+        return [a.ctypes.data for a in arrays]
+
+    layer_id = _ffi.register_layer(
+        fmt,
+        hidden,
+        inter,
+        block[0],
+        block[1],
+        *(addresses(weights[p]) for p in _PROJECTIONS),
+        *(addresses(scales[p]) for p in _PROJECTIONS),
+    )
+    owned = [*gate, *up, *down, *(s for p in _PROJECTIONS for s in scales[p])]
+    return ExpertLayer(layer_id, len(gate), hidden, inter, fmt, owned)
+
+
+def routed_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *, layer: int) -> jax.Array:
+    """y[t] = sum_k w[t,k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = topk_ids[t,k], on bank layer `layer`.
+
+    x: [T, H] float32 or bfloat16; topk_ids: [T, K] int32; topk_weights: [T, K] float32. Returns [T, H]
+    in x's dtype, accumulated in float32. Works under jax.jit; the layer id is a compile-time constant.
+    Unknown layer ids, an H that differs from the layer's, and expert ids out of range fail when the
+    call runs.
+    """
+    try:
+        layer = operator.index(layer)
+    except TypeError:
+        raise TypeError(
+            f"layer must be a static Python int (ExpertLayer.id), got {type(layer).__name__}"
+        ) from None
+    x, topk_ids, topk_weights = jnp.asarray(x), jnp.asarray(topk_ids), jnp.asarray(topk_weights)
+    if x.dtype not in (jnp.float32, jnp.bfloat16):
+        raise TypeError(f"routed_experts: x must be float32 or bfloat16, got {x.dtype}")
+    if topk_ids.dtype != jnp.int32:
+        raise TypeError(f"routed_experts: topk_ids must be int32, got {topk_ids.dtype}")
+    if topk_weights.dtype != jnp.float32:
+        raise TypeError(f"routed_experts: topk_weights must be float32, got {topk_weights.dtype}")
+    if x.ndim != 2 or topk_ids.ndim != 2 or topk_ids.shape != topk_weights.shape or len(x) != len(topk_ids):
+        raise ValueError(
+            f"routed_experts: expected x [T, H], topk_ids and topk_weights [T, K]; got x {x.shape}, "
+            f"topk_ids {topk_ids.shape}, topk_weights {topk_weights.shape}"
+        )
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    return call(x, topk_ids, topk_weights, layer=np.int64(layer))
+
+
+def kernel_info() -> dict:
+    """Which C++ kernel implementation runs the routed experts, e.g. {"kernel": "generic", "threads": 1}."""
+    return dict(_ffi.kernel_info())

@@ -1,0 +1,91 @@
+"""Finds a checkpoint directory for a model name, a Hugging Face repo id, or a path.
+
+No downloads: a name resolves to weights already on disk, in the models directory ($HYBRIDJIT_MODELS,
+default ~/.cache/hybridjit/models) or in the Hugging Face hub cache. When nothing is found the error lists
+every place that was searched and how to put the weights there.
+"""
+
+import os
+from importlib import resources
+from pathlib import Path
+
+ALIASES = {
+    "deepseek-v3": "deepseek-ai/DeepSeek-V3",
+    "deepseek-v3-0324": "deepseek-ai/DeepSeek-V3-0324",
+    "deepseek-v3.1": "deepseek-ai/DeepSeek-V3.1",
+    "deepseek-r1": "deepseek-ai/DeepSeek-R1",
+    "deepseek-r1-0528": "deepseek-ai/DeepSeek-R1-0528",
+    "deepseek-v2": "deepseek-ai/DeepSeek-V2",
+    "deepseek-v2-lite": "deepseek-ai/DeepSeek-V2-Lite",
+    "deepseek-v2-lite-chat": "deepseek-ai/DeepSeek-V2-Lite-Chat",
+    "kimi-k2": "moonshotai/Kimi-K2-Instruct",
+}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+def default_model_dir() -> Path:
+    """The small model embedded in the package, used when no model is named."""
+    return Path(str(resources.files("hybridjit") / "data" / "default"))
+
+
+def models_dir() -> Path:
+    return Path(os.environ.get("HYBRIDJIT_MODELS", Path.home() / ".cache" / "hybridjit" / "models"))
+
+
+def hub_cache_dir() -> Path:
+    if "HF_HUB_CACHE" in os.environ:
+        return Path(os.environ["HF_HUB_CACHE"])
+    hf_home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+    return hf_home / "hub"
+
+
+def _hub_snapshot(repo_id: str) -> tuple[Path | None, Path]:
+    """The snapshot of repo_id in the hub cache (refs/main first, else the newest complete one)."""
+    repo = hub_cache_dir() / ("models--" + repo_id.replace("/", "--"))
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        snapshot = repo / "snapshots" / ref.read_text().strip()
+        if (snapshot / "config.json").is_file():
+            return snapshot, repo
+    snapshots = sorted(
+        (s for s in (repo / "snapshots").glob("*") if (s / "config.json").is_file()),
+        key=lambda s: s.stat().st_mtime,
+    )
+    return (snapshots[-1] if snapshots else None), repo
+
+
+def resolve_model(name_or_path: str | os.PathLike | None) -> Path:
+    if name_or_path is None:
+        return default_model_dir()
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is a directory but has no config.json: not a checkpoint")
+        return path
+    name = str(name_or_path)
+    repo_id = ALIASES.get(name.lower(), name if "/" in name else None)
+    candidates = [models_dir() / name]
+    if repo_id:
+        candidates += [models_dir() / repo_id.split("/")[-1], models_dir() / repo_id]
+    for candidate in candidates:
+        if (candidate / "config.json").is_file():
+            return candidate
+    searched = [str(c) for c in candidates]
+    if repo_id:
+        snapshot, repo = _hub_snapshot(repo_id)
+        if snapshot is not None:
+            return snapshot
+        searched.append(f"{repo}/snapshots/*")
+    hint = (
+        f"download it, e.g. `huggingface-cli download {repo_id} --local-dir {models_dir() / repo_id.split('/')[-1]}`,"
+        if repo_id
+        else "put a Hugging Face checkpoint directory (config.json, *.safetensors) there,"
+    )
+    raise ModelNotFoundError(
+        f"no checkpoint for {name!r}. Looked in: {'; '.join(searched)}. To provide it, {hint} "
+        f"set HYBRIDJIT_MODELS to the directory that holds it, or pass the checkpoint's path. "
+        f"Known names: {', '.join(ALIASES)}."
+    )

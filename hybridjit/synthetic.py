@@ -1,0 +1,170 @@
+"""Random checkpoints of real model geometries, generated in memory, for benchmarks.
+
+A SyntheticCheckpoint answers the same questions as `Checkpoint` (names, shapes, dtypes, bytes) for every
+tensor `checkpoint_layout` implies, so benchmarks load it through the very loader and expert bank that
+real checkpoints use. Weights are random but well-scaled: FP8 bytes have their top exponent bit cleared
+(|w| < 2, no NaN), block scales and float weights are ~1/sqrt(fan_in).
+"""
+
+import copy
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from hybridjit.checkpoint import DTYPES, TensorInfo
+from hybridjit.config import ModelConfig
+from hybridjit.quant import scale_shape
+from hybridjit.weights import SCALE_SUFFIX, checkpoint_layout
+
+# The geometries of the real Hugging Face config.json files.
+GEOMETRIES = {
+    "deepseek-v3": {
+        "model_type": "deepseek_v3",
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "n_group": 8,
+        "topk_group": 4,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 163840,
+        "rope_theta": 10000,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "quantization_config": {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        },
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "tie_word_embeddings": False,
+    },
+    "deepseek-v2-lite": {
+        "model_type": "deepseek_v2",
+        "vocab_size": 102400,
+        "hidden_size": 2048,
+        "intermediate_size": 10944,
+        "moe_intermediate_size": 1408,
+        "num_hidden_layers": 27,
+        "num_attention_heads": 16,
+        "q_lora_rank": None,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "n_routed_experts": 64,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": 6,
+        "first_k_dense_replace": 1,
+        "topk_method": "greedy",
+        "scoring_func": "softmax",
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": False,
+        "routed_scaling_factor": 1.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 163840,
+        "rope_theta": 10000,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+        "bos_token_id": 100000,
+        "eos_token_id": 100001,
+        "tie_word_embeddings": False,
+    },
+}
+WEIGHT_FORMATS = ("fp8", "bf16")
+
+
+def geometry_config(name: str, *, layers: int | None = None, weight_format: str | None = None) -> ModelConfig:
+    """A named geometry, optionally truncated to `layers` layers and stored as fp8 or bf16."""
+    if name not in GEOMETRIES:
+        raise ValueError(f"unknown geometry {name!r}; known: {', '.join(GEOMETRIES)}")
+    raw = copy.deepcopy(GEOMETRIES[name])
+    if layers is not None:
+        raw["num_hidden_layers"] = layers
+    if weight_format == "bf16":
+        raw.pop("quantization_config", None)
+    elif weight_format == "fp8":
+        raw.setdefault("quantization_config", GEOMETRIES["deepseek-v3"]["quantization_config"])
+    elif weight_format is not None:
+        raise ValueError(f"unknown weight format {weight_format!r}; known: {', '.join(WEIGHT_FORMATS)}")
+    return ModelConfig.from_hf_config(raw, source=f"geometry {name}")
+
+
+class SyntheticCheckpoint:
+    """Random tensors for every name the config implies, made on first access and kept alive."""
+
+    def __init__(self, cfg: ModelConfig, seed: int = 0):
+        self.directory = Path(f"<synthetic {cfg.model_type} seed {seed}>")
+        self.cfg, self.seed = cfg, seed
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, spec in checkpoint_layout(cfg).items():
+            if spec.quantizable and cfg.fp8 is not None:
+                self._add(name, "F8_E4M3", spec.shape)
+                self._add(name + SCALE_SUFFIX, "F32", scale_shape(spec.shape, cfg.fp8.block))
+            else:
+                self._add(name, "F32" if name.endswith("e_score_correction_bias") else "BF16", spec.shape)
+        self._made: dict[str, np.ndarray] = {}
+
+    def _add(self, name, dtype, shape):
+        nbytes = int(np.prod(shape)) * DTYPES[dtype].itemsize
+        self.tensors[name] = TensorInfo(name, self.directory, dtype, tuple(shape), 0, nbytes)
+
+    def __contains__(self, name):
+        return name in self.tensors
+
+    def info(self, name) -> TensorInfo:
+        return self.tensors[name]
+
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def get(self, name) -> np.ndarray:
+        if name not in self._made:
+            self._made[name] = self._make(self.tensors[name])
+        return self._made[name]
+
+    def _make(self, info: TensorInfo) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, *info.name.encode()])
+        if info.dtype == "F8_E4M3":
+            return (rng.integers(0, 256, info.shape, dtype=np.uint8) & 0xBF).view(ml_dtypes.float8_e4m3fn)
+        if info.name.endswith(SCALE_SUFFIX):  # w = fp8 (|.| < 2) * scale: ~1/sqrt(fan_in) overall
+            fan_in = self.tensors[info.name.removesuffix(SCALE_SUFFIX)].shape[1]
+            return np.full(info.shape, 0.5 / np.sqrt(fan_in), np.float32)
+        if len(info.shape) == 1:  # norms ~1, correction biases small
+            base = 0.0 if info.name.endswith("bias") else 1.0
+            return (base + 0.01 * rng.standard_normal(info.shape, np.float32)).astype(DTYPES[info.dtype])
+        scale = 1.0 if "embed_tokens" in info.name else 1 / np.sqrt(info.shape[1])
+        return (scale * rng.standard_normal(info.shape, np.float32)).astype(DTYPES[info.dtype])

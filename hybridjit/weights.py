@@ -1,0 +1,261 @@
+"""Builds the model's weights pytree from a checkpoint, with every tensor checked against the config.
+
+`checkpoint_layout` says which tensors a config implies (Hugging Face names and shapes); the checkpoint
+is checked against it as a whole before anything is loaded, so one error lists what is missing,
+misshapen or unexpected. Non-expert weights become JAX arrays in the compute dtype (FP8 ones
+dequantized per block). Routed experts are registered, zero-copy, with the C++ expert bank in the
+checkpoint's own format (FP8 + block scales, BF16 or F32): their bytes stay where the checkpoint keeps
+them (memory-mapped files).
+"""
+
+import dataclasses
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from hybridjit.checkpoint import CheckpointError
+from hybridjit.config import ModelConfig
+from hybridjit.models import deepseek_v3 as dsv3
+from hybridjit.ops.routed_experts import ExpertLayer, register_layer
+from hybridjit.quant import dequantize_fp8_blocks, scale_shape
+
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F8_E4M3")
+EXPERT_DTYPES = ("F32", "BF16", "F8_E4M3")
+SCALE_SUFFIX = "_scale_inv"
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# Real checkpoints also carry the multi-token-prediction layer(s) after the last decoder layer
+# (model.layers.61.* in V3) and, in old exports, rotary caches: the model uses neither.
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_ROTARY_CACHE = re.compile(r".*rotary_emb\.inv_freq$")
+
+Progress = Callable[[int, int], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    quantizable: bool  # a projection matrix that FP8 checkpoints store as float8 + block scales
+
+
+def checkpoint_layout(cfg: ModelConfig) -> dict[str, TensorSpec]:
+    """Every tensor the config implies, by its Hugging Face name."""
+    specs: dict[str, TensorSpec] = {}
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+
+    def matrix(name, out, inp, quantizable=True):
+        specs[name] = TensorSpec((out, inp), quantizable)
+
+    def vector(name, size):
+        specs[name] = TensorSpec((size,), False)
+
+    def mlp(prefix, inter):
+        matrix(f"{prefix}.gate_proj.weight", inter, d)
+        matrix(f"{prefix}.up_proj.weight", inter, d)
+        matrix(f"{prefix}.down_proj.weight", d, inter)
+
+    matrix("model.embed_tokens.weight", cfg.vocab_size, d, quantizable=False)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}"
+        vector(f"{p}.input_layernorm.weight", d)
+        vector(f"{p}.post_attention_layernorm.weight", d)
+        a = f"{p}.self_attn"
+        if cfg.q_lora_rank is None:
+            matrix(f"{a}.q_proj.weight", h * cfg.qk_head_dim, d)
+        else:
+            matrix(f"{a}.q_a_proj.weight", cfg.q_lora_rank, d)
+            vector(f"{a}.q_a_layernorm.weight", cfg.q_lora_rank)
+            matrix(f"{a}.q_b_proj.weight", h * cfg.qk_head_dim, cfg.q_lora_rank)
+            if cfg.attention_bias:
+                vector(f"{a}.q_a_proj.bias", cfg.q_lora_rank)
+        matrix(f"{a}.kv_a_proj_with_mqa.weight", cfg.kv_lora_rank + cfg.qk_rope_head_dim, d)
+        vector(f"{a}.kv_a_layernorm.weight", cfg.kv_lora_rank)
+        matrix(f"{a}.kv_b_proj.weight", h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+        matrix(f"{a}.o_proj.weight", d, h * cfg.v_head_dim)
+        if cfg.attention_bias:
+            vector(f"{a}.kv_a_proj_with_mqa.bias", cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+            vector(f"{a}.o_proj.bias", d)
+        if not cfg.is_moe_layer(i):
+            mlp(f"{p}.mlp", cfg.intermediate_size)
+            continue
+        matrix(f"{p}.mlp.gate.weight", cfg.n_routed_experts, d, quantizable=False)
+        if cfg.use_correction_bias:
+            vector(f"{p}.mlp.gate.e_score_correction_bias", cfg.n_routed_experts)
+        if cfg.n_shared_experts:
+            mlp(f"{p}.mlp.shared_experts", cfg.moe_intermediate_size * cfg.n_shared_experts)
+        for e in range(cfg.n_routed_experts):
+            mlp(f"{p}.mlp.experts.{e}", cfg.moe_intermediate_size)
+    vector("model.norm.weight", d)
+    if not cfg.tie_word_embeddings:
+        matrix("lm_head.weight", cfg.vocab_size, d, quantizable=False)
+    return specs
+
+
+def check_checkpoint(cfg: ModelConfig, ckpt) -> None:
+    """Raises one CheckpointError listing every missing, misshapen, mistyped or unexpected tensor."""
+    layout = checkpoint_layout(cfg)
+    problems = []
+    expected_scales = {}
+    for name, spec in layout.items():
+        if name not in ckpt:
+            problems.append(f"missing {name} {list(spec.shape)}")
+            continue
+        info = ckpt.info(name)
+        if info.shape != spec.shape:
+            problems.append(
+                f"{info.file.name}: {name} has shape {list(info.shape)}, config.json implies {list(spec.shape)}"
+            )
+        if info.dtype not in FLOAT_DTYPES:
+            problems.append(f"{info.file.name}: {name} has dtype {info.dtype}, expected a float type")
+        elif info.dtype == "F8_E4M3":
+            if cfg.fp8 is None:
+                problems.append(f"{name} is float8_e4m3 but config.json has no fp8 quantization_config")
+            elif not spec.quantizable:
+                problems.append(f"{name} is float8_e4m3, which this tensor never is in supported checkpoints")
+            else:
+                expected_scales[name + SCALE_SUFFIX] = scale_shape(spec.shape, cfg.fp8.block)
+    for name, shape in expected_scales.items():
+        if name not in ckpt:
+            problems.append(f"missing {name} (the block scales of an FP8 weight)")
+        elif ckpt.info(name).shape != shape:
+            problems.append(
+                f"{ckpt.info(name).file.name}: {name} has shape {list(ckpt.info(name).shape)}, expected "
+                f"{list(shape)} for block {list(cfg.fp8.block)}"
+            )
+
+    def skipped(name):
+        m = _LAYER.match(name)
+        return (m is not None and int(m.group(1)) >= cfg.num_hidden_layers) or _ROTARY_CACHE.match(name)
+
+    unexpected = [n for n in ckpt.tensors if n not in layout and n not in expected_scales and not skipped(n)]
+    problems += [f"unexpected tensor {n}" for n in sorted(unexpected)]
+    if problems:
+        shown = "\n  ".join(problems[:12]) + (
+            f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
+        )
+        raise CheckpointError(
+            f"{ckpt.directory} does not match its config.json ({len(problems)} problems):\n  {shown}"
+        )
+
+
+class WeightLoader:
+    """Turns a checked checkpoint into the model's weights pytree and its expert-bank layers."""
+
+    def __init__(self, cfg: ModelConfig, ckpt, dtype, progress: Progress | None = None):
+        self.cfg, self.ckpt, self.dtype, self.progress = cfg, ckpt, dtype, progress
+        self.total = ckpt.total_bytes()
+        self.done = 0
+
+    def _take(self, name: str) -> np.ndarray:
+        self.done += self.ckpt.info(name).nbytes
+        if self.progress:
+            self.progress(self.done, self.total)
+        return self.ckpt.get(name)
+
+    def _scale(self, name: str) -> np.ndarray:
+        return self._take(name + SCALE_SUFFIX).astype(np.float32, copy=False)
+
+    def tensor(self, name: str, dtype=None):
+        """A non-expert weight as a JAX array in the compute dtype (FP8 dequantized per block)."""
+        w = self._take(name)
+        if w.dtype == ml_dtypes.float8_e4m3fn:
+            w = dequantize_fp8_blocks(w, self._scale(name), self.cfg.fp8.block)
+        return jnp.asarray(w, dtype=dtype or self.dtype)
+
+    def experts(self, p: str) -> ExpertLayer:
+        """Registers the layer's routed experts with the C++ bank, zero-copy, in their stored format."""
+        names = {
+            proj: [f"{p}.experts.{e}.{proj}.weight" for e in range(self.cfg.n_routed_experts)]
+            for proj in PROJECTIONS
+        }
+        dtypes = {self.ckpt.info(n).dtype for ns in names.values() for n in ns}
+        if len(dtypes) > 1 or not dtypes <= set(EXPERT_DTYPES):
+            raise CheckpointError(
+                f"{p}.experts: routed experts stored as {sorted(dtypes)}; one of {', '.join(EXPERT_DTYPES)} is needed"
+            )
+        weights = [[self._take(n) for n in names[proj]] for proj in PROJECTIONS]
+        if dtypes != {"F8_E4M3"}:
+            return register_layer(*weights)
+        scales = [[self._scale(n) for n in names[proj]] for proj in PROJECTIONS]
+        return register_layer(*weights, *scales, block=self.cfg.fp8.block)
+
+    def load(self) -> tuple[dsv3.Weights, list[ExpertLayer]]:
+        check_checkpoint(self.cfg, self.ckpt)
+        expert_layers: list[ExpertLayer] = []
+
+        def bank_experts(prefix):
+            expert_layers.append(self.experts(prefix))
+            return None, expert_layers[-1].id
+
+        try:
+            return build_weights(self.cfg, self.tensor, bank_experts), expert_layers
+        except BaseException:
+            for layer in expert_layers:
+                layer.close()
+            raise
+
+
+def build_weights(
+    cfg: ModelConfig,
+    tensor: Callable[..., Any],
+    routed: Callable[[str], tuple[dsv3.Experts | None, int | None]],
+) -> dsv3.Weights:
+    """The weights pytree, with each leaf made by tensor(hf_name[, dtype]) and each MoE layer's routed
+    experts by routed(prefix) -> (JAX-held experts or None, expert-bank layer id or None).
+
+    The one place that maps checkpoint names to the pytree: loading passes array readers, exporting
+    passes the identity to get the same tree with names as leaves.
+    """
+
+    def maybe(name, present):
+        return tensor(name) if present else None
+
+    def mla(p):
+        lora, bias = cfg.q_lora_rank is not None, cfg.attention_bias
+        return dsv3.MLA(
+            q_a=maybe(f"{p}.q_a_proj.weight", lora),
+            q_a_bias=maybe(f"{p}.q_a_proj.bias", lora and bias),
+            q_a_norm=maybe(f"{p}.q_a_layernorm.weight", lora),
+            q_b=tensor(f"{p}.q_b_proj.weight" if lora else f"{p}.q_proj.weight"),
+            kv_a=tensor(f"{p}.kv_a_proj_with_mqa.weight"),
+            kv_a_bias=maybe(f"{p}.kv_a_proj_with_mqa.bias", bias),
+            kv_a_norm=tensor(f"{p}.kv_a_layernorm.weight"),
+            kv_b=tensor(f"{p}.kv_b_proj.weight"),
+            o=tensor(f"{p}.o_proj.weight"),
+            o_bias=maybe(f"{p}.o_proj.bias", bias),
+        )
+
+    def mlp(p):
+        return dsv3.MLP(*(tensor(f"{p}.{proj}.weight") for proj in PROJECTIONS))
+
+    def moe(p):
+        experts, bank_layer = routed(p)
+        return dsv3.MoE(
+            router=tensor(f"{p}.gate.weight", jnp.float32),
+            correction_bias=tensor(f"{p}.gate.e_score_correction_bias", jnp.float32)
+            if cfg.use_correction_bias
+            else None,
+            shared=mlp(f"{p}.shared_experts") if cfg.n_shared_experts else None,
+            experts=experts,
+            expert_layer=bank_layer,
+        )
+
+    layers = [
+        dsv3.Layer(
+            attn_norm=tensor(f"model.layers.{i}.input_layernorm.weight"),
+            attn=mla(f"model.layers.{i}.self_attn"),
+            mlp_norm=tensor(f"model.layers.{i}.post_attention_layernorm.weight"),
+            mlp=moe(f"model.layers.{i}.mlp") if cfg.is_moe_layer(i) else mlp(f"model.layers.{i}.mlp"),
+        )
+        for i in range(cfg.num_hidden_layers)
+    ]
+    embed = tensor("model.embed_tokens.weight")
+    return dsv3.Weights(
+        embed=embed,
+        layers=layers,
+        norm=tensor("model.norm.weight"),
+        lm_head=embed if cfg.tie_word_embeddings else tensor("lm_head.weight"),
+    )

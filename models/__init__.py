@@ -1,0 +1,1 @@
+"""Model families as pure JAX functions; installed as `hybridjit.models`."""

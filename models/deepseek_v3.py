@@ -1,0 +1,387 @@
+"""DeepSeek-V3 family (V2, V2-Lite, V3, R1, V3.1, Kimi-K2) as pure JAX functions.
+
+Everything here is a function of (config, weights pytree, inputs); the config is a frozen dataclass and
+so a static jit argument. Routed experts are not JAX arrays: each MoE layer names a layer of the C++
+expert bank and calls the `hybridjit_routed_experts` custom call, which reads the expert weights in host
+memory in the checkpoint's own format.
+
+Einsum dimension names, used throughout:
+  b batch   t query tokens   s key/cache positions   d hidden   h heads
+  q q_lora_rank   r kv_lora_rank   n qk_nope_head_dim   p qk_rope_head_dim   v v_head_dim
+  e routed experts   k experts per token   f MLP intermediate
+Weight matrices keep the checkpoint's [out, in] orientation.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hybridjit.config import ModelConfig, RopeConfig, yarn_mscale
+from hybridjit.ops.routed_experts import routed_experts
+
+# The q and kv latent norms use a fixed epsilon in DeepSeek's reference code and in transformers,
+# whatever rms_norm_eps says (the released configs happen to agree).
+LATENT_NORM_EPS = 1e-6
+
+
+def _pytree(cls=None, *, meta=()):
+    """Registers a dataclass as a pytree whose fields are leaves except the static `meta` ones."""
+
+    def wrap(cls):
+        cls = dataclasses.dataclass(cls)
+        data = [f.name for f in dataclasses.fields(cls) if f.name not in meta]
+        return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=list(meta))
+
+    return wrap if cls is None else wrap(cls)
+
+
+@_pytree
+class MLA:
+    q_a: jax.Array | None  # [q, d], None when q_lora_rank is null (then q_b is q_proj [h*(n+p), d])
+    q_a_bias: jax.Array | None
+    q_a_norm: jax.Array | None
+    q_b: jax.Array  # [h*(n+p), q] or [h*(n+p), d]
+    kv_a: jax.Array  # [r+p, d] (kv_a_proj_with_mqa)
+    kv_a_bias: jax.Array | None
+    kv_a_norm: jax.Array  # [r]
+    kv_b: jax.Array  # [h*(n+v), r]
+    o: jax.Array  # [d, h*v]
+    o_bias: jax.Array | None
+
+
+@_pytree
+class MLP:
+    gate: jax.Array  # [f, d]
+    up: jax.Array  # [f, d]
+    down: jax.Array  # [d, f]
+
+
+@_pytree
+class Experts:
+    """Routed experts held as JAX arrays, stacked over experts."""
+
+    gate: jax.Array  # [e, f, d]
+    up: jax.Array  # [e, f, d]
+    down: jax.Array  # [e, d, f]
+
+
+@_pytree(meta=("expert_layer",))
+class MoE:
+    """Where the routed experts live is data: a layer of the C++ expert bank in host memory (computed by
+    the custom call), or JAX arrays (computed by XLA, e.g. for training)."""
+
+    router: jax.Array  # [e, d], float32 as the reference routes in float32
+    correction_bias: jax.Array | None  # [e], selection only (noaux_tc)
+    shared: MLP | None
+    experts: Experts | None = None
+    expert_layer: int | None = None  # id of this layer's routed experts in the C++ expert bank
+
+
+@_pytree
+class Layer:
+    attn_norm: jax.Array
+    attn: MLA
+    mlp_norm: jax.Array
+    mlp: MLP | MoE
+
+
+@_pytree
+class Weights:
+    embed: jax.Array  # [vocab, d]
+    layers: list[Layer]
+    norm: jax.Array
+    lm_head: jax.Array  # [vocab, d]
+
+
+@_pytree
+class LayerCache:
+    """The MLA cache of one layer: the normalised latent and the roped shared key, per position."""
+
+    latent: jax.Array  # [b, s, r]
+    k_rope: jax.Array  # [b, s, p]
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> list[LayerCache]:
+    return [
+        LayerCache(
+            latent=jnp.zeros((batch, length, cfg.kv_lora_rank), dtype),
+            k_rope=jnp.zeros((batch, length, cfg.qk_rope_head_dim), dtype),
+        )
+        for _ in range(cfg.num_hidden_layers)
+    ]
+
+
+# ---------------------------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(rope: RopeConfig) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [p/2] and the factor on cos/sin, with YaRN's ramp when configured."""
+    dim = rope.dim
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / dim
+    pos_freqs = rope.theta**exponents
+    inv_freq = 1.0 / pos_freqs
+    if rope.yarn_factor is None:
+        return inv_freq.astype(np.float32), 1.0
+
+    def correction_dim(rotations):
+        return (
+            dim
+            * math.log(rope.original_max_position / (rotations * 2 * math.pi))
+            / (2 * math.log(rope.theta))
+        )
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolate = 1 - ramp  # 1: keep the original frequency, 0: interpolate by the factor
+    inv_freq = (inv_freq / rope.yarn_factor) * (1 - extrapolate) + inv_freq * extrapolate
+    if rope.mscale and rope.mscale_all_dim:
+        factor = yarn_mscale(rope.yarn_factor, rope.mscale) / yarn_mscale(
+            rope.yarn_factor, rope.mscale_all_dim
+        )
+    else:
+        factor = yarn_mscale(rope.yarn_factor, 1.0)
+    return inv_freq.astype(np.float32), float(factor)
+
+
+def rope_cos_sin(rope: RopeConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    inv_freq, factor = rope_inv_freq(rope)
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
+    return jnp.cos(angles) * factor, jnp.sin(angles) * factor
+
+
+def apply_rope(rope: RopeConfig, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates pairs of x [..., p]: (x0, x1), (x2, x3), ... when interleaved, else (x_i, x_{i+p/2}).
+
+    The result is laid out as [rotated firsts, rotated seconds]; queries and keys get the same layout,
+    so their dot products are those of the reference whatever its output order.
+    """
+    if rope.interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = jnp.split(x, 2, axis=-1)
+    x1, x2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------- blocks
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def linear(x: jax.Array, w: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    y = jnp.einsum("...i,oi->...o", x, w)
+    return y if bias is None else y + bias
+
+
+def mlp(w: MLP, x: jax.Array) -> jax.Array:
+    return linear(jax.nn.silu(linear(x, w.gate)) * linear(x, w.up), w.down)
+
+
+def route(cfg: ModelConfig, router: jax.Array, correction_bias: jax.Array | None, x: jax.Array):
+    """Top-k experts of each token x [T, d]: (ids [T, k] int32, weights [T, k] float32).
+
+    Selection may use the correction bias and group limits; the weights are always the unbiased scores.
+    """
+    logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), router.astype(jnp.float32))
+    if cfg.scoring_func == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)
+    choice = scores if correction_bias is None else scores + correction_bias
+    if cfg.topk_method in ("noaux_tc", "group_limited_greedy") and cfg.n_group > 1:
+        grouped = choice.reshape(x.shape[0], cfg.n_group, -1)
+        if cfg.topk_method == "noaux_tc":
+            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
+        else:
+            group_scores = grouped.max(-1)
+        _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)
+        keep = (
+            jnp.zeros_like(group_scores, dtype=bool).at[jnp.arange(x.shape[0])[:, None], top_groups].set(True)
+        )
+        choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(x.shape[0], -1)
+    _, ids = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return ids.astype(jnp.int32), weights * cfg.routed_scaling_factor
+
+
+def routed_experts_dense(w: Experts, x: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
+    """Every expert on every token, combined by the routing weights (zero for unchosen experts).
+
+    Differentiable and exact; its cost grows with the number of experts, so it serves small models
+    (training the shipped model) rather than inference at DeepSeek-V3 scale.
+    """
+    combine = jnp.zeros((x.shape[0], w.gate.shape[0]), jnp.float32)
+    combine = combine.at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
+    hidden = jax.nn.silu(jnp.einsum("td,efd->tef", x, w.gate)) * jnp.einsum("td,efd->tef", x, w.up)
+    return jnp.einsum("tef,edf,te->td", hidden, w.down, combine.astype(x.dtype))
+
+
+def moe(cfg: ModelConfig, w: MoE, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The MoE block on x [..., d]: its output, and the chosen experts [tokens, k] (for load statistics)."""
+    tokens = x.reshape(-1, x.shape[-1])
+    ids, weights = route(cfg, w.router, w.correction_bias, tokens)
+    if w.experts is not None:
+        out = routed_experts_dense(w.experts, tokens, ids, weights)
+    else:
+        out = routed_experts(tokens, ids, weights, layer=w.expert_layer)
+    if w.shared is not None:
+        out = out + mlp(w.shared, tokens)
+    return out.reshape(x.shape), ids
+
+
+def _queries(cfg: ModelConfig, w: MLA, x: jax.Array, cos, sin):
+    """x [b, t, d] -> (q_nope [b, t, h, n], roped q_rope [b, t, h, p])."""
+    if w.q_a is None:
+        q = linear(x, w.q_b)
+    else:
+        q = linear(rms_norm(linear(x, w.q_a, w.q_a_bias), w.q_a_norm, LATENT_NORM_EPS), w.q_b)
+    q = q.reshape(*x.shape[:2], cfg.num_attention_heads, cfg.qk_head_dim)
+    q_nope, q_rope = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
+    return q_nope, apply_rope(cfg.rope, q_rope, cos[:, :, None], sin[:, :, None])
+
+
+def _latents(cfg: ModelConfig, w: MLA, x: jax.Array, cos, sin):
+    """x [b, t, d] -> what the cache stores: (normalised latent [b, t, r], roped shared key [b, t, p])."""
+    kv = linear(x, w.kv_a, w.kv_a_bias)
+    latent, k_rope = jnp.split(kv, [cfg.kv_lora_rank], axis=-1)
+    return rms_norm(latent, w.kv_a_norm, LATENT_NORM_EPS), apply_rope(cfg.rope, k_rope, cos, sin)
+
+
+def _kv_b(cfg: ModelConfig, w: MLA):
+    """kv_b as per-head key and value up-projections: ([h, n, r], [h, v, r])."""
+    kv_b = w.kv_b.reshape(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+    return kv_b[:, : cfg.qk_nope_head_dim], kv_b[:, cfg.qk_nope_head_dim :]
+
+
+def _softmax(scores: jax.Array, mask: jax.Array, dtype) -> jax.Array:
+    scores = jnp.where(mask, scores.astype(jnp.float32), -jnp.inf)
+    return jax.nn.softmax(scores, axis=-1).astype(dtype)
+
+
+def attention_expanded(cfg: ModelConfig, w: MLA, x: jax.Array, positions: jax.Array):
+    """Causal MLA over the t tokens of x alone (prefill), with keys and values expanded per head.
+
+    Returns the output [b, t, d] and the (latent, k_rope) pair to store in the cache.
+    """
+    cos, sin = rope_cos_sin(cfg.rope, positions)
+    q_nope, q_rope = _queries(cfg, w, x, cos, sin)
+    latent, k_rope = _latents(cfg, w, x, cos, sin)
+    wk, wv = _kv_b(cfg, w)
+    k_nope = jnp.einsum("bsr,hnr->bshn", latent, wk)
+    values = jnp.einsum("bsr,hvr->bshv", latent, wv)
+    scores = jnp.einsum("bthn,bshn->bhts", q_nope, k_nope) + jnp.einsum("bthp,bsp->bhts", q_rope, k_rope)
+    causal = positions[:, None, :, None] >= positions[:, None, None, :]
+    probs = _softmax(scores * cfg.softmax_scale, causal, x.dtype)
+    out = jnp.einsum("bhts,bshv->bthv", probs, values).reshape(*x.shape[:2], -1)
+    return linear(out, w.o, w.o_bias), (latent, k_rope)
+
+
+def attention_absorbed(cfg: ModelConfig, w: MLA, x: jax.Array, positions: jax.Array, cache: LayerCache):
+    """MLA of new tokens x [b, t, d] at `positions` [b, t] against the latent cache (decode).
+
+    kv_b is absorbed into the query and the output, so attention runs in the r-dimensional latent space
+    and the cache is never expanded per head. The new tokens' latents are written first, then each
+    query attends to the cache positions up to its own.
+    """
+    cos, sin = rope_cos_sin(cfg.rope, positions)
+    q_nope, q_rope = _queries(cfg, w, x, cos, sin)
+    latent, k_rope = _latents(cfg, w, x, cos, sin)
+    rows = jnp.arange(x.shape[0])[:, None]
+    cache = LayerCache(
+        latent=cache.latent.at[rows, positions].set(latent.astype(cache.latent.dtype)),
+        k_rope=cache.k_rope.at[rows, positions].set(k_rope.astype(cache.k_rope.dtype)),
+    )
+    wk, wv = _kv_b(cfg, w)
+    q_latent = jnp.einsum("bthn,hnr->bthr", q_nope, wk)
+    scores = jnp.einsum("bthr,bsr->bhts", q_latent, cache.latent) + jnp.einsum(
+        "bthp,bsp->bhts", q_rope, cache.k_rope
+    )
+    visible = jnp.arange(cache.latent.shape[1])[None, None, None, :] <= positions[:, None, :, None]
+    probs = _softmax(scores * cfg.softmax_scale, visible, x.dtype)
+    out_latent = jnp.einsum("bhts,bsr->bthr", probs, cache.latent)
+    out = jnp.einsum("bthr,hvr->bthv", out_latent, wv).reshape(*x.shape[:2], -1)
+    return linear(out, w.o, w.o_bias), cache
+
+
+def _feed_forward(cfg: ModelConfig, layer: Layer, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+    if isinstance(layer.mlp, MoE):
+        out, expert_ids = moe(cfg, layer.mlp, h)
+        return x + out, expert_ids
+    return x + mlp(layer.mlp, h), None
+
+
+def _logits(cfg: ModelConfig, w: Weights, x: jax.Array) -> jax.Array:
+    return linear(rms_norm(x, w.norm, cfg.rms_norm_eps), w.lm_head).astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------- programs
+
+
+def forward(cfg: ModelConfig, w: Weights, tokens: jax.Array, cache: list[LayerCache] | None = None):
+    """Whole sequences tokens [b, t] from position 0 -> (float32 logits [b, t, vocab], the filled cache or
+    None when cache=None, the experts each MoE layer chose [b*t, k]).
+
+    Sequences are right-padded; causality keeps padding out of every real token's attention.
+    """
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    x = w.embed[tokens]
+    new_cache, expert_ids = [], []
+    for i, layer in enumerate(w.layers):
+        with jax.named_scope(f"layer{i}"):
+            h, (latent, k_rope) = attention_expanded(
+                cfg, layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), positions
+            )
+            x, ids = _feed_forward(cfg, layer, x + h)
+            if ids is not None:
+                expert_ids.append(ids)
+            if cache is not None:
+                c = cache[i]
+                new_cache.append(
+                    LayerCache(
+                        latent=jax.lax.dynamic_update_slice(
+                            c.latent, latent.astype(c.latent.dtype), (0, 0, 0)
+                        ),
+                        k_rope=jax.lax.dynamic_update_slice(
+                            c.k_rope, k_rope.astype(c.k_rope.dtype), (0, 0, 0)
+                        ),
+                    )
+                )
+    return _logits(cfg, w, x), (new_cache if cache is not None else None), expert_ids
+
+
+def prefill(cfg: ModelConfig, w: Weights, tokens: jax.Array, cache: list[LayerCache] | None = None):
+    """Prompts tokens [b, t] (right-padded) -> (float32 logits [b, t, vocab], the filled cache)."""
+    logits, cache, _ = forward(cfg, w, tokens, cache)
+    return logits, cache
+
+
+def decode_step(
+    cfg: ModelConfig, w: Weights, tokens: jax.Array, positions: jax.Array, cache: list[LayerCache]
+):
+    """One new token per sequence, tokens [b] at positions [b]: float32 logits [b, vocab], updated cache."""
+    x = w.embed[tokens][:, None]
+    new_cache = []
+    for i, layer in enumerate(w.layers):
+        with jax.named_scope(f"layer{i}"):
+            h, c = attention_absorbed(
+                cfg, layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), positions[:, None], cache[i]
+            )
+            new_cache.append(c)
+            x, _ = _feed_forward(cfg, layer, x + h)
+    return _logits(cfg, w, x)[:, 0], new_cache

@@ -1,0 +1,155 @@
+"""Bad checkpoints and configs fail with errors that name the file, tensor or field at fault."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from checkpoint_factory import tiny_config, write_checkpoint
+from safetensors.numpy import save_file
+
+import hybridjit
+from hybridjit.checkpoint import Checkpoint, CheckpointError
+from hybridjit.config import ConfigError
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt"), tiny_config("v3"), seed=5, weight_format="fp8")
+
+
+@pytest.fixture
+def ckpt(pristine, tmp_path):
+    return shutil.copytree(pristine, tmp_path / "ckpt")
+
+
+def _shard_holding(path, tensor):
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    return path / index["weight_map"][tensor]
+
+
+def _rewrite_shard(path, tensor, change):
+    """Rewrites the shard holding `tensor` after `change` edits its {name: array} dict in place."""
+    shard = _shard_holding(path, tensor)
+    ckpt = Checkpoint(path)  # safetensors.numpy cannot read float8, our reader can
+    tensors = {n: np.array(ckpt.get(n)) for n, info in ckpt.tensors.items() if info.file == shard}
+    del ckpt
+    change(tensors)
+    save_file(tensors, str(shard))
+    return shard
+
+
+def test_pristine_checkpoint_loads(pristine):
+    model = hybridjit.load(pristine)
+    assert model.config.fp8.block == (128, 128)
+    model.close()
+
+
+def test_truncated_file_names_file_and_tensor(ckpt):
+    shard = _shard_holding(ckpt, "model.layers.1.mlp.experts.3.down_proj.weight")
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 100])
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: truncated: tensor \S+ ends at byte"):
+        Checkpoint(ckpt)
+
+
+def test_corrupt_header(ckpt):
+    shard = _shard_holding(ckpt, "model.norm.weight")
+    data = bytearray(shard.read_bytes())
+    data[8:12] = b"\x00\xff\x00\xff"
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: corrupt safetensors header"):
+        Checkpoint(ckpt)
+
+
+def test_index_naming_missing_file(ckpt):
+    shard = _shard_holding(ckpt, "model.norm.weight")
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=rf"names {shard.name}, which does not exist"):
+        Checkpoint(ckpt)
+
+
+def test_missing_tensor_is_listed(ckpt):
+    name = "model.layers.2.self_attn.kv_b_proj.weight"
+    _rewrite_shard(ckpt, name, lambda t: t.pop(name))
+    index_path = ckpt / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    del index["weight_map"][name]
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"missing {name}"):
+        hybridjit.load(ckpt)
+
+
+def test_missing_fp8_scale(ckpt):
+    name = "model.layers.1.mlp.experts.0.up_proj.weight_scale_inv"
+    _rewrite_shard(ckpt, name, lambda t: t.pop(name))
+    index_path = ckpt / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    del index["weight_map"][name]
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"missing {name}"):
+        hybridjit.load(ckpt)
+
+
+def test_wrong_shape_names_tensor_and_expectation(ckpt):
+    name = "model.layers.0.mlp.up_proj.weight"
+
+    def transpose(t):
+        t[name] = np.ascontiguousarray(t[name].T)
+        scale = name + "_scale_inv"
+        if scale in t:
+            t[scale] = np.ascontiguousarray(t[scale].T)
+
+    _rewrite_shard(ckpt, name, transpose)
+    with pytest.raises(
+        CheckpointError, match=rf"{name} has shape \[200, 264\], config.json implies \[264, 200\]"
+    ):
+        hybridjit.load(ckpt)
+
+
+def test_wrong_dtype(ckpt):
+    name = "model.norm.weight"
+    _rewrite_shard(ckpt, name, lambda t: t.__setitem__(name, np.arange(t[name].size, dtype=np.int32)))
+    with pytest.raises(CheckpointError, match=rf"{name} has dtype I32, expected a float type"):
+        hybridjit.load(ckpt)
+
+
+def test_config_inconsistent_with_weights(ckpt):
+    config = json.loads((ckpt / "config.json").read_text())
+    config["n_routed_experts"] = 8  # the weights hold 16 experts per layer
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor model\.layers\.\d+\.mlp\.experts\.\d+"):
+        hybridjit.load(ckpt)
+
+
+def test_fp8_weights_without_quantization_config(ckpt):
+    config = json.loads((ckpt / "config.json").read_text())
+    del config["quantization_config"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="float8_e4m3 but config.json has no fp8 quantization_config"):
+        hybridjit.load(ckpt)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model_type": "llama"}, "model_type 'llama' is not supported"),
+        ({"topk_method": "random"}, "topk_method 'random' is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ({"n_group": 3}, "not divisible by n_group 3"),
+        ({"kv_lora_rank": None}, "required field 'kv_lora_rank' is missing"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope type 'dynamic' is not supported"),
+    ],
+)
+def test_unsupported_config(ckpt, change, message):
+    config = json.loads((ckpt / "config.json").read_text())
+    config.update(change)
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=rf"config.json: .*{message}"):
+        hybridjit.load(ckpt)
+
+
+def test_config_not_json(ckpt):
+    (ckpt / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="config.json: not valid JSON"):
+        hybridjit.load(ckpt)

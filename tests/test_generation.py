@@ -1,0 +1,131 @@
+"""The cached decode path against whole-sequence logits, batching, sampling and the generate/stream API.
+
+Whole-sequence logits are themselves checked against transformers (test_vs_transformers.py); here the
+decode step (absorbed MLA over the latent cache) must reproduce them token by token.
+"""
+
+import jax
+import numpy as np
+import pytest
+from checkpoint_factory import tiny_config, write_checkpoint
+from hybridjit.models import deepseek_v3 as dsv3
+
+import hybridjit
+
+# Relative RMS error between two float32 computations of the same logits by different association
+# orders (expanded vs absorbed attention): rounding only.
+SAME_MATH_RTOL = 1e-4
+
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = write_checkpoint(
+        tmp_path_factory.mktemp("v3"), tiny_config("v3", eos_token_id=None), seed=7, weight_format="bf16"
+    )
+    m = hybridjit.load(path, dtype="float32")
+    yield m
+    m.close()
+
+
+def rel_rms(a, b):
+    return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b**2)))
+
+
+def test_decode_steps_reproduce_whole_sequence_logits(model):
+    cfg, w = model.config, model.weights
+    seq = np.array(PROMPTS[2], np.int32)[None]
+    full = np.asarray(dsv3.prefill(cfg, w, seq)[0])[0]
+    prefix = 4
+    cache = dsv3.init_cache(cfg, 1, 32, np.float32)
+    logits, cache = dsv3.prefill(cfg, w, seq[:, :prefix], cache)
+    np.testing.assert_allclose(np.asarray(logits)[0], full[:prefix], rtol=1e-5, atol=1e-5)
+    step = jax.jit(dsv3.decode_step, static_argnums=0)
+    for pos in range(prefix, seq.shape[1]):
+        logits, cache = step(cfg, w, seq[:, pos], np.array([pos], np.int32), cache)
+        assert rel_rms(np.asarray(logits)[0], full[pos]) < SAME_MATH_RTOL, pos
+
+
+def test_greedy_generation_follows_the_argmax_of_whole_sequence_logits(model):
+    prompt = PROMPTS[0]
+    new = model.generate(prompt, max_new_tokens=6)
+    assert len(new) == 6
+    seq = list(prompt)
+    for token in new:
+        assert token == int(np.argmax(model.logits([seq])[0, -1]))
+        seq.append(token)
+
+
+def test_batched_generation_equals_one_by_one(model):
+    batched = model.generate(PROMPTS, max_new_tokens=5)
+    assert batched == [model.generate(p, max_new_tokens=5) for p in PROMPTS]
+
+
+def test_padded_batch_logits_equal_single_sequence_logits(model):
+    batch = model.logits(PROMPTS)
+    for i, p in enumerate(PROMPTS):
+        single = model.logits([p])[0]
+        assert rel_rms(batch[i, : len(p)], single) < 1e-6
+
+
+def test_greedy_is_deterministic_and_sampling_is_seeded(model):
+    prompt = PROMPTS[1]
+    assert model.generate(prompt, max_new_tokens=8) == model.generate(prompt, max_new_tokens=8)
+    a = model.generate(prompt, max_new_tokens=8, temperature=1.0, seed=1)
+    assert a == model.generate(prompt, max_new_tokens=8, temperature=1.0, seed=1)
+    others = [model.generate(prompt, max_new_tokens=8, temperature=1.0, seed=s) for s in range(2, 6)]
+    assert any(o != a for o in others)
+    assert model.generate(prompt, max_new_tokens=8, temperature=1.0, top_k=1, seed=3) == model.generate(
+        prompt, max_new_tokens=8
+    )
+    assert model.generate(prompt, max_new_tokens=8, temperature=1.0, top_p=1e-6, seed=3) == model.generate(
+        prompt, max_new_tokens=8
+    )
+
+
+def test_sampled_tokens_respect_top_k(model):
+    prompt = PROMPTS[0]
+    allowed = set(np.argsort(model.logits([prompt])[0, -1])[-3:].tolist())
+    firsts = {
+        model.generate(prompt, max_new_tokens=1, temperature=2.0, top_k=3, seed=s)[0] for s in range(12)
+    }
+    assert firsts <= allowed and len(firsts) > 1
+
+
+def test_stream_yields_what_generate_returns(model):
+    prompt = PROMPTS[2]
+    assert list(model.stream(prompt, max_new_tokens=6)) == model.generate(prompt, max_new_tokens=6)
+
+
+def test_generation_stops_at_eos(model):
+    prompt = PROMPTS[0]
+    free = model.generate(prompt, max_new_tokens=6)
+    eos = free[2]
+    object.__setattr__(model.config, "eos_token_ids", (eos,))
+    try:
+        stopped = model.generate(prompt, max_new_tokens=6)
+        assert stopped == free[: free.index(eos) + 1]
+        assert list(model.stream(prompt, max_new_tokens=6)) == free[: free.index(eos)]
+    finally:
+        object.__setattr__(model.config, "eos_token_ids", ())
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda m: m.generate([1] * 1000, max_new_tokens=100), r"exceed the model's context of 1024"),
+        (lambda m: m.logits([[1] * 1025]), r"1025 tokens exceed the model's context"),
+        (
+            lambda m: m.generate([[1, 2], [3, 300]]),
+            r"sequence 1: token id 300 outside the vocabulary \[0, 300\)",
+        ),
+        (lambda m: m.generate([[1, 2], []]), "sequence 1 is empty"),
+        (lambda m: m.generate([1, 2], temperature=-1.0), "temperature must be >= 0"),
+        (lambda m: m.generate([1, 2], top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (lambda m: m.generate("text"), "has no tokenizer.json: pass token ids"),
+    ],
+)
+def test_bad_requests_raise_clear_errors(model, call, message):
+    with pytest.raises(ValueError, match=message):
+        call(model)

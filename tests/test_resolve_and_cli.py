@@ -1,0 +1,81 @@
+"""Model-name resolution (models directory, Hugging Face cache) and the `hybridjit` command."""
+
+import pytest
+from checkpoint_factory import tiny_config, write_checkpoint
+
+from hybridjit import cli
+from hybridjit.resolve import ModelNotFoundError, default_model_dir, resolve_model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt"), tiny_config("v3"), seed=9, weight_format="fp8")
+
+
+@pytest.fixture
+def isolated_dirs(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRIDJIT_MODELS", str(tmp_path / "models"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    return tmp_path
+
+
+def test_no_name_is_the_embedded_model():
+    assert (resolve_model(None) / "config.json").is_file()
+    assert resolve_model(None) == default_model_dir()
+
+
+def test_name_in_models_dir(isolated_dirs):
+    target = isolated_dirs / "models" / "DeepSeek-V3"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")
+    assert resolve_model("deepseek-v3") == target
+
+
+def test_name_in_hub_cache(isolated_dirs):
+    repo = isolated_dirs / "hf" / "hub" / "models--deepseek-ai--DeepSeek-V2-Lite"
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    assert resolve_model("deepseek-v2-lite") == snapshot
+    assert resolve_model("deepseek-ai/DeepSeek-V2-Lite") == snapshot
+
+
+def test_not_found_says_where_it_looked_and_what_to_do(isolated_dirs):
+    with pytest.raises(ModelNotFoundError) as e:
+        resolve_model("deepseek-v3")
+    message = str(e.value)
+    assert str(isolated_dirs / "models" / "DeepSeek-V3") in message
+    assert "models--deepseek-ai--DeepSeek-V3/snapshots" in message
+    assert "huggingface-cli download deepseek-ai/DeepSeek-V3" in message
+    assert "HYBRIDJIT_MODELS" in message
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="has no config.json"):
+        resolve_model(tmp_path)
+
+
+def test_cli_info(checkpoint, capsys):
+    assert cli.main(["info", str(checkpoint)]) == 0
+    out = capsys.readouterr().out
+    assert "deepseek_v3" in out
+    assert "4 (1 dense, 3 MoE)" in out
+    assert "16 routed (top-4, noaux_tc, 4 groups keep 2), 1 shared" in out
+    assert "fp8 e4m3, block 128x128" in out
+    assert "F8_E4M3" in out
+
+
+def test_cli_generate_on_the_embedded_model(capsys):
+    assert cli.main(["generate", "--max-new-tokens", "8", "def main("]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip()  # some text was generated
+    assert "loading weights" in captured.err and "100.0%" in captured.err
+
+
+def test_cli_error_is_one_clear_line(isolated_dirs, capsys):
+    assert cli.main(["info", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hybridjit: error: no checkpoint for 'no-such-model'")

@@ -1,0 +1,104 @@
+"""hybridjit against Hugging Face transformers on tiny random checkpoints in the real HF layout.
+
+The reference outputs (tests/golden/<case>.npz) come from transformers 5.23 in float32 on CPU, made by
+tests/golden/make_golden.py in the torch venv; CI has no torch, so each case's checkpoint is rebuilt here
+from its seed (checkpoint_factory.GOLDEN_CASES) and must be byte-identical to the one the goldens saw.
+The cases cover V3 (bf16 and FP8 with the MTP layer), V2-Lite (greedy softmax routing, no q LoRA) and V2
+(group-limited softmax routing), all with YaRN rope.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from checkpoint_factory import GOLDEN_CASES, as_float32, build_case, read_tensors, tensor_digest
+from hybridjit.models import deepseek_v3 as dsv3
+
+import hybridjit
+
+GOLDEN_DIR = Path(__file__).parent / "golden"
+
+# Tolerances, all of them. The goldens' prompts are drawn so that no greedy step is within 0.01 logits of a
+# tie and no routing decision within 1e-5 of one, so float32 rounding cannot flip a token or an expert.
+# `make_golden.py --sensitivity` shows that every modelled bug (YaRN, softmax scale, rope layout,
+# routing, expert order, FP8 blocks, ...) moves the logits by more than 4%.
+LOGITS_MAX_REL_RMS = 2e-2  # per prompt: rms(ours - ref) / rms(ref)
+ROUTING_MIN_MARGIN = 1e-3  # routing is compared only for tokens at least this far from a tie (score units)
+ROUTING_WEIGHTS_RTOL = 1e-5  # top-k weights, once the expert sets agree
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module", params=sorted(GOLDEN_CASES))
+def case(request, tmp_path_factory):
+    """(checkpoint path, golden arrays) of one case, the checkpoint proven to be the goldens' one."""
+    name = request.param
+    golden = dict(np.load(GOLDEN_DIR / f"{name}.npz"))
+    path = build_case(name, tmp_path_factory.mktemp(name))
+    if tensor_digest(path) != str(golden["digest"]):
+        pytest.fail(
+            f"{name}: the rebuilt checkpoint differs from the one tests/golden/{name}.npz was made from "
+            "(checkpoint_factory or numpy's random streams changed). Regenerate the goldens: "
+            "/work/main/.venv-ref/bin/python tests/golden/make_golden.py (see tests/golden/README.md)."
+        )
+    return path, golden
+
+
+@pytest.fixture(scope="module")
+def model(case):
+    m = hybridjit.load(case[0], dtype="float32")
+    yield m
+    m.close()
+
+
+def prompts(golden) -> list[list[int]]:
+    count = sum(key.startswith("prompt") and key.endswith("_ids") for key in golden)
+    return [golden[f"prompt{i}_ids"].tolist() for i in range(count)]
+
+
+def relative_rms(ours: np.ndarray, reference: np.ndarray) -> float:
+    return float(np.sqrt(np.mean((ours - reference) ** 2) / np.mean(reference**2)))
+
+
+def test_logits_match_transformers(case, model):
+    _, golden = case
+    batch = prompts(golden)
+    logits = np.asarray(model.logits(batch))
+    vocab = golden["prompt0_logits"].shape[-1]
+    assert logits.shape == (len(batch), max(map(len, batch)), vocab) and logits.dtype == np.float32
+    for i, prompt in enumerate(batch):
+        error = relative_rms(logits[i, : len(prompt)], golden[f"prompt{i}_logits"])
+        assert error <= LOGITS_MAX_REL_RMS, f"prompt {i}: logits off by {error:.2%} (relative RMS)"
+
+
+def test_greedy_generation_matches_transformers(case, model):
+    _, golden = case
+    batch = prompts(golden)
+    generated = model.generate(batch, max_new_tokens=NEW_TOKENS, temperature=0.0)
+    expected = [golden[f"prompt{i}_generated"].tolist() for i in range(len(batch))]
+    assert [[int(t) for t in seq] for seq in generated] == expected
+
+
+def test_routing_matches_transformers(case, model):
+    """route() on transformers' own router inputs picks the same experts with the same weights."""
+    path, golden = case
+    tensors = as_float32(read_tensors(path))
+    for layer in golden["moe_layers"].tolist():
+        gate = f"model.layers.{layer}.mlp.gate."
+        hidden = golden[f"layer{layer}_router_input"]
+        ids, weights = dsv3.route(
+            model.config, tensors[gate + "weight"], tensors.get(gate + "e_score_correction_bias"), hidden
+        )
+        ids, weights = np.asarray(ids), np.asarray(weights)
+        expected_ids = golden[f"layer{layer}_topk_ids"]  # sorted by expert id per token
+        assert ids.shape == expected_ids.shape and ids.dtype == np.int32 and weights.dtype == np.float32
+        order = np.argsort(ids, axis=-1)
+        ids, weights = np.take_along_axis(ids, order, -1), np.take_along_axis(weights, order, -1)
+        clear = golden[f"layer{layer}_margin"] > ROUTING_MIN_MARGIN
+        assert clear.mean() > 0.8, "too few clear routing decisions to test: regenerate the goldens"
+        np.testing.assert_array_equal(ids[clear], expected_ids[clear], err_msg=f"layer {layer} expert sets")
+        np.testing.assert_allclose(
+            weights[clear],
+            golden[f"layer{layer}_topk_weights"][clear],
+            rtol=ROUTING_WEIGHTS_RTOL,
+            err_msg=f"layer {layer} top-k weights",
+        )
