@@ -3,14 +3,19 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
+#include <nanobind/stl/tuple.h>
 
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "routed_experts_async.h"
 #include "routed_experts_handler.h"
 #include "weight_bank.h"
+#ifdef HYBRIDJIT_WITH_CUDA
+#include "gpu_handoff.h"
+#endif
 
 namespace nb = nanobind;
 
@@ -93,4 +98,24 @@ NB_MODULE(_ffi, m) {
   m.def("kernel_info", &KernelInfo);
   m.def("routed_experts_cpu", [] { return nb::capsule(reinterpret_cast<void*>(&HybridjitRoutedExpertsCpu)); },
         "FFI handler capsule for platform 'cpu'.");
+  m.def("routed_experts_submit_cpu",
+        [] { return nb::capsule(reinterpret_cast<void*>(&HybridjitRoutedExpertsSubmitCpu)); });
+  m.def("routed_experts_wait_cpu", [] { return nb::capsule(reinterpret_cast<void*>(&HybridjitRoutedExpertsWaitCpu)); });
+#ifdef HYBRIDJIT_WITH_CUDA
+  m.attr("has_cuda") = true;
+  m.def("routed_experts_cuda", [] { return nb::capsule(reinterpret_cast<void*>(&HybridjitRoutedExpertsCuda)); });
+  m.def("routed_experts_submit_cuda",
+        [] { return nb::capsule(reinterpret_cast<void*>(&HybridjitRoutedExpertsSubmitCuda)); });
+  m.def("routed_experts_wait_cuda",
+        [] { return nb::capsule(reinterpret_cast<void*>(&HybridjitRoutedExpertsWaitCuda)); });
+  m.def("take_gpu_error", &TakeGpuHandoffError,
+        "The first error of a CPU job run for the GPU since the last call, or ''.");
+  m.def("gpu_handoff_mode", [] { return std::string(GpuHandoffMode()); });
+  m.def("take_gpu_handoff_stats", [] {
+    const GpuHandoffStats stats = TakeGpuHandoffStats();
+    return nb::make_tuple(stats.jobs, stats.job_seconds);
+  }, "(jobs, seconds in them) of CPU jobs run for the GPU since the last call.");
+#else
+  m.attr("has_cuda") = false;
+#endif
 }

@@ -16,6 +16,8 @@ import numpy as np
 from hybridjit.checkpoint import Checkpoint
 from hybridjit.config import ModelConfig
 from hybridjit.models import deepseek_v3 as dsv3
+from hybridjit.ops.async_experts import raise_gpu_errors
+from hybridjit.placement import Placement
 from hybridjit.resolve import resolve_model
 from hybridjit.sampling import SamplingParams, sample
 from hybridjit.tokenizer import IncrementalDecoder, load_tokenizer
@@ -49,10 +51,14 @@ def _bucket(n: int) -> int:
 class Model:
     """A loaded checkpoint. `weights` and `config` compose with `hybridjit.models.deepseek_v3` functions."""
 
-    def __init__(self, path: Path, config: ModelConfig, weights, expert_layers, tokenizer, dtype):
+    def __init__(self, path: Path, config: ModelConfig, weights, expert_layers, tokenizer, placement: Placement):
         self.path, self.config, self.weights = path, config, weights
         self.expert_layers = expert_layers  # keeps the C++ bank's layers registered while the model lives
-        self.tokenizer, self.dtype = tokenizer, dtype
+        self.tokenizer, self.placement = tokenizer, placement
+
+    @property
+    def dtype(self):
+        return self.placement.dtype
 
     def close(self):
         for layer in self.expert_layers:
@@ -100,7 +106,9 @@ class Model:
         tokens = np.zeros((len(seqs), _bucket(longest)), np.int32)
         for i, s in enumerate(seqs):
             tokens[i, : len(s)] = s
-        return np.asarray(_logits_program(self.config, self.weights, tokens))[:, :longest]
+        logits = np.asarray(_logits_program(self.config, self.weights, tokens))[:, :longest]
+        raise_gpu_errors()
+        return logits
 
     def _check_context(self, length: int):
         if length > self.config.max_position_embeddings:
@@ -124,7 +132,7 @@ class Model:
         tokens = np.zeros((len(seqs), min(_bucket(longest), cache_len)), np.int32)
         for i, s in enumerate(seqs):
             tokens[i, : len(s)] = s
-        cache = dsv3.init_cache(self.config, len(seqs), cache_len, self.dtype)
+        cache = dsv3.init_cache(self.config, len(seqs), cache_len, self.dtype, self.placement.device)
         key = jax.random.key(params.seed)
         sampling = params.device_args()
         current, cache = _prefill_program(
@@ -141,7 +149,9 @@ class Model:
                     jax.random.fold_in(key, step + 1),
                     *sampling,
                 )
-            yield np.asarray(current)
+            tokens = np.asarray(current)
+            raise_gpu_errors()  # a CPU expert job that failed while the GPU waited: its step is garbage
+            yield tokens
             if step + 1 < max_new_tokens:
                 current = upcoming
 
@@ -215,18 +225,17 @@ def _cut_at_stop(text: str, stops: list[str]) -> str:
     return text[: min(cuts)] if cuts else text
 
 
-def default_dtype():
-    """float32 on XLA:CPU (exact against the references, and CPU bf16 dots are no faster); bf16 on GPU."""
-    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-
-
-def load(name_or_path=None, *, dtype=None, progress: Progress | None = None) -> Model:
+def load(
+    name_or_path=None, *, dtype=None, placement: Placement | None = None, progress: Progress | None = None
+) -> Model:
     """Loads a checkpoint by path, Hugging Face repo id or known name; no argument loads the embedded model.
 
-    dtype is the compute dtype of the non-expert weights and activations ("float32", "bfloat16").
+    `placement` says where the parts run (default: Placement.default(dtype): the first accelerator, else
+    the CPU, with routed experts in host memory); `dtype` ("float32", "bfloat16") sets its compute dtype.
     """
     path = resolve_model(name_or_path)
     config = ModelConfig.from_json_file(path / "config.json")
-    dtype = jnp.dtype(dtype) if dtype is not None else default_dtype()
-    weights, expert_layers = WeightLoader(config, Checkpoint(path), dtype, progress).load()
-    return Model(path, config, weights, expert_layers, load_tokenizer(path, config.bos_token_id), dtype)
+    placement = placement or Placement.default(dtype)
+    weights, expert_layers = WeightLoader(config, Checkpoint(path), placement, progress).load()
+    tokenizer = load_tokenizer(path, config.bos_token_id)
+    return Model(path, config, weights, expert_layers, tokenizer, placement)

@@ -22,7 +22,7 @@ def export_tensors(
     Correction biases stay float32, as in the real checkpoints; everything else is stored as `dtype`.
     """
 
-    def routed(prefix):
+    def routed(prefix, layer):
         return dsv3.Experts(*(f"{prefix}.experts.{{}}.{proj}.weight" for proj in PROJECTIONS)), None
 
     names = build_weights(cfg, lambda name, dtype=None: name, routed)

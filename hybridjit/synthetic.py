@@ -158,13 +158,36 @@ class SyntheticCheckpoint:
 
     def _make(self, info: TensorInfo) -> np.ndarray:
         rng = np.random.default_rng([self.seed, *info.name.encode()])
-        if info.dtype == "F8_E4M3":
-            return (rng.integers(0, 256, info.shape, dtype=np.uint8) & 0xBF).view(ml_dtypes.float8_e4m3fn)
         if info.name.endswith(SCALE_SUFFIX):  # w = fp8 (|.| < 2) * scale: ~1/sqrt(fan_in) overall
             fan_in = self.tensors[info.name.removesuffix(SCALE_SUFFIX)].shape[1]
             return np.full(info.shape, 0.5 / np.sqrt(fan_in), np.float32)
         if len(info.shape) == 1:  # norms ~1, correction biases small
             base = 0.0 if info.name.endswith("bias") else 1.0
             return (base + 0.01 * rng.standard_normal(info.shape, np.float32)).astype(DTYPES[info.dtype])
-        scale = 1.0 if "embed_tokens" in info.name else 1 / np.sqrt(info.shape[1])
-        return (scale * rng.standard_normal(info.shape, np.float32)).astype(DTYPES[info.dtype])
+        values = _random_values(info.dtype, int(np.prod(info.shape)), rng).reshape(info.shape)
+        if info.dtype == "F8_E4M3" or "embed_tokens" in info.name:  # FP8 is scaled by its scale_inv
+            return values
+        return (values * (1 / np.sqrt(info.shape[1]))).astype(values.dtype)
+
+
+_POOL_ELEMENTS = 1 << 24
+_pools: dict[str, np.ndarray] = {}
+
+
+def _random_values(dtype: str, count: int, rng: np.random.Generator) -> np.ndarray:
+    """count random values of a safetensors dtype, unit scale. Large tensors (whole layers of experts are
+    gigabytes) repeat a 16M-element random pool from a random offset: fresh memory, generated at copy speed."""
+    if dtype not in _pools:
+        pool_rng = np.random.default_rng(12345)
+        if dtype == "F8_E4M3":  # clearing the top exponent bit keeps |w| < 2 and excludes NaN
+            _pools[dtype] = (pool_rng.integers(0, 256, _POOL_ELEMENTS, dtype=np.uint8) & 0xBF).view(
+                ml_dtypes.float8_e4m3fn
+            )
+        else:
+            _pools[dtype] = pool_rng.standard_normal(_POOL_ELEMENTS, np.float32).astype(DTYPES[dtype])
+    pool = _pools[dtype]
+    start = int(rng.integers(0, _POOL_ELEMENTS))
+    repeats = -(-(start + count) // _POOL_ELEMENTS)
+    if repeats == 1:
+        return pool[start : start + count].copy()
+    return np.tile(pool, repeats)[start : start + count]

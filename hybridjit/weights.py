@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -21,6 +22,7 @@ from hybridjit.checkpoint import CheckpointError
 from hybridjit.config import ModelConfig
 from hybridjit.models import deepseek_v3 as dsv3
 from hybridjit.ops.routed_experts import ExpertLayer, register_layer
+from hybridjit.placement import Placement
 from hybridjit.quant import dequantize_fp8_blocks, scale_shape
 
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F8_E4M3")
@@ -142,10 +144,11 @@ def check_checkpoint(cfg: ModelConfig, ckpt) -> None:
 
 
 class WeightLoader:
-    """Turns a checked checkpoint into the model's weights pytree and its expert-bank layers."""
+    """Turns a checked checkpoint into the model's weights pytree, placed as `placement` says, and the
+    expert-bank layers of the routed experts that stay in host memory."""
 
-    def __init__(self, cfg: ModelConfig, ckpt, dtype, progress: Progress | None = None):
-        self.cfg, self.ckpt, self.dtype, self.progress = cfg, ckpt, dtype, progress
+    def __init__(self, cfg: ModelConfig, ckpt, placement: Placement, progress: Progress | None = None):
+        self.cfg, self.ckpt, self.placement, self.progress = cfg, ckpt, placement, progress
         self.total = ckpt.total_bytes()
         self.done = 0
 
@@ -158,12 +161,23 @@ class WeightLoader:
     def _scale(self, name: str) -> np.ndarray:
         return self._take(name + SCALE_SUFFIX).astype(np.float32, copy=False)
 
-    def tensor(self, name: str, dtype=None):
-        """A non-expert weight as a JAX array in the compute dtype (FP8 dequantized per block)."""
+    def _dequantized(self, name: str) -> np.ndarray:
         w = self._take(name)
         if w.dtype == ml_dtypes.float8_e4m3fn:
             w = dequantize_fp8_blocks(w, self._scale(name), self.cfg.fp8.block)
-        return jnp.asarray(w, dtype=dtype or self.dtype)
+        return w
+
+    def tensor(self, name: str, dtype=None) -> jax.Array:
+        """A weight on the placement's device in the compute dtype (FP8 dequantized per block)."""
+        return self.placement.put(self._dequantized(name), dtype)
+
+    def device_experts(self, p: str) -> dsv3.Experts:
+        """The layer's routed experts stacked on the placement's device, dequantized to the compute dtype."""
+        return dsv3.Experts(*(
+            self.placement.put(np.stack([self._dequantized(f"{p}.experts.{e}.{proj}.weight")
+                                         for e in range(self.cfg.n_routed_experts)]))
+            for proj in PROJECTIONS
+        ))
 
     def experts(self, p: str) -> ExpertLayer:
         """Registers the layer's routed experts with the C++ bank, zero-copy, in their stored format."""
@@ -186,12 +200,14 @@ class WeightLoader:
         check_checkpoint(self.cfg, self.ckpt)
         expert_layers: list[ExpertLayer] = []
 
-        def bank_experts(prefix):
+        def routed(prefix, layer):
+            if self.placement.experts_on_device(layer):
+                return self.device_experts(prefix), None
             expert_layers.append(self.experts(prefix))
             return None, expert_layers[-1].id
 
         try:
-            return build_weights(self.cfg, self.tensor, bank_experts), expert_layers
+            return build_weights(self.cfg, self.tensor, routed), expert_layers
         except BaseException:
             for layer in expert_layers:
                 layer.close()
@@ -201,10 +217,10 @@ class WeightLoader:
 def build_weights(
     cfg: ModelConfig,
     tensor: Callable[..., Any],
-    routed: Callable[[str], tuple[dsv3.Experts | None, int | None]],
+    routed: Callable[[str, int], tuple[dsv3.Experts | None, int | None]],
 ) -> dsv3.Weights:
     """The weights pytree, with each leaf made by tensor(hf_name[, dtype]) and each MoE layer's routed
-    experts by routed(prefix) -> (JAX-held experts or None, expert-bank layer id or None).
+    experts by routed(prefix, layer) -> (JAX-held experts or None, expert-bank layer id or None).
 
     The one place that maps checkpoint names to the pytree: loading passes array readers, exporting
     passes the identity to get the same tree with names as leaves.
@@ -231,8 +247,8 @@ def build_weights(
     def mlp(p):
         return dsv3.MLP(*(tensor(f"{p}.{proj}.weight") for proj in PROJECTIONS))
 
-    def moe(p):
-        experts, bank_layer = routed(p)
+    def moe(p, layer):
+        experts, bank_layer = routed(p, layer)
         return dsv3.MoE(
             router=tensor(f"{p}.gate.weight", jnp.float32),
             correction_bias=tensor(f"{p}.gate.e_score_correction_bias", jnp.float32)
@@ -248,7 +264,7 @@ def build_weights(
             attn_norm=tensor(f"model.layers.{i}.input_layernorm.weight"),
             attn=mla(f"model.layers.{i}.self_attn"),
             mlp_norm=tensor(f"model.layers.{i}.post_attention_layernorm.weight"),
-            mlp=moe(f"model.layers.{i}.mlp") if cfg.is_moe_layer(i) else mlp(f"model.layers.{i}.mlp"),
+            mlp=moe(f"model.layers.{i}.mlp", i) if cfg.is_moe_layer(i) else mlp(f"model.layers.{i}.mlp"),
         )
         for i in range(cfg.num_hidden_layers)
     ]

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridjit.config import ModelConfig, RopeConfig, yarn_mscale
-from hybridjit.ops.routed_experts import routed_experts
+from hybridjit.ops.async_experts import submit_routed_experts, wait_routed_experts
 
 # The q and kv latent norms use a fixed epsilon in DeepSeek's reference code and in transformers,
 # whatever rms_norm_eps says (the released configs happen to agree).
@@ -104,11 +104,11 @@ class LayerCache:
     k_rope: jax.Array  # [b, s, p]
 
 
-def init_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> list[LayerCache]:
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype, device=None) -> list[LayerCache]:
     return [
         LayerCache(
-            latent=jnp.zeros((batch, length, cfg.kv_lora_rank), dtype),
-            k_rope=jnp.zeros((batch, length, cfg.qk_rope_head_dim), dtype),
+            latent=jnp.zeros((batch, length, cfg.kv_lora_rank), dtype, device=device),
+            k_rope=jnp.zeros((batch, length, cfg.qk_rope_head_dim), dtype, device=device),
         )
         for _ in range(cfg.num_hidden_layers)
     ]
@@ -231,16 +231,25 @@ def routed_experts_dense(w: Experts, x: jax.Array, ids: jax.Array, weights: jax.
     return jnp.einsum("tef,edf,te->td", hidden, w.down, combine.astype(x.dtype))
 
 
-def moe(cfg: ModelConfig, w: MoE, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The MoE block on x [..., d]: its output, and the chosen experts [tokens, k] (for load statistics)."""
+def moe(cfg: ModelConfig, w: MoE, x: jax.Array, slot: int = 0) -> tuple[jax.Array, jax.Array]:
+    """The MoE block on x [..., d]: its output, and the chosen experts [tokens, k] (for load statistics).
+
+    Bank-held routed experts are handed to the CPU before the shared experts and taken back after them,
+    so on a GPU the shared experts run while the CPU computes the routed ones. `slot` names the
+    in-flight job (one per micro-batch).
+    """
     tokens = x.reshape(-1, x.shape[-1])
     ids, weights = route(cfg, w.router, w.correction_bias, tokens)
     if w.experts is not None:
         out = routed_experts_dense(w.experts, tokens, ids, weights)
-    else:
-        out = routed_experts(tokens, ids, weights, layer=w.expert_layer)
-    if w.shared is not None:
-        out = out + mlp(w.shared, tokens)
+        if w.shared is not None:
+            out = out + mlp(w.shared, tokens)
+        return out.reshape(x.shape), ids
+    pending, tokens = submit_routed_experts(tokens, ids, weights, layer=w.expert_layer, slot=slot)
+    with jax.named_scope("shared_experts"):
+        shared = mlp(w.shared, tokens) if w.shared is not None else tokens
+    routed, shared = wait_routed_experts(pending, shared, top_k=cfg.num_experts_per_tok, slot=slot)
+    out = routed + shared if w.shared is not None else routed
     return out.reshape(x.shape), ids
 
 

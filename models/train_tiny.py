@@ -25,11 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from hybridjit.models import deepseek_v3 as dsv3
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from hybridjit.config import ModelConfig
 from hybridjit.export import export_tensors, save_checkpoint
+from hybridjit.models import deepseek_v3 as dsv3
 from hybridjit.weights import build_weights, checkpoint_layout
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
@@ -134,7 +134,7 @@ def init_weights(cfg: ModelConfig, seed: int) -> dsv3.Weights:
         std = 1.0 if "embed_tokens" in name else shape[1] ** -0.5
         return jnp.asarray(rng.standard_normal(shape, np.float32) * std)
 
-    def routed(prefix):
+    def routed(prefix, layer):
         def stack(proj):
             shape = layout[f"{prefix}.experts.0.{proj}.weight"].shape
             return jnp.asarray(

@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 from checkpoint_factory import tiny_config, write_checkpoint
-from hybridjit.models import deepseek_v3 as dsv3
 
 import hybridjit
+from hybridjit.models import deepseek_v3 as dsv3
 
 # Relative RMS error between two float32 computations of the same logits by different association
 # orders (expanded vs absorbed attention): rounding only.

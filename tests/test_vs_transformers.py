@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from checkpoint_factory import GOLDEN_CASES, as_float32, build_case, read_tensors, tensor_digest
-from hybridjit.models import deepseek_v3 as dsv3
 
 import hybridjit
+from hybridjit.models import deepseek_v3 as dsv3
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 

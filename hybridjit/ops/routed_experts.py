@@ -166,14 +166,8 @@ def register_layer(
     return ExpertLayer(layer_id, len(gate), hidden, inter, fmt, owned)
 
 
-def routed_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *, layer: int) -> jax.Array:
-    """y[t] = sum_k w[t,k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = topk_ids[t,k], on bank layer `layer`.
-
-    x: [T, H] float32 or bfloat16; topk_ids: [T, K] int32; topk_weights: [T, K] float32. Returns [T, H]
-    in x's dtype, accumulated in float32. Works under jax.jit; the layer id is a compile-time constant.
-    Unknown layer ids, an H that differs from the layer's, and expert ids out of range fail when the
-    call runs.
-    """
+def check_operands(x, topk_ids, topk_weights, layer):
+    """Trace-time checks shared by the routed-expert calls; returns the operands as arrays and the layer id."""
     try:
         layer = operator.index(layer)
     except TypeError:
@@ -192,6 +186,18 @@ def routed_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *
             f"routed_experts: expected x [T, H], topk_ids and topk_weights [T, K]; got x {x.shape}, "
             f"topk_ids {topk_ids.shape}, topk_weights {topk_weights.shape}"
         )
+    return x, topk_ids, topk_weights, layer
+
+
+def routed_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *, layer: int) -> jax.Array:
+    """y[t] = sum_k w[t,k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = topk_ids[t,k], on bank layer `layer`.
+
+    x: [T, H] float32 or bfloat16; topk_ids: [T, K] int32; topk_weights: [T, K] float32. Returns [T, H]
+    in x's dtype, accumulated in float32. Works under jax.jit; the layer id is a compile-time constant.
+    Unknown layer ids, an H that differs from the layer's, and expert ids out of range fail when the
+    call runs.
+    """
+    x, topk_ids, topk_weights, layer = check_operands(x, topk_ids, topk_weights, layer)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))
     return call(x, topk_ids, topk_weights, layer=np.int64(layer))
 

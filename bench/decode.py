@@ -1,0 +1,210 @@
+"""Decode benchmark: tokens/s of the jitted decode step, split into XLA work, CPU expert work and hand-off.
+
+    python bench/decode.py --checkpoint PATH [--batch 1 2] [--context 1024] [--steps 32]
+    python bench/decode.py --geometry deepseek-v3 --layers 10 --format fp8 [--batch 1] [--context 1024 16384]
+
+A geometry builds a random checkpoint of that model's real shapes in memory (hybridjit.synthetic), loaded by
+the same loader and expert bank as a real one; with --layers the model is truncated and tokens/s at full
+depth is reported as a projection (labelled so). The step runs where Placement.default puts it: on a GPU
+with the routed experts on the CPU behind the CUDA hand-off, else all on XLA:CPU.
+
+Split of a step: `expert_ms` is the CPU time in the routed-expert jobs (counted by the hand-off on a GPU;
+measured by running the expert calls alone on the CPU otherwise), `handoff_us` the round trip of one
+submit/wait pair with an empty job (GPU only), `xla_ms` the rest. The floor is the time to read each step's
+distinct experts once at the memory read bandwidth measured by the same run. Ends with one JSON line.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from floors import memory_floors
+from hybridjit import _ffi, engine
+from hybridjit.checkpoint import Checkpoint
+from hybridjit.config import ModelConfig
+from hybridjit.models import deepseek_v3 as dsv3
+from hybridjit.ops.async_experts import submit_routed_experts, wait_routed_experts
+from hybridjit.ops.routed_experts import kernel_info, register_layer, routed_experts
+from hybridjit.placement import Placement
+from hybridjit.resolve import resolve_model
+from hybridjit.synthetic import GEOMETRIES, SyntheticCheckpoint, geometry_config
+from hybridjit.weights import WeightLoader
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def load(args):
+    if args.checkpoint:
+        path = resolve_model(args.checkpoint)
+        cfg = ModelConfig.from_json_file(path / "config.json")
+        ckpt, name, full_layers = Checkpoint(path), str(path), cfg.num_hidden_layers
+    else:
+        full_layers = GEOMETRIES[args.geometry]["num_hidden_layers"]
+        cfg = geometry_config(args.geometry, layers=args.layers, weight_format=args.format)
+        ckpt, name = SyntheticCheckpoint(cfg, seed=0), f"{args.geometry} ({args.format}, random weights)"
+    placement = Placement.default(args.dtype)
+    start = time.perf_counter()
+    weights, expert_layers = WeightLoader(cfg, ckpt, placement).load()
+    print(f"loaded {name} in {time.perf_counter() - start:.1f} s")
+    return engine.Model(ckpt.directory, cfg, weights, expert_layers, None, placement), name, full_layers
+
+
+def timed(fn, repeats):
+    """Median wall time in ms of fn() (which must block until its work is done), after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def expert_bytes(model: engine.Model) -> int:
+    """Bytes of one routed expert's three projections as stored (weights and FP8 scales)."""
+    cfg = model.config
+    per_element = {"f32": 4, "bf16": 2, "fp8": 1}[model.expert_layers[0].format]
+    total = 3 * cfg.hidden_size * cfg.moe_intermediate_size * per_element
+    if cfg.fp8 is not None:
+        bo, bi = cfg.fp8.block
+        total += 4 * 2 * (-(-cfg.moe_intermediate_size // bo)) * (-(-cfg.hidden_size // bi))
+        total += 4 * (-(-cfg.hidden_size // bo)) * (-(-cfg.moe_intermediate_size // bi))
+    return total
+
+
+def handoff_us(cfg: ModelConfig, batch: int, dtype, pairs: int = 32) -> float:
+    """Round trip of one submit/wait pair on the GPU whose CPU job is (nearly) empty: experts of width 1."""
+    k = cfg.num_experts_per_tok
+    rng = np.random.default_rng(1)
+    gate = [rng.standard_normal((1, cfg.hidden_size), np.float32) for _ in range(k)]
+    down = [rng.standard_normal((cfg.hidden_size, 1), np.float32) for _ in range(k)]
+    with register_layer(gate, gate, down) as layer:
+        ids = jnp.tile(jnp.arange(k, dtype=jnp.int32), (batch, 1))
+        weights = jnp.zeros((batch, k), jnp.float32)
+
+        @jax.jit
+        def chain(x):
+            for _ in range(pairs):
+                pending, x = submit_routed_experts(x, ids, weights, layer=layer.id, slot=7)
+                x, _ = wait_routed_experts(pending, x, top_k=k, slot=7)
+            return x
+
+        x = jnp.zeros((batch, cfg.hidden_size), dtype)
+        return 1e3 * timed(lambda: chain(x).block_until_ready(), 20) / pairs
+
+
+def cpu_expert_ms(model: engine.Model, batch: int, rng) -> float:
+    """The routed experts of every MoE layer for `batch` tokens, run alone on the CPU (uniform routing)."""
+    cfg = model.config
+    cpu = jax.devices("cpu")[0]
+    moe = [layer.mlp for layer in model.weights.layers if isinstance(layer.mlp, dsv3.MoE)]
+    ids = np.stack([rng.choice(cfg.n_routed_experts, cfg.num_experts_per_tok, replace=False) for _ in range(batch)])
+    ids = jax.device_put(ids.astype(np.int32), cpu)
+    weights = jax.device_put(np.full(ids.shape, 1 / cfg.num_experts_per_tok, np.float32), cpu)
+    x = jax.device_put(rng.standard_normal((batch, cfg.hidden_size)).astype(np.float32), cpu)
+
+    @jax.jit
+    def experts_only(x):
+        for m in moe:
+            x = routed_experts(x, ids, weights, layer=m.expert_layer)
+        return x
+
+    return timed(lambda: experts_only(x).block_until_ready(), 5)
+
+
+def bench_case(model: engine.Model, batch: int, context: int, steps: int, rng) -> dict:
+    cfg, w = model.config, model.weights
+    cache = dsv3.init_cache(cfg, batch, context + steps + 1, model.dtype, model.placement.device)
+    prompt = rng.integers(2, cfg.vocab_size, (batch, context), dtype=np.int32)
+    params = engine.SamplingParams().device_args()
+    tokens, cache = engine._prefill_program(
+        cfg, w, prompt, np.full(batch, context, np.int32), cache, jax.random.key(0), *params
+    )
+    tokens.block_until_ready()
+    step_ms = []
+    for i in range(steps + 2):
+        if i == 2 and ON_GPU:  # steps 0 and 1 compile and record the graph
+            _ffi.take_gpu_handoff_stats()
+        start = time.perf_counter()
+        tokens, cache = engine._decode_program(
+            cfg, w, tokens, np.full(batch, context + i, np.int32), cache, jax.random.key(i), *params
+        )
+        tokens.block_until_ready()
+        step_ms.append(1e3 * (time.perf_counter() - start))
+    step = statistics.median(step_ms[2:])
+    moe_layers = sum(isinstance(layer.mlp, dsv3.MoE) for layer in w.layers)
+    if ON_GPU:
+        jobs, seconds = _ffi.take_gpu_handoff_stats()
+        expert_ms = 1e3 * seconds / steps
+        assert jobs == steps * moe_layers, (jobs, steps, moe_layers)
+        handoff = handoff_us(cfg, batch, model.dtype)
+    else:
+        expert_ms, handoff = cpu_expert_ms(model, batch, rng), 0.0
+    # Uniform routing over the step's batch*k choices: expected distinct experts per layer.
+    n, picks = cfg.n_routed_experts, batch * cfg.num_experts_per_tok
+    distinct = n * (1 - (1 - 1 / n) ** picks) if batch > 1 else cfg.num_experts_per_tok
+    return {
+        "batch": batch,
+        "context": context,
+        "median_step_ms": round(step, 3),
+        "tok_s": round(batch * 1e3 / step, 2),
+        "expert_ms": round(expert_ms, 3),
+        "handoff_us_per_layer": round(handoff, 1),
+        "xla_ms": round(step - expert_ms - handoff * moe_layers / 1e3, 3),
+        "moe_layers": moe_layers,
+        "expert_bytes_per_step": int(distinct * expert_bytes(model) * moe_layers),
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="checkpoint path or model name")
+    source.add_argument("--geometry", choices=sorted(GEOMETRIES))
+    parser.add_argument("--layers", type=int, help="truncate a geometry to this many layers")
+    parser.add_argument("--format", default="fp8", choices=("fp8", "bf16"), help="weight format of a geometry")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1])
+    parser.add_argument("--context", type=int, nargs="+", default=[1024])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--dtype", default=None, help="compute dtype (default: float32 on CPU, bfloat16 on GPU)")
+    args = parser.parse_args(argv)
+
+    floors = memory_floors()
+    model, name, full_layers = load(args)
+    rng = np.random.default_rng(0)
+    depth = model.config.num_hidden_layers
+    print(f"decode: {name}, {depth} of {full_layers} layers, on {model.placement.device}, kernel {kernel_info()}"
+          + (f", hand-off {_ffi.gpu_handoff_mode()}" if ON_GPU else ""))
+    print(f"floors: memory read {floors['read_gbps']:.1f} GB/s, triad {floors['triad_gbps']:.1f} GB/s")
+    print(f"{'batch':>5} {'ctx':>6} {'step ms':>8} {'tok/s':>8} {'experts':>8} {'hand-off':>9} {'xla':>8} "
+          f"{'floor':>8} {'ratio':>6}")
+    results = []
+    for context in args.context:
+        for batch in args.batch:
+            r = bench_case(model, batch, context, args.steps, rng)
+            r["floor_ms"] = round(r["expert_bytes_per_step"] / (floors["read_gbps"] * 1e6), 3)
+            r["ratio_to_floor"] = round(r["floor_ms"] / r["median_step_ms"], 3)
+            if depth < full_layers:  # projection: the measured per-layer average times the full depth
+                full_ms = r["median_step_ms"] / depth * full_layers
+                r["projected_full_depth_tok_s"] = round(batch * 1e3 / full_ms, 3)
+            results.append(r)
+            print(f"{batch:5d} {context:6d} {r['median_step_ms']:8.2f} {r['tok_s']:8.2f} {r['expert_ms']:8.2f} "
+                  f"{r['handoff_us_per_layer']:7.1f}us {r['xla_ms']:8.2f} {r['floor_ms']:8.2f} "
+                  f"{r['ratio_to_floor']:6.2f}" + (f"  projected {full_layers} layers: "
+                                                   f"{r['projected_full_depth_tok_s']} tok/s"
+                                                   if "projected_full_depth_tok_s" in r else ""))
+    machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "device": str(model.placement.device),
+               "kernel": kernel_info(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    print(json.dumps({"bench": "decode", "model": name, "layers": depth, "machine": machine, "floors": floors,
+                      "results": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""Where each part of the model lives and runs, decided by data rather than by edits to model code.
+
+The model functions never name a device: the weights pytree does. A Placement says which device holds the
+non-expert weights and the KV cache (and so runs attention, dense layers, shared experts, router, LM head
+and sampling), in which dtype, and, per MoE layer, whether the routed experts stay in host memory for the
+CPU kernels (the custom call) or are held on that device as JAX arrays and computed by XLA.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    device: jax.Device
+    dtype: jnp.dtype
+    # MoE layers whose routed experts are held on `device` and computed by XLA (every expert on every
+    # token: for small models, e.g. training); all other layers keep them in host memory for the CPU.
+    device_expert_layers: frozenset[int] = frozenset()
+
+    @classmethod
+    def default(cls, dtype=None, device: jax.Device | None = None) -> "Placement":
+        """The first accelerator if there is one, else the CPU; float32 on CPU (exact, and XLA:CPU bf16
+        dots are no faster), bfloat16 on an accelerator."""
+        device = device or jax.devices()[0]
+        if dtype is None:
+            dtype = jnp.float32 if device.platform == "cpu" else jnp.bfloat16
+        return cls(device=device, dtype=jnp.dtype(dtype))
+
+    def put(self, array: np.ndarray, dtype=None) -> jax.Array:
+        """A host array on the device in `dtype` (default: the compute dtype), converted on the host."""
+        return jax.device_put(np.asarray(array).astype(jnp.dtype(dtype or self.dtype), copy=False), self.device)
+
+    def experts_on_device(self, layer: int) -> bool:
+        return layer in self.device_expert_layers
