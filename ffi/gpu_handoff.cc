@@ -172,8 +172,11 @@ class Handoff {
   }
 
   GpuHandoffStats TakeStats() {
-    return {jobs_.exchange(0), 1e-9 * static_cast<double>(job_nanoseconds_.exchange(0))};
+    return {jobs_.exchange(0), 1e-9 * static_cast<double>(job_nanoseconds_.exchange(0)), enqueues_.exchange(0)};
   }
+
+  // Counts runs of a handler body: once per execution without CUDA graphs, once per recording with.
+  void CountEnqueue() { enqueues_.fetch_add(1, std::memory_order_relaxed); }
 
  private:
   // The worker: polls every slot's doorbell; spins while jobs come often (decode steps), sleeps
@@ -213,7 +216,7 @@ class Handoff {
   std::map<SlotKey, std::unique_ptr<Slot>> slots_;
   std::map<std::pair<Slot*, int64_t>, std::unique_ptr<HostFuncJob>> host_jobs_;
   std::atomic<uint64_t> generation_{0};
-  std::atomic<int64_t> jobs_{0}, job_nanoseconds_{0};
+  std::atomic<int64_t> jobs_{0}, job_nanoseconds_{0}, enqueues_{0};
   bool worker_started_ = false;
   std::string error_;
 };
@@ -298,6 +301,7 @@ ffi::Error EnqueueWait(const cuda::Driver& cu, CUstream stream, Slot& slot, ffi:
 // The single call: submit and wait back to back (no GPU work in between).
 ffi::Error RoutedExpertsCuda(CUstream stream, ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer weights,
                              ffi::Result<ffi::AnyBuffer> y, int64_t layer_id) {
+  Handoff::Global().CountEnqueue();
   HYBRIDJIT_RETURN_IF_ERROR(CheckOperands(layer_id, x, ids, weights, *y));
   auto cu = Driver();
   if (cu.has_error()) return cu.error();
@@ -310,6 +314,7 @@ ffi::Error RoutedExpertsCuda(CUstream stream, ffi::AnyBuffer x, ffi::AnyBuffer i
 ffi::Error SubmitCuda(CUstream stream, ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer weights,
                       ffi::Result<ffi::AnyBuffer> pending, ffi::Result<ffi::AnyBuffer> /*x_pass: aliases x*/,
                       int64_t layer_id, int64_t slot_index) {
+  Handoff::Global().CountEnqueue();
   HYBRIDJIT_RETURN_IF_ERROR(CheckOperands(layer_id, x, ids, weights, *pending));
   auto cu = Driver();
   if (cu.has_error()) return cu.error();
@@ -321,6 +326,7 @@ ffi::Error SubmitCuda(CUstream stream, ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi
 ffi::Error WaitCuda(CUstream stream, ffi::AnyBuffer /*pending: aliased by y*/, ffi::AnyBuffer /*other*/,
                     ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> /*other_pass*/, int64_t slot_index,
                     int64_t top_k) {
+  Handoff::Global().CountEnqueue();
   auto cu = Driver();
   if (cu.has_error()) return cu.error();
   auto slot = SlotFor(**cu, stream, slot_index, *y, top_k);

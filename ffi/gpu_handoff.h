@@ -16,10 +16,12 @@ inline constexpr int64_t kSingleCallSlot = -1;
 // the XLA call that submitted them (it returned long before), so the runtime asks after each step.
 std::string TakeGpuHandoffError();
 
-// CPU jobs run for the GPU, and the seconds spent in them, since the last call (for benchmarks).
+// Since the last call: CPU jobs run for the GPU, the seconds spent in them, and runs of the CUDA
+// handlers' bodies (every execution without CUDA graphs, only recordings with them).
 struct GpuHandoffStats {
   int64_t jobs;
   double job_seconds;
+  int64_t handler_runs;
 };
 GpuHandoffStats TakeGpuHandoffStats();
 

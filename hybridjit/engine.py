@@ -38,10 +38,17 @@ def _prefill_program(cfg, weights, tokens, lengths, cache, key, temperature, top
     return sample(last, key, temperature, top_k, top_p), cache
 
 
-@partial(jax.jit, static_argnums=0, donate_argnames="cache")
-def _decode_program(cfg, weights, tokens, positions, cache, key, temperature, top_k, top_p):
-    logits, cache = dsv3.decode_step(cfg, weights, tokens, positions, cache)
+@partial(jax.jit, static_argnums=(0, 1), donate_argnames="cache")
+def _decode_program(cfg, schedule, weights, tokens, positions, cache, key, temperature, top_k, top_p):
+    logits, cache = dsv3.decode_step(cfg, weights, tokens, positions, cache, schedule)
     return sample(logits, key, temperature, top_k, top_p), cache
+
+
+@partial(jax.jit, static_argnums=(0, 1), donate_argnames="caches")
+def _decode_dual_program(cfg, schedule, weights, tokens, positions, caches, key, temperature, top_k, top_p):
+    logits, caches = dsv3.decode_step_dual(cfg, weights, tokens, positions, caches, schedule)
+    keys = jax.random.split(key)
+    return tuple(sample(lg, k, temperature, top_k, top_p) for lg, k in zip(logits, keys, strict=True)), caches
 
 
 def _bucket(n: int) -> int:
@@ -55,6 +62,9 @@ class Model:
         self.path, self.config, self.weights = path, config, weights
         self.expert_layers = expert_layers  # keeps the C++ bank's layers registered while the model lives
         self.tokenizer, self.placement = tokenizer, placement
+        # Decode-time settings, changeable between requests:
+        self.dual_batch = True  # two or more sequences decode as two interleaved micro-batches
+        self.expert_schedule = dsv3.ExpertSchedule()  # Expert Deferral / Skipping: off (they change the model)
 
     @property
     def dtype(self):
@@ -119,41 +129,54 @@ class Model:
 
     # ----------------------------------------------------------------------------- generation
 
-    def _steps(
-        self, seqs: list[list[int]], max_new_tokens: int, params: SamplingParams
-    ) -> Iterator[np.ndarray]:
-        """Yields the next token of every sequence, step after step, up to max_new_tokens steps."""
+    def _steps(self, seqs: list[list[int]], max_new_tokens: int, params: SamplingParams) -> Iterator[np.ndarray]:
+        """Yields the next token of every sequence, step after step, up to max_new_tokens steps.
+
+        Two or more sequences decode as two micro-batches interleaved in one program (dual_batch), so
+        that each one's GPU work hides the other's CPU experts.
+        """
         if max_new_tokens < 1:
             return
         lengths = np.array([len(s) for s in seqs], np.int32)
         longest = int(lengths.max())
         self._check_context(longest + max_new_tokens)
         cache_len = min(_bucket(longest + max_new_tokens), self.config.max_position_embeddings)
-        tokens = np.zeros((len(seqs), min(_bucket(longest), cache_len)), np.int32)
-        for i, s in enumerate(seqs):
-            tokens[i, : len(s)] = s
-        cache = dsv3.init_cache(self.config, len(seqs), cache_len, self.dtype, self.placement.device)
+        half = -(-len(seqs) // 2)
+        groups = [range(half), range(half, len(seqs))] if self.dual_batch and len(seqs) > 1 else [range(len(seqs))]
         key = jax.random.key(params.seed)
+        prefill_key = jax.random.fold_in(key, 0)  # decode step n uses fold_in(key, n + 1)
         sampling = params.device_args()
-        current, cache = _prefill_program(
-            self.config, self.weights, tokens, lengths, cache, jax.random.fold_in(key, 0), *sampling
-        )
+        current, caches = [], []
+        for g, rows in enumerate(groups):
+            tokens = np.zeros((len(rows), min(_bucket(longest), cache_len)), np.int32)
+            for i, row in enumerate(rows):
+                tokens[i, : len(seqs[row])] = seqs[row]
+            cache = dsv3.init_cache(self.config, len(rows), cache_len, self.dtype, self.placement.device)
+            first, cache = _prefill_program(
+                self.config, self.weights, tokens, lengths[rows], cache, jax.random.fold_in(prefill_key, g), *sampling
+            )
+            current.append(first)
+            caches.append(cache)
+        positions = [lengths[rows] for rows in groups]
         for step in range(max_new_tokens):
             if step + 1 < max_new_tokens:  # dispatch the next step before waiting on this one's tokens
-                upcoming, cache = _decode_program(
-                    self.config,
-                    self.weights,
-                    current,
-                    lengths + step,
-                    cache,
-                    jax.random.fold_in(key, step + 1),
-                    *sampling,
-                )
-            tokens = np.asarray(current)
+                step_key = jax.random.fold_in(key, step + 1)
+                if len(groups) == 2:
+                    upcoming, caches = _decode_dual_program(
+                        self.config, self.expert_schedule, self.weights, tuple(current),
+                        tuple(p + step for p in positions), tuple(caches), step_key, *sampling,
+                    )
+                else:
+                    upcoming, cache = _decode_program(
+                        self.config, self.expert_schedule, self.weights, current[0], positions[0] + step,
+                        caches[0], step_key, *sampling,
+                    )
+                    upcoming, caches = (upcoming,), [cache]
+            tokens = np.concatenate([np.asarray(c) for c in current])
             raise_gpu_errors()  # a CPU expert job that failed while the GPU waited: its step is garbage
             yield tokens
             if step + 1 < max_new_tokens:
-                current = upcoming
+                current = list(upcoming)
 
     def generate(
         self,

@@ -14,6 +14,7 @@ Weight matrices keep the checkpoint's [out, in] orientation.
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -231,26 +232,120 @@ def routed_experts_dense(w: Experts, x: jax.Array, ids: jax.Array, weights: jax.
     return jnp.einsum("tef,edf,te->td", hidden, w.down, combine.astype(x.dtype))
 
 
-def moe(cfg: ModelConfig, w: MoE, x: jax.Array, slot: int = 0) -> tuple[jax.Array, jax.Array]:
-    """The MoE block on x [..., d]: its output, and the chosen experts [tokens, k] (for load statistics).
+@dataclasses.dataclass(frozen=True)
+class ExpertSchedule:
+    """Decode-time changes to which routed experts run when. Both change the model's function: off by default.
 
-    Bank-held routed experts are handed to the CPU before the shared experts and taken back after them,
-    so on a GPU the shared experts run while the CPU computes the routed ones. `slot` names the
-    in-flight job (one per micro-batch).
+    The routed experts of a token are ranked by routing weight. Expert Skipping drops the lowest
+    `n_skipped`; Expert Deferral (KTransformers §4) computes the next-lowest `n_deferred` concurrently with
+    the next layer's attention and adds them one layer later, at every MoE layer but the last:
+        O_k = I_k + S_k(I_k) + R_k^imm(I_k) + R_{k-1}^def(I_{k-1})
+    """
+
+    n_deferred: int = 0
+    n_skipped: int = 0
+
+    def check(self, cfg: ModelConfig):
+        if self.n_deferred < 0 or self.n_skipped < 0:
+            raise ValueError(f"n_deferred and n_skipped must be >= 0, got {self}")
+        if self.n_deferred + self.n_skipped >= cfg.num_experts_per_tok:
+            raise ValueError(
+                f"{self} leaves no immediate expert of the {cfg.num_experts_per_tok} routed per token"
+            )
+
+
+@dataclasses.dataclass
+class Started:
+    """Routed experts handed to the CPU (or computed by XLA): their result, once `other` exists."""
+
+    pending: jax.Array
+    finish: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]  # (pending, other) -> (result, other)
+
+    def result(self, other: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return self.finish(self.pending, other)
+
+
+def _by_weight(ids: jax.Array, weights: jax.Array, sizes: tuple[int, ...]):
+    """Splits each token's experts, ranked by routing weight, into consecutive groups of `sizes`."""
+    order = jnp.argsort(-weights, axis=-1)
+    ids, weights = jnp.take_along_axis(ids, order, -1), jnp.take_along_axis(weights, order, -1)
+    bounds = np.cumsum((0, *sizes))
+    return [(ids[:, a:b], weights[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def _start_routed(w: MoE, tokens, ids, weights, slot: int) -> tuple[Started, jax.Array]:
+    """Starts routed experts: (the Started job, tokens passed through, to order what uses them after)."""
+    if w.experts is not None:
+        return Started(routed_experts_dense(w.experts, tokens, ids, weights), lambda p, o: (p, o)), tokens
+    pending, tokens = submit_routed_experts(tokens, ids, weights, layer=w.expert_layer, slot=slot)
+    k = ids.shape[1]
+    return Started(pending, lambda p, o: wait_routed_experts(p, o, top_k=k, slot=slot)), tokens
+
+
+@dataclasses.dataclass
+class MoEInFlight:
+    """A MoE block between moe_start and moe_finish: its routed experts are being computed."""
+
+    immediate: Started
+    shared: jax.Array | None
+    carried: Started | None  # the previous MoE layer's deferred experts, added here
+    shape: tuple[int, ...]
+
+
+def moe_start(
+    cfg: ModelConfig,
+    w: MoE,
+    x: jax.Array,
+    *,
+    slot: int = 0,
+    n_skipped: int = 0,
+    n_deferred: int = 0,
+    deferred_slot: int = 1,
+    carried: Started | None = None,
+):
+    """Routes x [..., d], starts its routed experts and computes the shared experts meanwhile.
+
+    Returns (the MoEInFlight, x's tokens passed through the hand-off (use them to order later work after
+    it), the chosen experts [tokens, k], this layer's deferred experts as a Started or None). With
+    n_deferred, the lowest-weighted experts are started here for the next MoE layer (`carried` there).
     """
     tokens = x.reshape(-1, x.shape[-1])
-    ids, weights = route(cfg, w.router, w.correction_bias, tokens)
-    if w.experts is not None:
-        out = routed_experts_dense(w.experts, tokens, ids, weights)
-        if w.shared is not None:
-            out = out + mlp(w.shared, tokens)
-        return out.reshape(x.shape), ids
-    pending, tokens = submit_routed_experts(tokens, ids, weights, layer=w.expert_layer, slot=slot)
+    chosen, weights = route(cfg, w.router, w.correction_bias, tokens)
+    k = cfg.num_experts_per_tok - n_skipped - n_deferred
+    if n_skipped or n_deferred:
+        groups = _by_weight(chosen, weights, (k, n_deferred, n_skipped))
+        (ids, imm_weights), (deferred_ids, deferred_weights) = groups[0], groups[1]
+    else:
+        ids, imm_weights = chosen, weights
+    immediate, tokens = _start_routed(w, tokens, ids, imm_weights, slot)
+    deferred = None
+    if n_deferred:
+        deferred, tokens = _start_routed(w, tokens, deferred_ids, deferred_weights, deferred_slot)
     with jax.named_scope("shared_experts"):
-        shared = mlp(w.shared, tokens) if w.shared is not None else tokens
-    routed, shared = wait_routed_experts(pending, shared, top_k=cfg.num_experts_per_tok, slot=slot)
-    out = routed + shared if w.shared is not None else routed
-    return out.reshape(x.shape), ids
+        shared = mlp(w.shared, tokens) if w.shared is not None else None
+    return MoEInFlight(immediate, shared, carried, x.shape), tokens, chosen, deferred
+
+
+def moe_finish(flight: MoEInFlight, other: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The MoE output once `other` exists (what the GPU computes meanwhile): (output, other)."""
+    out, other = flight.immediate.result(other)
+    if flight.shared is not None:
+        out = out + flight.shared
+    if flight.carried is not None:
+        previous, out = flight.carried.result(out)
+        out = out + previous
+    return out.reshape(flight.shape), other
+
+
+def moe(cfg: ModelConfig, w: MoE, x: jax.Array, **options):
+    """The MoE block on x [..., d] -> (output, the experts chosen per token, deferred experts or None).
+
+    On a GPU the shared experts run while the CPU computes the routed ones (the wait depends on them).
+    `options` are moe_start's.
+    """
+    flight, tokens, chosen, deferred = moe_start(cfg, w, x, **options)
+    out, _ = moe_finish(flight, flight.shared if flight.shared is not None else tokens)
+    return out, chosen, deferred
 
 
 def _queries(cfg: ModelConfig, w: MLA, x: jax.Array, cos, sin):
@@ -330,7 +425,7 @@ def attention_absorbed(cfg: ModelConfig, w: MLA, x: jax.Array, positions: jax.Ar
 def _feed_forward(cfg: ModelConfig, layer: Layer, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
     h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
     if isinstance(layer.mlp, MoE):
-        out, expert_ids = moe(cfg, layer.mlp, h)
+        out, expert_ids, _ = moe(cfg, layer.mlp, h)
         return x + out, expert_ids
     return x + mlp(layer.mlp, h), None
 
@@ -381,16 +476,112 @@ def prefill(cfg: ModelConfig, w: Weights, tokens: jax.Array, cache: list[LayerCa
 
 
 def decode_step(
-    cfg: ModelConfig, w: Weights, tokens: jax.Array, positions: jax.Array, cache: list[LayerCache]
+    cfg: ModelConfig,
+    w: Weights,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: list[LayerCache],
+    schedule: ExpertSchedule = ExpertSchedule(),
 ):
-    """One new token per sequence, tokens [b] at positions [b]: float32 logits [b, vocab], updated cache."""
+    """One new token per sequence, tokens [b] at positions [b]: float32 logits [b, vocab], updated cache.
+
+    `schedule` (static) turns on Expert Skipping or Expert Deferral; deferred experts alternate between
+    two staging slots, since one layer's are still in flight when the next layer's start.
+    """
+    schedule.check(cfg)
+    moe_layers = [i for i, layer in enumerate(w.layers) if isinstance(layer.mlp, MoE)]
     x = w.embed[tokens][:, None]
-    new_cache = []
+    new_cache, carried = [], None
     for i, layer in enumerate(w.layers):
         with jax.named_scope(f"layer{i}"):
             h, c = attention_absorbed(
                 cfg, layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), positions[:, None], cache[i]
             )
             new_cache.append(c)
-            x, _ = _feed_forward(cfg, layer, x + h)
+            x = x + h
+            h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+            if isinstance(layer.mlp, MoE):
+                n = moe_layers.index(i)
+                out, _, carried = moe(
+                    cfg,
+                    layer.mlp,
+                    h,
+                    n_skipped=schedule.n_skipped,
+                    n_deferred=schedule.n_deferred if i != moe_layers[-1] else 0,
+                    deferred_slot=1 + n % 2,
+                    carried=carried,
+                )
+            else:
+                out = mlp(layer.mlp, h)
+            x = x + out
     return _logits(cfg, w, x)[:, 0], new_cache
+
+
+def decode_step_dual(
+    cfg: ModelConfig,
+    w: Weights,
+    tokens: tuple[jax.Array, jax.Array],
+    positions: tuple[jax.Array, jax.Array],
+    caches: tuple[list[LayerCache], list[LayerCache]],
+    schedule: ExpertSchedule = ExpertSchedule(),
+):
+    """decode_step for two micro-batches A and B, interleaved so that each side's work hides the other's
+    (OSDI '26 §3.3.1): while the CPU computes A's routed experts the GPU computes B's attention and shared
+    experts, and the other way round. Same math as decode_step on each micro-batch.
+
+    The order is data: each micro-batch takes back its routed experts only after the other has handed its
+    own to the CPU (the wait's pass-through operand is the other's hand-off output). Returns
+    ((logits A, logits B), (cache A, cache B)).
+    """
+    schedule.check(cfg)
+    moe_layers = [i for i, layer in enumerate(w.layers) if isinstance(layer.mlp, MoE)]
+    x = [w.embed[t][:, None] for t in tokens]
+    new_caches: tuple[list, list] = ([], [])
+    in_flight: list[MoEInFlight | None] = [None, None]
+    carried: list[Started | None] = [None, None]
+
+    def finish(m: int, other: jax.Array):
+        out, _ = moe_finish(in_flight[m], other)
+        x[m] = x[m] + out
+        in_flight[m] = None
+
+    for i, layer in enumerate(w.layers):
+        handed_off = None  # A's tokens after its hand-off in this layer
+        for m in (0, 1):
+            with jax.named_scope(f"layer{i}/mb{m}"):
+                if m == 1 and handed_off is not None:
+                    # B's attention waits for A's hand-off even where no data says so (the first MoE layer),
+                    # so that it always overlaps A's routed experts on the CPU.
+                    x[1], _ = jax.lax.optimization_barrier((x[1], handed_off))
+                with jax.named_scope("attention"):
+                    h, c = attention_absorbed(
+                        cfg, layer.attn, rms_norm(x[m], layer.attn_norm, cfg.rms_norm_eps), positions[m][:, None],
+                        caches[m][i],
+                    )
+                new_caches[m].append(c)
+                x[m] = x[m] + h
+                h = rms_norm(x[m], layer.mlp_norm, cfg.rms_norm_eps)
+                if not isinstance(layer.mlp, MoE):
+                    x[m] = x[m] + mlp(layer.mlp, h)
+                    continue
+                n = moe_layers.index(i)
+                flight, tokens_out, _, carried[m] = moe_start(
+                    cfg,
+                    layer.mlp,
+                    h,
+                    slot=3 * m,
+                    n_skipped=schedule.n_skipped,
+                    n_deferred=schedule.n_deferred if i != moe_layers[-1] else 0,
+                    deferred_slot=3 * m + 1 + n % 2,
+                    carried=carried[m],
+                )
+                other = 1 - m
+                if in_flight[other] is not None:  # its experts ran on the CPU during this attention
+                    finish(other, flight.shared if flight.shared is not None else tokens_out)
+                in_flight[m] = flight
+                if m == 0:
+                    handed_off = tokens_out
+    for m in (0, 1):
+        if in_flight[m] is not None:
+            finish(m, x[1 - m])
+    return tuple(_logits(cfg, w, xm)[:, 0] for xm in x), new_caches

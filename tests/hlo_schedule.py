@@ -10,6 +10,8 @@ _COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
 _CALLEE = re.compile(r" call\(.*to_apply=%([\w.\-]+)")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _OP_NAME = re.compile(r'op_name="([^"]+)"')
+_ATTRIBUTES = re.compile(r"backend_config=\{([^}]*)\}")
+_ATTRIBUTE = re.compile(r"(\w+) = (-?\d+) : i64")
 
 
 def computations(hlo_text: str) -> tuple[str, dict[str, list[str]]]:
@@ -29,8 +31,9 @@ def computations(hlo_text: str) -> tuple[str, dict[str, list[str]]]:
 
 
 def schedule(hlo_text: str) -> list[dict]:
-    """The executed instructions in order: each {'target': custom-call target or None, 'op_name': ..., 'in':
-    the chain of called computations it sits in (e.g. a command buffer)}."""
+    """The executed instructions in order: each {'target': custom-call target or None, 'op_name': ...,
+    'attributes': the custom call's integer attributes, 'in': the chain of called computations it sits in
+    (e.g. a command buffer)}."""
     entry, bodies = computations(hlo_text)
     order = []
 
@@ -39,10 +42,11 @@ def schedule(hlo_text: str) -> list[dict]:
             if (m := _CALLEE.search(line)) and m.group(1) in bodies:
                 walk(m.group(1), (*chain, m.group(1)))
                 continue
-            target, op_name = _TARGET.search(line), _OP_NAME.search(line)
+            target, op_name, attributes = _TARGET.search(line), _OP_NAME.search(line), _ATTRIBUTES.search(line)
             order.append({
                 "target": target.group(1) if target else None,
                 "op_name": op_name.group(1) if op_name else "",
+                "attributes": {k: int(v) for k, v in _ATTRIBUTE.findall(attributes.group(1))} if attributes else {},
                 "in": chain,
             })
 

@@ -12,9 +12,12 @@ from hybridjit.placement import Placement
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 
-# Relative RMS error of GPU logits against the CPU-only path on the same checkpoint: float32 on both
-# sides differs by summation order only; bfloat16 activations on the GPU by bf16 rounding per layer.
-TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
+# Relative RMS error of GPU logits against the float32 CPU-only path on the same checkpoint. float32 on
+# both sides differs by summation order only. bfloat16 activations alone move the logits by several
+# percent (rounding per layer, and a routing choice that flips), so the GPU in bfloat16 must be as close
+# to float32 as the CPU in bfloat16 is, within this slack.
+FLOAT32_RTOL = 1e-4
+BFLOAT16_SLACK = 1e-2
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13]]
 
 
@@ -35,19 +38,30 @@ def rel_rms(a, b):
     return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b**2)))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_hybrid_matches_cpu_only(checkpoint, cpu_model, dtype):
-    gpu = hybridjit.load(checkpoint, dtype=dtype)
+def test_hybrid_matches_cpu_only_in_float32(checkpoint, cpu_model):
+    gpu = hybridjit.load(checkpoint, dtype="float32")
     try:
         assert gpu.placement.device.platform == "gpu"
-        reference = cpu_model.logits(PROMPTS)
-        logits = gpu.logits(PROMPTS)
+        reference, logits = cpu_model.logits(PROMPTS), gpu.logits(PROMPTS)
         for i, p in enumerate(PROMPTS):
-            assert rel_rms(logits[i, : len(p)], reference[i, : len(p)]) < TOLERANCE[dtype]
-        if dtype == "float32":
-            assert gpu.generate(PROMPTS, max_new_tokens=8) == cpu_model.generate(PROMPTS, max_new_tokens=8)
+            assert rel_rms(logits[i, : len(p)], reference[i, : len(p)]) < FLOAT32_RTOL
+        assert gpu.generate(PROMPTS, max_new_tokens=8) == cpu_model.generate(PROMPTS, max_new_tokens=8)
     finally:
         gpu.close()
+
+
+def test_hybrid_in_bfloat16_is_as_accurate_as_the_cpu_in_bfloat16(checkpoint, cpu_model):
+    cpu_bf16 = hybridjit.load(checkpoint, placement=Placement.default("bfloat16", jax.devices("cpu")[0]))
+    gpu = hybridjit.load(checkpoint, dtype="bfloat16")
+    try:
+        reference = cpu_model.logits(PROMPTS)
+        gpu_logits, cpu_logits = gpu.logits(PROMPTS), cpu_bf16.logits(PROMPTS)
+        for i, p in enumerate(PROMPTS):
+            cpu_error = rel_rms(cpu_logits[i, : len(p)], reference[i, : len(p)])
+            assert rel_rms(gpu_logits[i, : len(p)], reference[i, : len(p)]) < cpu_error + BFLOAT16_SLACK
+    finally:
+        gpu.close()
+        cpu_bf16.close()
 
 
 def test_failed_cpu_job_releases_the_gpu_and_raises(checkpoint):
