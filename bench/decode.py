@@ -119,25 +119,59 @@ def cpu_expert_ms(model: engine.Model, batch: int, rng) -> float:
     return timed(lambda: experts_only(x).block_until_ready(), 5)
 
 
-def bench_case(model: engine.Model, batch: int, context: int, steps: int, rng) -> dict:
-    """Times the engine's own generation loop (one host round trip per step, as generate does)."""
+def random_cache(model: engine.Model, batch: int, length: int, rng) -> list:
+    """A latent KV cache of `length` positions filled with unit-scale random values: decode time depends on
+    how much cache it reads, not on what is in it, so long contexts need no prefill."""
     cfg = model.config
-    prompts = [list(rng.integers(2, cfg.vocab_size, context)) for _ in range(batch)]
-    step_ms, last = [], None
-    for i, _ in enumerate(model._steps(prompts, steps + 3, engine.SamplingParams())):
+    shape = {"latent": cfg.kv_lora_rank, "k_rope": cfg.qk_rope_head_dim}
+    return [
+        dsv3.LayerCache(**{
+            name: jax.device_put(rng.standard_normal((batch, length, dim), np.float32).astype(model.dtype),
+                                 model.placement.device)
+            for name, dim in shape.items()
+        })
+        for _ in range(cfg.num_hidden_layers)
+    ]
+
+
+def bench_case(model: engine.Model, batch: int, context: int, steps: int, rng) -> dict:
+    """Times decode steps as the engine's generation loop runs them (the next step dispatched before this
+    step's tokens are read back), over a cache already holding `context` positions."""
+    cfg, w = model.config, model.weights
+    groups = [batch - batch // 2, batch // 2] if model.dual_batch and batch > 1 else [batch]
+    caches = [random_cache(model, g, context + steps + 4, rng) for g in groups]
+    current = [jnp.asarray(rng.integers(2, cfg.vocab_size, g), jnp.int32) for g in groups]
+    params = engine.SamplingParams().device_args()
+    schedule = model.expert_schedule
+    step_ms, last = [], time.perf_counter()
+    for i in range(steps + 3):
+        positions = [np.full(g, context + i, np.int32) for g in groups]
+        key = jax.random.key(i)
+        if len(groups) == 2:
+            upcoming, caches = engine._decode_dual_program(
+                cfg, schedule, w, tuple(current), tuple(positions), tuple(caches), key, *params
+            )
+        else:
+            upcoming, cache = engine._decode_program(cfg, schedule, w, current[0], positions[0], caches[0], key,
+                                                     *params)
+            upcoming, caches = (upcoming,), [cache]
+        for c in current:
+            np.asarray(c)
         now = time.perf_counter()
-        if i >= 3:  # the prefill, and the first decode steps that compile and record the graph
+        if i >= 3:  # the first steps compile and record the graph
             step_ms.append(1e3 * (now - last))
         elif i == 2 and ON_GPU:
             _ffi.take_gpu_handoff_stats()
         last = now
+        current = list(upcoming)
+    for c in current:
+        np.asarray(c)
     step = statistics.median(step_ms)
-    moe_layers = sum(isinstance(layer.mlp, dsv3.MoE) for layer in model.weights.layers)
-    micro_batches = 2 if model.dual_batch and batch > 1 else 1
+    moe_layers = sum(isinstance(layer.mlp, dsv3.MoE) for layer in w.layers)
     handler_runs = None
     if ON_GPU:
         jobs, seconds, handler_runs = _ffi.take_gpu_handoff_stats()
-        expert_ms = 1e3 * seconds / len(step_ms)
+        expert_ms = 1e3 * seconds / (steps + 1)
         handoff = handoff_us(cfg, batch, model.dtype)
     else:
         expert_ms, handoff = cpu_expert_ms(model, batch, rng), 0.0
@@ -147,17 +181,17 @@ def bench_case(model: engine.Model, batch: int, context: int, steps: int, rng) -
     return {
         "batch": batch,
         "context": context,
-        "dual_batch": micro_batches == 2,
-        "n_deferred": model.expert_schedule.n_deferred,
+        "dual_batch": len(groups) == 2,
+        "n_deferred": schedule.n_deferred,
         "median_step_ms": round(step, 3),
         "tok_s": round(batch * 1e3 / step, 2),
         "tpot_ms": round(step, 3),
         "expert_ms": round(expert_ms, 3),
         "handoff_us_per_layer": round(handoff, 1),
-        "xla_ms": round(step - expert_ms - handoff * moe_layers * micro_batches / 1e3, 3),
+        "xla_ms": round(step - expert_ms - handoff * moe_layers * len(groups) / 1e3, 3),
         "moe_layers": moe_layers,
         # CUDA handler bodies run per step: one per call without graphs, ~0 when replayed as a graph.
-        "handler_runs_per_step": round(handler_runs / len(step_ms), 2) if handler_runs is not None else None,
+        "handler_runs_per_step": round(handler_runs / (steps + 1), 2) if handler_runs is not None else None,
         "expert_bytes_per_step": int(distinct * expert_bytes(model) * moe_layers),
     }
 

@@ -40,8 +40,10 @@ class LoadingProgress:
 
 def cmd_generate(args) -> int:
     import hybridjit  # deferred: jax start-up is slow and `info` does not need it
+    from hybridjit.models.deepseek_v3 import ExpertSchedule
 
     model = hybridjit.load(args.model, dtype=args.dtype, progress=LoadingProgress())
+    model.expert_schedule = ExpertSchedule(n_deferred=args.deferred_experts)
     for delta in model.stream(
         args.prompt,
         max_new_tokens=args.max_new_tokens,
@@ -86,6 +88,13 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from hybridjit.convert import convert_checkpoint
+
+    print(convert_checkpoint(resolve_model(args.source), args.destination, args.format))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridjit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -100,10 +109,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", default=None, help="compute dtype: float32 or bfloat16 (default by backend)")
+    gen.add_argument("--deferred-experts", type=int, default=0,
+                     help="Expert Deferral: routed experts per token added one layer late (changes the model)")
     gen.set_defaults(run=cmd_generate)
     info = sub.add_parser("info", help="describe a checkpoint without loading its weights")
     info.add_argument("checkpoint", nargs="?", default=None)
     info.set_defaults(run=cmd_info)
+    convert = sub.add_parser("convert", help="re-store a checkpoint's weights in another format")
+    convert.add_argument("source")
+    convert.add_argument("destination")
+    convert.add_argument("--format", required=True, help="fp8, bf16 (and, for routed experts, int8, int4)")
+    convert.set_defaults(run=cmd_convert)
     return parser
 
 
