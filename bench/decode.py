@@ -17,7 +17,6 @@ distinct experts once at the memory read bandwidth measured by the same run. End
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 
@@ -25,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from floors import memory_floors
+from floors import machine, memory_floors
 from hybridjit import _ffi, engine
 from hybridjit.checkpoint import Checkpoint
 from hybridjit.config import ModelConfig
@@ -209,7 +208,8 @@ def main(argv=None):
     parser.add_argument("--dtype", default=None, help="compute dtype (default: float32 on CPU, bfloat16 on GPU)")
     parser.add_argument("--overlap", default="on", choices=("on", "off", "both"),
                         help="dual-batch attention-MoE overlap for batches of 2 or more")
-    parser.add_argument("--deferred", type=int, nargs="+", default=[0], help="Expert Deferral: deferred experts")
+    parser.add_argument("--deferred", type=int, nargs="+", default=[],
+                        help="also run batch 1 with Expert Deferral of these many experts")
     args = parser.parse_args(argv)
 
     floors = memory_floors()
@@ -223,8 +223,9 @@ def main(argv=None):
           f"{'hand-off':>9} {'xla':>8} {'floor':>8} {'ratio':>6}")
     results = []
     overlaps = {"on": [True], "off": [False], "both": [False, True]}[args.overlap]
-    cases = [(c, b, o, d) for c in args.context for b in args.batch for o in overlaps for d in args.deferred
-             if b > 1 or o == overlaps[0]]
+    # Overlap applies to batches of 2 or more; deferral is measured at batch 1 (its use case).
+    cases = [(c, b, o, 0) for c in args.context for b in args.batch for o in (overlaps if b > 1 else [False])]
+    cases += [(c, 1, False, d) for c in args.context for d in args.deferred if d > 0]
     for context, batch, overlap, deferred in cases:
         model.dual_batch = overlap
         model.expert_schedule = dsv3.ExpertSchedule(n_deferred=deferred)
@@ -239,9 +240,8 @@ def main(argv=None):
             line += f"  projected to {full_layers} layers: {r['projected_full_depth_tok_s']} tok/s"
         results.append(r)
         print(line)
-    machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "device": str(model.placement.device),
-               "kernel": kernel_info(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
-    print(json.dumps({"bench": "decode", "model": name, "layers": depth, "machine": machine, "floors": floors,
+    where = {**machine(), "device": str(model.placement.device), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    print(json.dumps({"bench": "decode", "model": name, "layers": depth, "machine": where, "floors": floors,
                       "results": results}))
 
 

@@ -55,6 +55,13 @@ def _bucket(n: int) -> int:
     return max(MIN_BUCKET, 1 << (n - 1).bit_length())
 
 
+def _right_padded(seqs: list[list[int]], width: int) -> np.ndarray:
+    tokens = np.zeros((len(seqs), width), np.int32)
+    for i, s in enumerate(seqs):
+        tokens[i, : len(s)] = s
+    return tokens
+
+
 class Model:
     """A loaded checkpoint. `weights` and `config` compose with `hybridjit.models.deepseek_v3` functions."""
 
@@ -113,9 +120,7 @@ class Model:
         seqs = self._check_ids(token_ids)
         longest = max(len(s) for s in seqs)
         self._check_context(longest)
-        tokens = np.zeros((len(seqs), _bucket(longest)), np.int32)
-        for i, s in enumerate(seqs):
-            tokens[i, : len(s)] = s
+        tokens = _right_padded(seqs, _bucket(longest))
         logits = np.asarray(_logits_program(self.config, self.weights, tokens))[:, :longest]
         raise_gpu_errors()
         return logits
@@ -148,9 +153,7 @@ class Model:
         sampling = params.device_args()
         current, caches = [], []
         for g, rows in enumerate(groups):
-            tokens = np.zeros((len(rows), min(_bucket(longest), cache_len)), np.int32)
-            for i, row in enumerate(rows):
-                tokens[i, : len(seqs[row])] = seqs[row]
+            tokens = _right_padded([seqs[row] for row in rows], min(_bucket(longest), cache_len))
             cache = dsv3.init_cache(self.config, len(rows), cache_len, self.dtype, self.placement.device)
             first, cache = _prefill_program(
                 self.config, self.weights, tokens, lengths[rows], cache, jax.random.fold_in(prefill_key, g), *sampling
