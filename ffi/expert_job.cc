@@ -1,10 +1,8 @@
 #include "expert_job.h"
 
 #include <string>
-#include <vector>
 
-#include "expert_kernels.h"
-#include "numeric_formats.h"
+#include "moe_operator.h"
 #include "routed_experts_handler.h"
 #include "weight_bank.h"
 
@@ -29,29 +27,18 @@ ffi::Error RunExpertJob(const ExpertJob& job) {
       error.failure()) {
     return error;
   }
-  // The kernels work in float32; bf16 activations are widened exactly and the result rounded once.
-  const size_t count = static_cast<size_t>(job.tokens * job.hidden);
-  std::vector<float> x_wide, y_wide;
-  RoutedExpertsArgs args;
-  args.ids = job.ids;
-  args.weights = job.weights;
-  args.tokens = job.tokens;
-  args.top_k = job.top_k;
-  if (job.bf16) {
-    const auto* x_bits = static_cast<const uint16_t*>(job.x);
-    x_wide.resize(count);
-    for (size_t i = 0; i < count; ++i) x_wide[i] = Bf16BitsToFloat(x_bits[i]);
-    y_wide.resize(count);
-    args.x = x_wide.data();
-    args.y = y_wide.data();
-  } else {
-    args.x = static_cast<const float*>(job.x);
-    args.y = static_cast<float*>(job.y);
-  }
-  RoutedExpertsGeneric(layer, args);
-  if (job.bf16) {
-    auto* y_bits = static_cast<uint16_t*>(job.y);
-    for (size_t i = 0; i < count; ++i) y_bits[i] = FloatToBf16Bits(y_wide[i]);
+  MoeCall call;
+  call.x = job.x;
+  call.x_bf16 = job.bf16;
+  call.ids = job.ids;
+  call.weights = job.weights;
+  call.tokens = job.tokens;
+  call.top_k = job.top_k;
+  call.y = job.y;
+  call.y_bf16 = job.bf16;
+  const std::string error = RunRoutedExperts(layer, call);
+  if (!error.empty()) {
+    return ffi::Error::Internal("hybridjit_routed_experts (layer " + std::to_string(job.layer_id) + "): " + error);
   }
   return ffi::Error::Success();
 }

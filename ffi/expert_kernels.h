@@ -1,26 +1,76 @@
-// CPU implementations of the routed-expert MoE operator.
+// CPU matrix kernels of the routed-expert MoE operator, one set per instruction-set family.
+//
+// A kernel multiplies rows of one expert projection (a row-major [out, in] matrix in the layer's
+// format, read in place) by the activations of the expert's tokens. The activations are first packed
+// once per expert call into the kernel's own layout and precision:
+//   generic  float32 (f32/bf16/fp8 weights) or int8 per scale group (int8/int4 weights)
+//   avx2     float32, or int8 per group
+//   avx512   bfloat16 (bf16/fp8 weights, for vdpbf16ps) or int8 per group (VNNI)
+//   amx      bfloat16 tiles (bf16, fp8, and int8/int4 with several scale groups per row, whose
+//            weights are dequantized to bfloat16 tile by tile), or int8 tiles (int8 with one
+//            scale per row, where integer sums need no per-group rescaling)
+// int8 activations are quantized per token and per weight scale group g of the input dimension:
+// s = max|x_g| / 127, q = round-to-nearest-even(x * (127 / max|x_g|)), so x ~ q * s. Every kernel
+// quantizes the same way and sums the integer products exactly, so the formats' integer kernels agree
+// with each other up to float32 summation order.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
+#include "cpu_features.h"
 #include "weight_bank.h"
 
 namespace hybridjit {
 
-// y[t] = sum_k weights[t,k] * down_e(silu(gate_e x[t]) * up_e x[t]) with e = ids[t,k], for
-// x and y row-major [tokens, hidden], ids and weights row-major [tokens, top_k].
-// The caller has checked that every id is in [0, n_experts).
-struct RoutedExpertsArgs {
-  const float* x = nullptr;
-  const int32_t* ids = nullptr;
-  const float* weights = nullptr;
-  int64_t tokens = 0;
-  int64_t top_k = 0;
-  float* y = nullptr;
+// Rows of float32 or bfloat16 activations: row i starts at element (index ? index[i] : i) * stride.
+struct ActivationRows {
+  const void* base = nullptr;
+  bool bf16 = false;
+  int64_t stride = 0;
+  const int64_t* index = nullptr;
+  int64_t count = 0;
+
+  const void* Row(int64_t i) const {
+    const int64_t r = index ? index[i] : i;
+    return static_cast<const char*>(base) + r * stride * (bf16 ? 2 : 4);
+  }
 };
 
-// Portable reference: always compiled, single-threaded, float32 accumulation. ISA-specific kernels
-// are tested against it.
-void RoutedExpertsGeneric(const LayerWeights& layer, const RoutedExpertsArgs& args);
+// One projection matrix of one expert.
+struct Projection {
+  const void* data = nullptr;
+  const float* scale = nullptr;  // the layer's block grid, null for f32/bf16
+  int64_t rows = 0;
+  int64_t cols = 0;
+};
+
+struct GemmKernel {
+  const char* name;
+  // Output buffers hold rows and tokens padded up to a multiple of this (AMX writes whole tiles).
+  int64_t pad;
+  // Bytes of packed activations for `tokens` rows of `cols` elements.
+  size_t (*packed_bytes)(const LayerWeights& layer, int64_t tokens, int64_t cols);
+  void (*pack)(const LayerWeights& layer, const ActivationRows& rows, int64_t cols, void* packed);
+  // For p < n_proj: out[p][r * out_stride + t] = (row row0 + r of w[p]) . (token t), r < rows,
+  // t < tokens. The projections share the packed activations (gate and up of one expert).
+  void (*gemm)(const LayerWeights& layer, const Projection* w, int n_proj, int64_t row0, int64_t rows,
+               const void* packed, int64_t tokens, float* const* out, int64_t out_stride);
+};
+
+// The kernels of each family for a layer; null where the family has none for the layer's format (the
+// next lower family's kernel serves it).
+const GemmKernel* GenericKernel(const LayerWeights& layer);
+const GemmKernel* Avx2Kernel(const LayerWeights& layer);
+const GemmKernel* Avx512Kernel(const LayerWeights& layer);
+const GemmKernel* AmxKernel(const LayerWeights& layer);
+
+// With the amx family, the tokens per expert from which a layer's experts run on AMX: the override if
+// set (cpu_features.h), else the crossover measured against AVX-512 for the layer's AMX kernel.
+int64_t AmxMinTokens(const LayerWeights& layer);
+
+// The kernel that `family` uses for an expert of `layer` with `tokens` tokens in a call: with amx,
+// the AMX kernel from AmxMinTokens(layer) tokens on and the AVX-512 one below.
+const GemmKernel& SelectKernel(CpuKernel family, const LayerWeights& layer, int64_t tokens);
 
 }  // namespace hybridjit

@@ -3,6 +3,8 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
+
+#include <memory>
 #include <nanobind/stl/tuple.h>
 
 #include <cstdint>
@@ -11,7 +13,12 @@
 #include <vector>
 
 #include "routed_experts_async.h"
+#include "cpu_features.h"
+#include "expert_kernels.h"
+#include "membench.h"
+#include "moe_operator.h"
 #include "routed_experts_handler.h"
+#include "thread_pool.h"
 #include "weight_bank.h"
 #ifdef HYBRIDJIT_WITH_CUDA
 #include "gpu_handoff.h"
@@ -26,7 +33,9 @@ WeightFormat ParseFormat(const std::string& name) {
   if (name == "f32") return WeightFormat::kF32;
   if (name == "bf16") return WeightFormat::kBf16;
   if (name == "fp8") return WeightFormat::kFp8E4M3Fn;
-  throw std::invalid_argument("unknown weight format '" + name + "' (expected f32, bf16 or fp8)");
+  if (name == "int8") return WeightFormat::kInt8;
+  if (name == "int4") return WeightFormat::kInt4;
+  throw std::invalid_argument("unknown weight format '" + name + "' (expected f32, bf16, fp8, int8 or int4)");
 }
 
 template <typename T>
@@ -35,7 +44,7 @@ const T* AsPointer(uintptr_t address) {
 }
 
 // Addresses arrive as integers (numpy's ctypes.data) so that any host memory can be registered,
-// whatever its dtype or owner; the scale lists are empty unless the format is fp8.
+// whatever its dtype or owner; the scale lists are empty for f32 and bf16.
 using Addresses = std::vector<uintptr_t>;
 
 int64_t RegisterLayer(const std::string& format, int64_t hidden, int64_t inter, int64_t block_rows,
@@ -48,8 +57,8 @@ int64_t RegisterLayer(const std::string& format, int64_t hidden, int64_t inter, 
   layer.block_rows = block_rows;
   layer.block_cols = block_cols;
   const size_t n = gate.size();
-  const bool fp8 = layer.format == WeightFormat::kFp8E4M3Fn;
-  const size_t n_scales = fp8 ? n : 0;
+  const bool scaled = layer.scaled();
+  const size_t n_scales = scaled ? n : 0;
   if (up.size() != n || down.size() != n || gate_scale.size() != n_scales || up_scale.size() != n_scales ||
       down_scale.size() != n_scales) {
     throw std::invalid_argument("pointer lists disagree in length");
@@ -60,7 +69,7 @@ int64_t RegisterLayer(const std::string& format, int64_t hidden, int64_t inter, 
     w.gate = AsPointer<void>(gate[e]);
     w.up = AsPointer<void>(up[e]);
     w.down = AsPointer<void>(down[e]);
-    if (fp8) {
+    if (scaled) {
       w.gate_scale = AsPointer<float>(gate_scale[e]);
       w.up_scale = AsPointer<float>(up_scale[e]);
       w.down_scale = AsPointer<float>(down_scale[e]);
@@ -76,10 +85,97 @@ bool UnregisterLayer(int64_t id) {
 }
 
 nb::dict KernelInfo() {
+  const CpuKernel family = SelectedCpuKernel();
+  const std::shared_ptr<ThreadPool> pool = ThreadPool::Global();
   nb::dict info;
-  info["kernel"] = "generic";
-  info["threads"] = 1;
+  info["kernel"] = CpuKernelName(family);
+  info["best"] = CpuKernelName(BestCpuKernel());
+  nb::list supported;
+  for (CpuKernel k : {CpuKernel::kGeneric, CpuKernel::kAvx2, CpuKernel::kAvx512, CpuKernel::kAmx}) {
+    if (CpuKernelSupported(k)) supported.append(CpuKernelName(k));
+  }
+  info["supported"] = supported;
+  info["threads"] = pool->threads();
+  info["numa_nodes"] = pool->nodes();
+  info["numa_forced"] = pool->nodes_forced();
+  info["amx_min_tokens"] = AmxMinTokensOverride();
+  // Per format (int8/int4 with 128-column groups), the kernel that runs an expert with one token and
+  // one with very many; layer_kernel answers for a registered layer and a token count.
+  nb::dict formats;
+  for (WeightFormat f : {WeightFormat::kF32, WeightFormat::kBf16, WeightFormat::kFp8E4M3Fn, WeightFormat::kInt8,
+                         WeightFormat::kInt4}) {
+    LayerWeights layer;
+    layer.format = f;
+    layer.hidden = layer.inter = kIntGroupQuantum;
+    layer.block_rows = f == WeightFormat::kFp8E4M3Fn ? 128 : 1;
+    layer.block_cols = 128;
+    nb::dict entry;
+    entry["few_tokens"] = SelectKernel(family, layer, 1).name;
+    entry["many_tokens"] = SelectKernel(family, layer, 1 << 20).name;
+    formats[WeightFormatName(f)] = entry;
+  }
+  info["formats"] = formats;
   return info;
+}
+
+void SetCpuKernelByName(const std::string& name) { SetCpuKernel(ParseCpuKernel(name)); }
+
+// The operator on host arrays, without XLA (tests and benchmarks); the Python wrapper checks the arrays.
+void RunLayer(int64_t id, uintptr_t x, bool bf16, uintptr_t ids, uintptr_t weights, int64_t tokens, int64_t top_k,
+              uintptr_t y) {
+  std::string error;
+  {
+    nb::gil_scoped_release release;
+    const LayerLease lease = WeightBank::Global().Find(id);
+    if (!lease) {
+      error = "unknown layer id " + std::to_string(id);
+    } else {
+      const auto* id_data = AsPointer<int32_t>(ids);
+      for (int64_t i = 0; i < tokens * top_k && error.empty(); ++i) {
+        if (id_data[i] < 0 || id_data[i] >= lease.weights().n_experts()) {
+          error = "expert id " + std::to_string(id_data[i]) + " out of range";
+        }
+      }
+      if (error.empty()) {
+        MoeCall call;
+        call.x = AsPointer<void>(x);
+        call.x_bf16 = call.y_bf16 = bf16;
+        call.ids = id_data;
+        call.weights = AsPointer<float>(weights);
+        call.tokens = tokens;
+        call.top_k = top_k;
+        call.y = reinterpret_cast<void*>(y);
+        error = RunRoutedExperts(lease.weights(), call);
+      }
+    }
+  }
+  if (!error.empty()) throw std::runtime_error(error);
+}
+
+std::string LayerKernel(int64_t id, int64_t tokens) {
+  const LayerLease lease = WeightBank::Global().Find(id);
+  if (!lease) throw std::invalid_argument("unknown layer id " + std::to_string(id));
+  return SelectKernel(SelectedCpuKernel(), lease.weights(), tokens).name;
+}
+
+void ConfigureThreads(int threads, int numa_nodes) {
+  if (threads < 0 || numa_nodes < 0) throw std::invalid_argument("threads and numa_nodes must be >= 0");
+  nb::gil_scoped_release release;
+  ThreadPool::ConfigureGlobal(threads, numa_nodes);
+}
+
+nb::dict MemoryBandwidthDict(int64_t bytes, int repeats, int threads) {
+  MemoryBandwidth m;
+  {
+    nb::gil_scoped_release release;
+    m = MeasureMemoryBandwidth(bytes, repeats, threads);
+  }
+  nb::dict out;
+  out["read_gbps"] = m.read_gbps;
+  out["triad_gbps"] = m.triad_gbps;
+  out["threads"] = m.threads;
+  out["bytes_per_array"] = m.bytes;
+  return out;
 }
 
 }  // namespace
@@ -95,7 +191,19 @@ NB_MODULE(_ffi, m) {
   m.def("unregister_layer", &UnregisterLayer, nb::arg("id"),
         "Removes a layer once its running calls finish; False if the id is unknown.");
   m.def("registered_layer_ids", [] { return WeightBank::Global().Ids(); });
-  m.def("kernel_info", &KernelInfo);
+  m.def("kernel_info", &KernelInfo, "The CPU kernel family in use, the host's, threads, and per format kernel names.");
+  m.def("run_layer", &RunLayer, nb::arg("id"), nb::arg("x"), nb::arg("bf16"), nb::arg("ids"), nb::arg("weights"),
+        nb::arg("tokens"), nb::arg("top_k"), nb::arg("y"), "The routed-experts operator on host memory addresses.");
+  m.def("layer_kernel", &LayerKernel, nb::arg("id"), nb::arg("tokens"),
+        "The kernel that runs an expert of a registered layer with `tokens` tokens in a call.");
+  m.def("set_cpu_kernel", &SetCpuKernelByName, nb::arg("name"),
+        "Selects the kernel family (generic, avx2, avx512, amx); ValueError if the host lacks it.");
+  m.def("set_amx_min_tokens", &SetAmxMinTokens, nb::arg("tokens"),
+        "With the amx family, experts with at least this many tokens use AMX, the others AVX-512 (0: per-layer defaults).");
+  m.def("configure_threads", &ConfigureThreads, nb::arg("threads"), nb::arg("numa_nodes"),
+        "Replaces the CPU thread pool (0 = the machine's default for either).");
+  m.def("memory_bandwidth", &MemoryBandwidthDict, nb::arg("bytes"), nb::arg("repeats"), nb::arg("threads"),
+        "Read-sum and STREAM-triad bandwidth (GB/s) over arrays of `bytes`, best of `repeats`.");
   m.def("routed_experts_cpu", [] { return nb::capsule(reinterpret_cast<void*>(&HybridjitRoutedExpertsCpu)); },
         "FFI handler capsule for platform 'cpu'.");
   m.def("routed_experts_submit_cpu",
@@ -113,8 +221,8 @@ NB_MODULE(_ffi, m) {
   m.def("gpu_handoff_mode", [] { return std::string(GpuHandoffMode()); });
   m.def("take_gpu_handoff_stats", [] {
     const GpuHandoffStats stats = TakeGpuHandoffStats();
-    return nb::make_tuple(stats.jobs, stats.job_seconds);
-  }, "(jobs, seconds in them) of CPU jobs run for the GPU since the last call.");
+    return nb::make_tuple(stats.jobs, stats.job_seconds, stats.handler_runs);
+  }, "(CPU jobs run for the GPU, seconds in them, CUDA handler body runs) since the last call.");
 #else
   m.attr("has_cuda") = false;
 #endif

@@ -1,6 +1,7 @@
 // Scalar conversions between the storage formats of weights and activations and float32.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -46,6 +47,37 @@ inline const std::array<float, 256>& Fp8E4M3FnTable() {
     return t;
   }();
   return table;
+}
+
+// max |x| over n values, as float bits compared as integers: exact, and a NaN anywhere wins (its
+// bits exceed those of every finite value and of infinity), so it reaches the group's scale.
+inline float AbsMax(const float* x, int64_t n) {
+  uint32_t amax = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, sizeof bits);
+    amax = std::max(amax, bits & 0x7fffffffu);
+  }
+  float value;
+  std::memcpy(&value, &amax, sizeof value);
+  return value;
+}
+
+// The int8 activation quantization of every kernel (see expert_kernels.h): q = rint(x * (127 / amax))
+// under the default rounding mode (nearest-even), scale amax / 127. A group that is all zeros has
+// scale 0; one with a NaN or an infinity gets q = 0 and a non-finite scale, so the products that use
+// it are NaN rather than silently finite.
+inline float Int8Scale(float amax) { return amax / 127.0f; }
+
+inline float QuantizeInt8(const float* x, int64_t n, int8_t* q) {
+  const float amax = AbsMax(x, n);
+  if (amax == 0.0f || !std::isfinite(amax)) {
+    std::fill(q, q + std::max<int64_t>(n, 0), int8_t{0});
+    return amax == 0.0f ? 0.0f : amax;
+  }
+  const float inv = 127.0f / amax;
+  for (int64_t i = 0; i < n; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
+  return Int8Scale(amax);
 }
 
 }  // namespace hybridjit

@@ -1,10 +1,8 @@
 #include "routed_experts_handler.h"
 
 #include <string>
-#include <vector>
 
-#include "expert_kernels.h"
-#include "numeric_formats.h"
+#include "moe_operator.h"
 
 namespace hybridjit {
 namespace {
@@ -63,30 +61,18 @@ ffi::Error RoutedExpertsCpu(ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer
     return error;
   }
 
-  // The kernel works in float32; bf16 activations are widened exactly and the result rounded once.
-  const bool bf16 = x.element_type() == ffi::DataType::BF16;
-  const size_t count = static_cast<size_t>(tokens * layer.hidden);
-  std::vector<float> x_wide, y_wide;
-  RoutedExpertsArgs args;
-  args.ids = id_data;
-  args.weights = static_cast<const float*>(weights.untyped_data());
-  args.tokens = tokens;
-  args.top_k = top_k;
-  if (bf16) {
-    const auto* x_bits = static_cast<const uint16_t*>(x.untyped_data());
-    x_wide.resize(count);
-    for (size_t i = 0; i < count; ++i) x_wide[i] = Bf16BitsToFloat(x_bits[i]);
-    y_wide.resize(count);
-    args.x = x_wide.data();
-    args.y = y_wide.data();
-  } else {
-    args.x = static_cast<const float*>(x.untyped_data());
-    args.y = static_cast<float*>(y->untyped_data());
-  }
-  RoutedExpertsGeneric(layer, args);
-  if (bf16) {
-    auto* y_bits = static_cast<uint16_t*>(y->untyped_data());
-    for (size_t i = 0; i < count; ++i) y_bits[i] = FloatToBf16Bits(y_wide[i]);
+  MoeCall call;
+  call.x = x.untyped_data();
+  call.x_bf16 = x.element_type() == ffi::DataType::BF16;
+  call.ids = id_data;
+  call.weights = static_cast<const float*>(weights.untyped_data());
+  call.tokens = tokens;
+  call.top_k = top_k;
+  call.y = y->untyped_data();
+  call.y_bf16 = call.x_bf16;
+  const std::string error = RunRoutedExperts(layer, call);
+  if (!error.empty()) {
+    return ffi::Error::Internal("hybridjit_routed_experts (layer " + std::to_string(layer_id) + "): " + error);
   }
   return ffi::Error::Success();
 }

@@ -33,5 +33,6 @@ xla::ffi::Error CheckExpertIds(const int32_t* ids, int64_t count, int64_t n_expe
 
 }  // namespace hybridjit
 
-// Host (XLA:CPU) handler: computes synchronously on the calling thread.
+// Host (XLA:CPU) handler: computes synchronously; the calling thread works with the CPU thread pool
+// (moe_operator.h) and returns when y is complete.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(HybridjitRoutedExpertsCpu);

@@ -14,6 +14,10 @@ const char* WeightFormatName(WeightFormat format) {
       return "bf16";
     case WeightFormat::kFp8E4M3Fn:
       return "fp8";
+    case WeightFormat::kInt8:
+      return "int8";
+    case WeightFormat::kInt4:
+      return "int4";
   }
   return "unknown";
 }
@@ -25,21 +29,41 @@ void CheckLayer(const LayerWeights& layer) {
     throw std::invalid_argument("hidden and inter must be positive");
   }
   if (layer.experts.empty()) throw std::invalid_argument("a layer needs at least one expert");
-  const bool fp8 = layer.format == WeightFormat::kFp8E4M3Fn;
-  if (fp8 && (layer.block_rows <= 0 || layer.block_cols <= 0)) {
-    throw std::invalid_argument("fp8 scale blocks must be positive");
+  const bool scaled = layer.scaled();
+  if (scaled && (layer.block_rows <= 0 || layer.block_cols <= 0)) {
+    throw std::invalid_argument("scale blocks must be positive");
+  }
+  const bool integer = layer.format == WeightFormat::kInt8 || layer.format == WeightFormat::kInt4;
+  if (integer && (layer.block_rows != 1 || layer.block_cols % kIntGroupQuantum != 0)) {
+    throw std::invalid_argument("int8/int4 scale groups must be one row by a multiple of " +
+                                std::to_string(kIntGroupQuantum) + " columns");
   }
   for (size_t e = 0; e < layer.experts.size(); ++e) {
     const ExpertWeights& w = layer.experts[e];
     const bool has_weights = w.gate && w.up && w.down;
     const bool has_scales = w.gate_scale && w.up_scale && w.down_scale;
-    if (!has_weights || (fp8 && !has_scales)) {
+    if (!has_weights || (scaled && !has_scales)) {
       throw std::invalid_argument("expert " + std::to_string(e) + ": null weight or scale pointer");
     }
   }
 }
 
 }  // namespace
+
+int64_t LayerWeights::RowBytes(int64_t cols) const {
+  switch (format) {
+    case WeightFormat::kF32:
+      return cols * 4;
+    case WeightFormat::kBf16:
+      return cols * 2;
+    case WeightFormat::kFp8E4M3Fn:
+    case WeightFormat::kInt8:
+      return cols;
+    case WeightFormat::kInt4:
+      return (cols + 1) / 2;
+  }
+  return 0;
+}
 
 WeightBank& WeightBank::Global() {
   static WeightBank* bank = new WeightBank();  // never destroyed: handlers may run during exit

@@ -14,14 +14,22 @@
 
 namespace hybridjit {
 
-enum class WeightFormat { kF32, kBf16, kFp8E4M3Fn };
+enum class WeightFormat { kF32, kBf16, kFp8E4M3Fn, kInt8, kInt4 };
+
+// int8/int4 scale groups run along the input dimension and hold a multiple of this many elements, so
+// that no SIMD chunk or AMX tile step of any kernel straddles two groups.
+inline constexpr int64_t kIntGroupQuantum = 128;
 
 const char* WeightFormatName(WeightFormat format);
 
 // The three projections of one expert, each a row-major matrix: gate and up [inter, hidden], down
-// [hidden, inter]. For FP8 each matrix has a row-major float32 grid of multipliers, one per
-// (block_rows x block_cols) block: [ceil(rows / block_rows), ceil(cols / block_cols)]; the last
-// row and column of blocks may be partial. Scale pointers are null for the other formats.
+// [hidden, inter]. Element formats: f32, bf16, fp8 (E4M3FN bytes), int8 (signed bytes), int4 (two
+// per byte, element 2j in the low nibble of byte j and 2j+1 in the high one, stored as q + 8 for
+// q in [-8, 7]; a row of n elements takes ceil(n / 2) bytes). fp8, int8 and int4 matrices have a
+// row-major float32 grid of multipliers (w = q * scale), one per (block_rows x block_cols) block:
+// [ceil(rows / block_rows), ceil(cols / block_cols)]; the last row and column of blocks may be
+// partial. For int8/int4 the blocks are groups of one row: block_rows = 1 and block_cols (the group
+// size) a multiple of kIntGroupQuantum. Scale pointers are null for f32 and bf16.
 struct ExpertWeights {
   const void* gate = nullptr;
   const void* up = nullptr;
@@ -35,11 +43,14 @@ struct LayerWeights {
   WeightFormat format = WeightFormat::kF32;
   int64_t hidden = 0;
   int64_t inter = 0;
-  int64_t block_rows = 0;  // FP8 scale block along the output dimension of a projection
+  int64_t block_rows = 0;  // scale block along the output dimension of a projection
   int64_t block_cols = 0;  // ... and along its input dimension
   std::vector<ExpertWeights> experts;
 
   int64_t n_experts() const { return static_cast<int64_t>(experts.size()); }
+  bool scaled() const { return format != WeightFormat::kF32 && format != WeightFormat::kBf16; }
+  // Bytes of one row of `cols` elements.
+  int64_t RowBytes(int64_t cols) const;
 };
 
 // Read access to one registered layer. While a lease is alive the layer cannot finish being removed,

@@ -44,6 +44,23 @@ class Fp8Config:
 
 
 @dataclasses.dataclass(frozen=True)
+class IntQuantConfig:
+    """Routed experts stored as int8 or int4 with a float32 scale per row and group of input columns
+    (quantization_config {"quant_method": "hybridjit_int", "bits": 8 | 4, "group_size": G}; the format is
+    defined in hybridjit/convert.py)."""
+
+    bits: int
+    group_size: int
+
+    def stored_shape(self, shape: tuple[int, int]) -> tuple[int, int]:
+        """[out, in] as stored: int4 packs two values per byte."""
+        return (shape[0], -(-shape[1] // 2)) if self.bits == 4 else shape
+
+    def scale_shape(self, shape: tuple[int, int]) -> tuple[int, int]:
+        return shape[0], -(-shape[1] // self.group_size)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -74,6 +91,7 @@ class ModelConfig:
     fp8: Fp8Config | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    int_quant: IntQuantConfig | None = None
 
     @property
     def qk_head_dim(self) -> int:
@@ -178,6 +196,7 @@ class ModelConfig:
             fp8=_fp8_config(raw, source),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            int_quant=_int_config(raw, source),
         )
 
 
@@ -214,7 +233,7 @@ def _rope_config(raw: dict, source: str) -> RopeConfig:
 
 def _fp8_config(raw: dict, source: str) -> Fp8Config | None:
     q = raw.get("quantization_config")
-    if not q:
+    if not q or q.get("quant_method") == INT_QUANT_METHOD:
         return None
     if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3":
         raise ConfigError(
@@ -224,3 +243,19 @@ def _fp8_config(raw: dict, source: str) -> Fp8Config | None:
     if not block or len(block) != 2:
         raise ConfigError(f"{source}: fp8 quantization_config needs weight_block_size [rows, cols]")
     return Fp8Config(block=(int(block[0]), int(block[1])))
+
+
+INT_QUANT_METHOD = "hybridjit_int"
+
+
+def _int_config(raw: dict, source: str) -> IntQuantConfig | None:
+    q = raw.get("quantization_config")
+    if not q or q.get("quant_method") != INT_QUANT_METHOD:
+        return None
+    bits, group = q.get("bits"), q.get("group_size")
+    if bits not in (4, 8) or not isinstance(group, int) or group <= 0 or group % 128:
+        raise ConfigError(
+            f"{source}: quantization_config {q} is not supported: bits must be 8 or 4 and group_size a "
+            "positive multiple of 128"
+        )
+    return IntQuantConfig(bits=bits, group_size=group)

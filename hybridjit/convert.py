@@ -1,4 +1,19 @@
-"""Offline conversion of a checkpoint's weight format, written as a new Hugging Face checkpoint."""
+"""Offline conversion of a checkpoint's weight format, written as a new Hugging Face checkpoint.
+
+Formats: "fp8" (E4M3FN with float32 per-block scales, as DeepSeek-V3 ships), "bf16", and for the routed
+experts only "int8" / "int4". The int formats, as written (and read by hybridjit.weights):
+
+- each routed expert projection ``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight`` [out, in] is
+  stored as int8 ``I8`` [out, in], or int4 ``U8`` [out, ceil(in / 2)]: element 2j in the low nibble of
+  byte j and element 2j + 1 in the high nibble, each stored as q + 8 for q in [-8, 7] (a padding nibble
+  for odd ``in`` holds 8, i.e. 0);
+- its ``..._scale_inv`` is float32 [out, ceil(in / G)]: one multiplier per row and group of G input
+  columns, w = q * scale_inv (the meaning of ``weight_scale_inv`` in the FP8 checkpoints). Symmetric
+  round-to-nearest: scale = max|w| / 127 (int8) or / 7 (int4) over the group;
+- every other projection becomes bfloat16 (the CPU kernels only run the routed experts);
+- config.json gets ``"quantization_config": {"quant_method": "hybridjit_int", "bits": 8 | 4, "group_size": G,
+  "modules": "routed_experts"}`` with G a multiple of 128 (G >= the input size: one scale per row).
+"""
 
 import json
 import shutil
@@ -8,20 +23,48 @@ import ml_dtypes
 import numpy as np
 
 from hybridjit.checkpoint import Checkpoint
-from hybridjit.config import ModelConfig
+from hybridjit.config import INT_QUANT_METHOD, ModelConfig
 from hybridjit.export import save_checkpoint
 from hybridjit.quant import dequantize_fp8_blocks, quantize_fp8_blocks
-from hybridjit.weights import SCALE_SUFFIX, check_checkpoint, checkpoint_layout
+from hybridjit.weights import ROUTED_EXPERT_WEIGHT, SCALE_SUFFIX, check_checkpoint, checkpoint_layout
 
 FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+WEIGHT_FORMATS = ("fp8", "bf16", "int8", "int4")
 
 
-def convert_checkpoint(src, dst, weight_format: str, block: tuple[int, int] = (128, 128)) -> Path:
+def quantize_int_groups(weight: np.ndarray, bits: int, group_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """float [out, in] -> (int8 [out, in] or packed int4 uint8 [out, ceil(in / 2)], float32 scales
+    [out, ceil(in / group_size)]), symmetric per row and group of input columns."""
+    w = np.asarray(weight, dtype=np.float32)
+    rows, cols = w.shape
+    groups = -(-cols // group_size)
+    padded = np.zeros((rows, groups * group_size), np.float32)
+    padded[:, :cols] = w
+    qmax = 127 if bits == 8 else 7
+    amax = np.abs(padded.reshape(rows, groups, group_size)).max(axis=2)
+    scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
+    q = np.rint(padded.reshape(rows, groups, group_size) / scale[:, :, None]).reshape(rows, -1)[:, :cols]
+    q = np.clip(q, -qmax if bits == 8 else -8, qmax).astype(np.int8)
+    if bits == 8:
+        return q, scale
+    nibbles = np.full((rows, cols + cols % 2), 8, np.uint8)
+    nibbles[:, :cols] = (q + 8).astype(np.uint8)
+    return np.ascontiguousarray(nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)), scale
+
+
+def convert_checkpoint(
+    src, dst, weight_format: str, block: tuple[int, int] = (128, 128), group_size: int = 128
+) -> Path:
     """Re-stores every projection matrix (those real DeepSeek-V3 checkpoints quantize) as `weight_format`:
-    "fp8" (E4M3FN with float32 per-block scales) or "bf16". Other tensors are copied unchanged."""
-    if weight_format not in ("fp8", "bf16"):
-        raise ValueError(f"weight format {weight_format!r} is not supported (fp8, bf16)")
+    "fp8" (E4M3FN with float32 per-`block` scales) or "bf16"; "int8"/"int4" quantize the routed experts in
+    groups of `group_size` input columns and store the other projections as bf16 (format in the module
+    docstring). Other tensors are copied unchanged."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight format {weight_format!r} is not supported ({', '.join(WEIGHT_FORMATS)})")
+    bits = {"int8": 8, "int4": 4}.get(weight_format)
+    if bits and (group_size <= 0 or group_size % 128):
+        raise ValueError(f"group_size must be a positive multiple of 128, got {group_size}")
     src, dst = Path(src), Path(dst)
     raw = json.loads((src / "config.json").read_text())
     cfg = ModelConfig.from_hf_config(raw, source=str(src / "config.json"))
@@ -35,15 +78,37 @@ def convert_checkpoint(src, dst, weight_format: str, block: tuple[int, int] = (1
             continue
         if w.dtype == ml_dtypes.float8_e4m3fn:
             w = dequantize_fp8_blocks(w, np.asarray(ckpt.get(name + SCALE_SUFFIX)), cfg.fp8.block)
+        elif cfg.int_quant is not None and ROUTED_EXPERT_WEIGHT.match(name):
+            w = _dequantize_int_groups(w, np.asarray(ckpt.get(name + SCALE_SUFFIX)), cfg.int_quant, spec.shape)
         if weight_format == "fp8":
             tensors[name], tensors[name + SCALE_SUFFIX] = quantize_fp8_blocks(w, block)
+        elif bits and ROUTED_EXPERT_WEIGHT.match(name):
+            tensors[name], tensors[name + SCALE_SUFFIX] = quantize_int_groups(w, bits, group_size)
         else:
             tensors[name] = w.astype(ml_dtypes.bfloat16)
     raw.pop("quantization_config", None)
     if weight_format == "fp8":
         raw["quantization_config"] = {**FP8_QUANTIZATION_CONFIG, "weight_block_size": list(block)}
+    elif bits:
+        raw["quantization_config"] = {
+            "quant_method": INT_QUANT_METHOD,
+            "bits": bits,
+            "group_size": group_size,
+            "modules": "routed_experts",
+        }
     save_checkpoint(dst, raw, tensors)
     for name in TOKENIZER_FILES:
         if (src / name).exists():
             shutil.copy(src / name, dst / name)
     return dst
+
+
+def _dequantize_int_groups(stored: np.ndarray, scale: np.ndarray, int_quant, shape) -> np.ndarray:
+    """The inverse of quantize_int_groups (for converting an int checkpoint again)."""
+    rows, cols = shape
+    if int_quant.bits == 4:
+        nibbles = np.stack([stored & 0xF, stored >> 4], axis=-1).reshape(rows, -1)[:, :cols]
+        q = nibbles.astype(np.float32) - 8
+    else:
+        q = stored.astype(np.float32)
+    return q * np.repeat(scale.astype(np.float32), int_quant.group_size, axis=1)[:, :cols]

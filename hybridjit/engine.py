@@ -20,6 +20,7 @@ from hybridjit.ops.async_experts import raise_gpu_errors
 from hybridjit.placement import Placement
 from hybridjit.resolve import resolve_model
 from hybridjit.sampling import SamplingParams, sample
+from hybridjit.stream_prefill import choose_prefill_path, stream_prefill
 from hybridjit.tokenizer import IncrementalDecoder, load_tokenizer
 from hybridjit.weights import Progress, WeightLoader
 
@@ -51,6 +52,9 @@ def _decode_dual_program(cfg, schedule, weights, tokens, positions, caches, key,
     return tuple(sample(lg, k, temperature, top_k, top_p) for lg, k in zip(logits, keys, strict=True)), caches
 
 
+_sample_program = jax.jit(sample)
+
+
 def _bucket(n: int) -> int:
     return max(MIN_BUCKET, 1 << (n - 1).bit_length())
 
@@ -71,6 +75,9 @@ class Model:
         self.tokenizer, self.placement = tokenizer, placement
         # Decode-time settings, changeable between requests:
         self.dual_batch = True  # two or more sequences decode as two interleaved micro-batches
+        # Prompt tokens (batch x length) from which prefill streams the experts to the GPU instead of
+        # running them on the CPU; None: decided by the cost model (stream_prefill.choose_prefill_path).
+        self.stream_prefill_threshold: int | None = None
         self.expert_schedule = dsv3.ExpertSchedule()  # Expert Deferral / Skipping: off (they change the model)
 
     @property
@@ -155,9 +162,15 @@ class Model:
         for g, rows in enumerate(groups):
             tokens = _right_padded([seqs[row] for row in rows], min(_bucket(longest), cache_len))
             cache = dsv3.init_cache(self.config, len(rows), cache_len, self.dtype, self.placement.device)
-            first, cache = _prefill_program(
-                self.config, self.weights, tokens, lengths[rows], cache, jax.random.fold_in(prefill_key, g), *sampling
-            )
+            group_key = jax.random.fold_in(prefill_key, g)
+            path = choose_prefill_path(self, *tokens.shape, threshold=self.stream_prefill_threshold)
+            if path == "stream":
+                logits, cache = stream_prefill(self, tokens, lengths[rows], cache)
+                first = _sample_program(logits, group_key, *sampling)
+            else:
+                first, cache = _prefill_program(
+                    self.config, self.weights, tokens, lengths[rows], cache, group_key, *sampling
+                )
             current.append(first)
             caches.append(cache)
         positions = [lengths[rows] for rows in groups]

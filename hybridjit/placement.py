@@ -20,15 +20,21 @@ class Placement:
     # MoE layers whose routed experts are held on `device` and computed by XLA (every expert on every
     # token: for small models, e.g. training); all other layers keep them in host memory for the CPU.
     device_expert_layers: frozenset[int] = frozenset()
+    # Routed experts kept in host memory go into one pinned-host copy of `device` (hybridjit.pinned_experts)
+    # that both the CPU kernels and stream-loaded prefill read, instead of staying where the checkpoint is.
+    pinned_experts: bool = False
 
     @classmethod
     def default(cls, dtype=None, device: jax.Device | None = None) -> "Placement":
         """The first accelerator if there is one, else the CPU; float32 on CPU (exact, and XLA:CPU bf16
-        dots are no faster), bfloat16 on an accelerator."""
+        dots are no faster), bfloat16 and pinned experts on a GPU."""
         device = device or jax.devices()[0]
+        on_gpu = device.platform == "gpu"
         if dtype is None:
-            dtype = jnp.float32 if device.platform == "cpu" else jnp.bfloat16
-        return cls(device=device, dtype=jnp.dtype(dtype))
+            dtype = jnp.bfloat16 if on_gpu else jnp.float32
+        # On a GPU the routed experts live in one pinned host copy, read by the CPU kernels during decode
+        # and streamed to the GPU for long prompts (stream-loaded prefill).
+        return cls(device=device, dtype=jnp.dtype(dtype), pinned_experts=on_gpu)
 
     def put(self, array: np.ndarray, dtype=None) -> jax.Array:
         """A host array on the device in `dtype` (default: the compute dtype), converted on the host."""

@@ -9,6 +9,7 @@ them (memory-mapped files).
 """
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -22,17 +23,19 @@ from hybridjit.checkpoint import CheckpointError
 from hybridjit.config import ModelConfig
 from hybridjit.models import deepseek_v3 as dsv3
 from hybridjit.ops.routed_experts import ExpertLayer, register_layer
+from hybridjit.pinned_experts import register_pinned
 from hybridjit.placement import Placement
 from hybridjit.quant import dequantize_fp8_blocks, scale_shape
 
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F8_E4M3")
-EXPERT_DTYPES = ("F32", "BF16", "F8_E4M3")
+EXPERT_DTYPES = ("F32", "BF16", "F8_E4M3", "I8", "U8")  # I8/U8: int8/int4 checkpoints (cfg.int_quant)
 SCALE_SUFFIX = "_scale_inv"
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # Real checkpoints also carry the multi-token-prediction layer(s) after the last decoder layer
 # (model.layers.61.* in V3) and, in old exports, rotary caches: the model uses neither.
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _ROTARY_CACHE = re.compile(r".*rotary_emb\.inv_freq$")
+ROUTED_EXPERT_WEIGHT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 
 Progress = Callable[[int, int], None]
 
@@ -106,11 +109,18 @@ def check_checkpoint(cfg: ModelConfig, ckpt) -> None:
             problems.append(f"missing {name} {list(spec.shape)}")
             continue
         info = ckpt.info(name)
-        if info.shape != spec.shape:
-            problems.append(
-                f"{info.file.name}: {name} has shape {list(info.shape)}, config.json implies {list(spec.shape)}"
-            )
-        if info.dtype not in FLOAT_DTYPES:
+        shape = spec.shape
+        int_expert = cfg.int_quant is not None and ROUTED_EXPERT_WEIGHT.match(name)
+        if int_expert:
+            shape = cfg.int_quant.stored_shape(spec.shape)
+        if info.shape != shape:
+            problems.append(f"{info.file.name}: {name} has shape {list(info.shape)}, config.json implies {list(shape)}")
+        if int_expert:
+            dtype = "I8" if cfg.int_quant.bits == 8 else "U8"
+            if info.dtype != dtype:
+                problems.append(f"{info.file.name}: {name} has dtype {info.dtype}, expected {dtype} (int quantization)")
+            expected_scales[name + SCALE_SUFFIX] = cfg.int_quant.scale_shape(spec.shape)
+        elif info.dtype not in FLOAT_DTYPES:
             problems.append(f"{info.file.name}: {name} has dtype {info.dtype}, expected a float type")
         elif info.dtype == "F8_E4M3":
             if cfg.fp8 is None:
@@ -123,9 +133,11 @@ def check_checkpoint(cfg: ModelConfig, ckpt) -> None:
         if name not in ckpt:
             problems.append(f"missing {name} (the block scales of an FP8 weight)")
         elif ckpt.info(name).shape != shape:
+            int_scale = cfg.int_quant is not None and ROUTED_EXPERT_WEIGHT.match(name[: -len(SCALE_SUFFIX)])
+            block = [1, cfg.int_quant.group_size] if int_scale else list(cfg.fp8.block)
             problems.append(
                 f"{ckpt.info(name).file.name}: {name} has shape {list(ckpt.info(name).shape)}, expected "
-                f"{list(shape)} for block {list(cfg.fp8.block)}"
+                f"{list(shape)} for block {block}"
             )
 
     def skipped(name):
@@ -191,10 +203,14 @@ class WeightLoader:
                 f"{p}.experts: routed experts stored as {sorted(dtypes)}; one of {', '.join(EXPERT_DTYPES)} is needed"
             )
         weights = [[self._take(n) for n in names[proj]] for proj in PROJECTIONS]
-        if dtypes != {"F8_E4M3"}:
-            return register_layer(*weights)
+        register = register_layer
+        if self.placement.pinned_experts:
+            register = functools.partial(register_pinned, device=self.placement.device)
+        if dtypes <= {"F32", "BF16"}:
+            return register(*weights)
         scales = [[self._scale(n) for n in names[proj]] for proj in PROJECTIONS]
-        return register_layer(*weights, *scales, block=self.cfg.fp8.block)
+        block = self.cfg.fp8.block if dtypes == {"F8_E4M3"} else (1, self.cfg.int_quant.group_size)
+        return register(*weights, *scales, block=block)
 
     def load(self) -> tuple[dsv3.Weights, list[ExpertLayer]]:
         check_checkpoint(self.cfg, self.ckpt)

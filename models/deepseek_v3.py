@@ -585,3 +585,105 @@ def decode_step_dual(
         if in_flight[m] is not None:
             finish(m, x[1 - m])
     return tuple(_logits(cfg, w, xm)[:, 0] for xm in x), new_caches
+
+
+# ------------------------------------------------------------------- stream-loaded prefill, by pieces
+# hybridjit.stream_prefill runs prefill layer by layer as separate executables, with the routed experts
+# streamed to the device block by block. These are its pieces: the same math as `prefill`, arranged so that
+# no piece needs all the experts of a layer, or the [t, s] attention scores of a whole long prompt, at once.
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedAttention:
+    """Causal attention core over queries in chunks of `chunk` tokens: the scores of one chunk against all keys
+    ([b, h, chunk, s] float32) are the largest intermediate, so long prompts fit. Hashable: a static jit argument.
+
+    Called as attend(q_nope [b, t, h, n], q_rope [b, t, h, p], k_nope [b, s, h, n], k_rope [b, s, p],
+    values [b, s, h, v], scale) -> [b, t, h, v], with query i at position i and key j at position j.
+    """
+
+    chunk: int
+
+    def __call__(self, q_nope, q_rope, k_nope, k_rope, values, scale):
+        b, t = q_nope.shape[:2]
+        n = -(-t // self.chunk)
+        pad = ((0, 0), (0, n * self.chunk - t), (0, 0), (0, 0))
+        q_nope, q_rope = jnp.pad(q_nope, pad), jnp.pad(q_rope, pad)
+        keys = jnp.arange(k_nope.shape[1])
+
+        def one(i):
+            start = i * self.chunk
+            qn = jax.lax.dynamic_slice_in_dim(q_nope, start, self.chunk, axis=1)
+            qr = jax.lax.dynamic_slice_in_dim(q_rope, start, self.chunk, axis=1)
+            scores = jnp.einsum("bthn,bshn->bhts", qn, k_nope) + jnp.einsum("bthp,bsp->bhts", qr, k_rope)
+            causal = (start + jnp.arange(self.chunk))[:, None] >= keys[None, :]
+            probs = _softmax(scores * scale, causal[None, None], values.dtype)
+            return jnp.einsum("bhts,bshv->bthv", probs, values)
+
+        out = jax.lax.map(one, jnp.arange(n))  # [n, b, chunk, h, v]
+        return jnp.moveaxis(out, 0, 1).reshape(b, n * self.chunk, *out.shape[3:])[:, :t]
+
+
+def attention_prefill(cfg: ModelConfig, w: MLA, x: jax.Array, attend: Callable):
+    """attention_expanded over whole prompts x [b, t, d] from position 0, with the causal attention core
+    `attend` (a ChunkedAttention or a fused kernel of the same signature). Returns the output [b, t, d] and
+    the (latent, k_rope) pair to store in the cache."""
+    positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+    cos, sin = rope_cos_sin(cfg.rope, positions)
+    q_nope, q_rope = _queries(cfg, w, x, cos, sin)
+    latent, k_rope = _latents(cfg, w, x, cos, sin)
+    wk, wv = _kv_b(cfg, w)
+    k_nope = jnp.einsum("bsr,hnr->bshn", latent, wk)
+    values = jnp.einsum("bsr,hvr->bshv", latent, wv)
+    out = attend(q_nope, q_rope, k_nope, k_rope, values, cfg.softmax_scale).reshape(*x.shape[:2], -1)
+    return linear(out, w.o, w.o_bias), (latent, k_rope)
+
+
+def prefill_attention_layer(cfg: ModelConfig, layer: Layer, x: jax.Array, cache: LayerCache, attend: Callable):
+    """The attention half of one layer of `forward`: (x + attention, the layer's cache with the prompt written
+    at positions [0, t))."""
+    h, (latent, k_rope) = attention_prefill(cfg, layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), attend)
+    cache = LayerCache(
+        latent=jax.lax.dynamic_update_slice(cache.latent, latent.astype(cache.latent.dtype), (0, 0, 0)),
+        k_rope=jax.lax.dynamic_update_slice(cache.k_rope, k_rope.astype(cache.k_rope.dtype), (0, 0, 0)),
+    )
+    return x + h, cache
+
+
+def dequantize_blocks(w: jax.Array, scale: jax.Array, block: tuple[int, int], dtype) -> jax.Array:
+    """FP8 weights [..., out, in] with block scales [..., ceil(out/bo), ceil(in/bi)] -> dtype, on the device.
+
+    Edge blocks may be partial: each scale is repeated over its block and cut to the weight's shape."""
+    scale = jnp.repeat(jnp.repeat(scale, block[0], axis=-2), block[1], axis=-1)
+    return (w.astype(jnp.float32) * scale[..., : w.shape[-2], : w.shape[-1]]).astype(dtype)
+
+
+def group_by_expert(ids: jax.Array, weights: jax.Array, n_experts: int, capacity: int):
+    """Token-expert pairs (ids, weights [T, k] from route) grouped by expert, `capacity` slots per expert.
+
+    Returns (rows [e, capacity] int32: the token in each slot, T in empty slots; slot weights [e, capacity]
+    float32: its routing weight, 0 in empty slots). Dropless when capacity >= the largest expert's count;
+    pairs beyond an expert's capacity are dropped, never written into another expert's slots.
+    """
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    expert = flat[order]
+    counts = jnp.zeros(n_experts, jnp.int32).at[flat].add(1)
+    rank = jnp.arange(t * k) - (jnp.cumsum(counts) - counts)[expert]
+    slot = jnp.where(rank < capacity, expert * capacity + rank, n_experts * capacity)
+    rows = jnp.full(n_experts * capacity, t, jnp.int32).at[slot].set(order // k, mode="drop")
+    slot_weights = jnp.zeros(n_experts * capacity, jnp.float32).at[slot].set(weights.reshape(-1)[order], mode="drop")
+    return rows.reshape(n_experts, capacity), slot_weights.reshape(n_experts, capacity)
+
+
+def experts_grouped(w: Experts, x: jax.Array, rows: jax.Array, slot_weights: jax.Array, out: jax.Array):
+    """out [T, d] float32 plus the experts w (e of them, stacked) on their routed tokens of x [T, d].
+
+    rows, slot_weights [e, c]: this block's slots from group_by_expert. Tokens are gathered per expert and the
+    three projections run as batched GEMMs over the experts (never ragged_dot: DESIGN.md §5)."""
+    xs = jnp.take(x, rows, axis=0, mode="fill", fill_value=0)  # [e, c, d]
+    hidden = jax.nn.silu(jnp.einsum("ecd,efd->ecf", xs, w.gate)) * jnp.einsum("ecd,efd->ecf", xs, w.up)
+    y = jnp.einsum("ecf,edf->ecd", hidden, w.down, preferred_element_type=jnp.float32)
+    y = y * slot_weights[..., None]
+    return out.at[rows.reshape(-1)].add(y.reshape(-1, x.shape[-1]), mode="drop")

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from hybridjit import _ffi
-from hybridjit.ops.routed_experts import TARGET, kernel_info, register_layer, routed_experts
+from hybridjit.ops.async_experts import GpuExpertJobError, raise_gpu_errors
+from hybridjit.ops.routed_experts import TARGET, kernel_info, register_layer, routed_experts, set_cpu_kernel
 
 # Relative RMS error ||y - y_ref|| / ||y_ref|| allowed against float64 math on the same weights, by the
 # dtype of x (and so of y). float32: float32 accumulation over a few hundred terms (measured ~2e-7).
@@ -30,7 +31,7 @@ FP8_POOLS = {
     "all": np.array([b for b in range(256) if b not in FP8_NAN_BYTES], np.uint8),
     "subnormal": np.array([b for b in range(256) if (b >> 3) & 0xF in (0, 1)], np.uint8),
 }
-RUNTIME_ERRORS = (jax.errors.JaxRuntimeError, ValueError)
+RUNTIME_ERRORS = (jax.errors.JaxRuntimeError, ValueError, GpuExpertJobError)
 
 
 def dequantize(w: np.ndarray, scale: np.ndarray | None, block: tuple[int, int]) -> np.ndarray:
@@ -87,8 +88,20 @@ def routing(rng, tokens, top_k, n_experts):
     return ids, weights
 
 
+@pytest.fixture(autouse=True)
+def float32_kernels():
+    """These tests check the custom call's plumbing against float32 math: they run on the kernels that keep
+    float32 activations (the others, bfloat16 and int8, are checked in test_cpu_kernels.py)."""
+    previous = kernel_info()["kernel"]
+    set_cpu_kernel("avx2" if "avx2" in kernel_info()["supported"] else "generic")
+    yield
+    set_cpu_kernel(previous)
+
+
 def run(layer, x, ids, weights):
-    return np.asarray(jax.jit(partial(routed_experts, layer=layer.id))(x, ids, weights))
+    out = np.asarray(jax.jit(partial(routed_experts, layer=layer.id))(x, ids, weights))
+    raise_gpu_errors()  # on a GPU, a failed CPU job reports here, after the step
+    return out
 
 
 @pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
@@ -203,7 +216,9 @@ def test_zero_tokens():
 
 
 def test_kernel_info_names_the_kernel():
-    assert kernel_info()["kernel"] == "generic"
+    info = kernel_info()
+    assert info["kernel"] in info["supported"] and "generic" in info["supported"]
+    assert info["formats"]["fp8"]["few_tokens"] in ("generic", "avx2", "avx512")
 
 
 # --- bad inputs ---------------------------------------------------------------------------------------
@@ -392,3 +407,16 @@ def test_fp8_registration_checks_the_scales():
         register_layer(gate, up, down, **{**scales, "gate_scale": [np.ones((2, 2))] * 2})
     with pytest.raises(ValueError, match="scales are only for float8"):
         register_layer(*f32_experts(), gate_scale=[np.ones((1, 1), np.float32)] * 4)
+
+
+def test_repeated_calls_give_identical_bits():
+    """Experts finish in any order across threads; the sum over them must not depend on it."""
+    rng = np.random.default_rng(17)
+    layer, _ = make_layer(rng, FP8, 16, 256, 384)[:2]
+    x = rng.standard_normal((96, 256)).astype(np.float32)
+    ids = np.stack([rng.choice(16, 6, replace=False) for _ in range(96)]).astype(np.int32)
+    weights = rng.random((96, 6)).astype(np.float32)
+    first = run(layer, x, ids, weights)
+    for _ in range(6):
+        np.testing.assert_array_equal(run(layer, x, ids, weights), first)
+    layer.close()

@@ -31,8 +31,12 @@ _FORMATS = {
     np.dtype(np.float32): "f32",
     np.dtype(ml_dtypes.bfloat16): "bf16",
     np.dtype(ml_dtypes.float8_e4m3fn): "fp8",
+    np.dtype(np.int8): "int8",
+    np.dtype(np.uint8): "int4",  # two 4-bit values per byte
 }
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# int8/int4 scale groups: a multiple of this many input columns (ffi/weight_bank.h, kIntGroupQuantum).
+INT_GROUP_QUANTUM = 128
 
 jax.ffi.register_ffi_target(TARGET, _ffi.routed_experts_cpu(), platform="cpu")
 
@@ -99,14 +103,24 @@ def register_layer(
     gate_scale: Sequence[np.ndarray] | None = None,
     up_scale: Sequence[np.ndarray] | None = None,
     down_scale: Sequence[np.ndarray] | None = None,
-    block: tuple[int, int] = (128, 128),
+    block: tuple[int, int] | None = None,
 ) -> ExpertLayer:
     """Registers one layer of routed experts, zero-copy, and returns its handle.
 
-    gate, up: one [inter, hidden] array per expert; down: one [hidden, inter] array per expert; all
-    C-contiguous and of one dtype: float32, bfloat16 or float8_e4m3fn. For float8 the scales are
-    float32 [ceil(out / block[0]), ceil(in / block[1])] multipliers (the checkpoint's
-    ``weight_scale_inv``: w = fp8 * scale). Raises ValueError naming the expert and projection.
+    gate, up: one [inter, hidden] matrix per expert; down: one [hidden, inter] matrix per expert; all
+    C-contiguous numpy arrays of one dtype, which names the format:
+
+    - float32, bfloat16: plain weights, no scales.
+    - float8_e4m3fn: scales are float32 [ceil(out / block[0]), ceil(in / block[1])] multipliers (the
+      checkpoint's ``weight_scale_inv``: w = fp8 * scale); block defaults to (128, 128).
+    - int8: w = q * scale per group of block[1] input columns of one row: block = (1, G) with G a
+      multiple of 128 (default (1, 128)); scales float32 [out, ceil(in / G)]. G >= in is one scale per
+      row.
+    - uint8, read as int4: two values per byte, element 2j in the low nibble of byte j and 2j + 1 in
+      the high one, each stored as q + 8 for q in [-8, 7]; a matrix [out, in] is [out, ceil(in / 2)]
+      bytes. Scales as for int8.
+
+    Raises ValueError naming the expert and projection.
     """
     gate, up, down = list(gate), list(up), list(down)
     if not gate:
@@ -118,25 +132,29 @@ def register_layer(
         raise ValueError("expert 0 gate_proj: expected a 2-D numpy array [inter, hidden]")
     dtype = first.dtype
     if dtype not in _FORMATS:
-        raise ValueError(f"expert 0 gate_proj: dtype {dtype} is not one of float32, bfloat16, float8_e4m3fn")
+        raise ValueError(
+            f"expert 0 gate_proj: dtype {dtype} is not one of float32, bfloat16, float8_e4m3fn, int8, uint8 (int4)"
+        )
     fmt = _FORMATS[dtype]
-    inter, hidden = first.shape
+    if fmt == "int4":  # the packed shapes hide odd sizes: take each from the rows of the other matrix
+        inter = first.shape[0]
+        hidden = down[0].shape[0] if isinstance(down[0], np.ndarray) and down[0].ndim == 2 else -1
+    else:
+        inter, hidden = first.shape
     shapes = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    stored = {p: (r, -(-c // 2)) if fmt == "int4" else (r, c) for p, (r, c) in shapes.items()}
     weights = dict(zip(_PROJECTIONS, (gate, up, down), strict=True))
     for proj, arrays in weights.items():
         for e, a in enumerate(arrays):
-            _check_matrix(a, e, proj, shapes[proj], dtype)
+            _check_matrix(a, e, proj, stored[proj], dtype)
 
     scales = {"gate_proj": gate_scale, "up_proj": up_scale, "down_proj": down_scale}
-    if fmt == "fp8":
-        if len(block) != 2 or min(operator.index(b) for b in block) <= 0:
-            raise ValueError(f"block must be two positive sizes (rows, cols), got {block}")
-        block = (operator.index(block[0]), operator.index(block[1]))
+    if fmt in ("fp8", "int8", "int4"):
+        block = _check_block(fmt, block)
+        kind = "float8" if fmt == "fp8" else fmt
         for proj, seq in scales.items():
             if seq is None:
-                raise ValueError(
-                    f"{proj}: float8 weights need block scales, {proj[: -len('_proj')]}_scale is missing"
-                )
+                raise ValueError(f"{proj}: {kind} weights need block scales, {proj[: -len('_proj')]}_scale is missing")
             seq = scales[proj] = list(seq)
             if len(seq) != len(gate):
                 raise ValueError(f"{proj}: {len(seq)} scale arrays for {len(gate)} experts")
@@ -146,7 +164,7 @@ def register_layer(
     else:
         for proj, seq in scales.items():
             if seq is not None:
-                raise ValueError(f"{proj}: scales are only for float8 weights, these are {dtype}")
+                raise ValueError(f"{proj}: scales are only for float8, int8 and int4 weights, these are {dtype}")
         scales = {proj: [] for proj in _PROJECTIONS}
         block = (0, 0)
 
@@ -164,6 +182,20 @@ def register_layer(
     )
     owned = [*gate, *up, *down, *(s for p in _PROJECTIONS for s in scales[p])]
     return ExpertLayer(layer_id, len(gate), hidden, inter, fmt, owned)
+
+
+def _check_block(fmt: str, block) -> tuple[int, int]:
+    if block is None:
+        return (128, 128) if fmt == "fp8" else (1, INT_GROUP_QUANTUM)
+    if len(block) != 2 or min(operator.index(b) for b in block) <= 0:
+        raise ValueError(f"block must be two positive sizes (rows, cols), got {block}")
+    block = (operator.index(block[0]), operator.index(block[1]))
+    if fmt != "fp8" and (block[0] != 1 or block[1] % INT_GROUP_QUANTUM):
+        raise ValueError(
+            f"{fmt} scales come in groups of one row: block must be (1, G) with G a multiple of "
+            f"{INT_GROUP_QUANTUM}, got {block}"
+        )
+    return block
 
 
 def check_operands(x, topk_ids, topk_weights, layer):
@@ -202,6 +234,62 @@ def routed_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *
     return call(x, topk_ids, topk_weights, layer=np.int64(layer))
 
 
+def routed_experts_host(
+    layer: ExpertLayer, x: np.ndarray, topk_ids: np.ndarray, topk_weights: np.ndarray
+) -> np.ndarray:
+    """The same operator as `routed_experts` on numpy arrays, without XLA: for tests and benchmarks.
+
+    x: C-contiguous [T, H] float32 or bfloat16; topk_ids [T, K] int32; topk_weights [T, K] float32."""
+    if layer.closed:
+        raise ValueError(f"layer {layer.id} is closed")
+    x = np.ascontiguousarray(x)
+    ids = np.ascontiguousarray(topk_ids, dtype=np.int32)
+    weights = np.ascontiguousarray(topk_weights, dtype=np.float32)
+    if x.dtype not in (np.float32, ml_dtypes.bfloat16) or x.ndim != 2 or x.shape[1] != layer.hidden:
+        raise ValueError(f"x must be float32 or bfloat16 [T, {layer.hidden}], got {x.dtype} {x.shape}")
+    if ids.ndim != 2 or ids.shape != weights.shape or len(ids) != len(x):
+        raise ValueError(f"topk_ids and topk_weights must both be [{len(x)}, K], got {ids.shape} and {weights.shape}")
+    y = np.empty_like(x)
+    _ffi.run_layer(
+        layer.id, x.ctypes.data, x.dtype == ml_dtypes.bfloat16, ids.ctypes.data, weights.ctypes.data, *ids.shape,
+        y.ctypes.data,
+    )
+    return y
+
+
+def layer_kernel(layer: ExpertLayer, tokens: int) -> str:
+    """The kernel ("generic", "avx2", "avx512", "amx_bf16", "amx_int8") that runs an expert of `layer` routed
+    `tokens` tokens in one call, under the current selection."""
+    return _ffi.layer_kernel(layer.id, operator.index(tokens))
+
+
 def kernel_info() -> dict:
-    """Which C++ kernel implementation runs the routed experts, e.g. {"kernel": "generic", "threads": 1}."""
+    """The CPU kernels that run the routed experts and the thread pool they run on.
+
+    {"kernel": family in use ("generic", "avx2", "avx512" or "amx"), "best": the host's best family,
+    "supported": the families the host can run, "threads", "numa_nodes", "numa_forced",
+    "amx_min_tokens" (the override, 0 if none), "formats": {format: {"few_tokens": kernel, "many_tokens":
+    kernel}}} for one token and for very many tokens routed to an expert in one call.
+    """
     return dict(_ffi.kernel_info())
+
+
+def set_cpu_kernel(name: str) -> None:
+    """Selects the kernel family for all later calls (HYBRIDJIT_CPU_KERNEL does so at start-up).
+
+    ValueError if the name is unknown or the host cannot run that family."""
+    _ffi.set_cpu_kernel(name)
+
+
+def set_amx_min_tokens(tokens: int) -> None:
+    """With the amx family: experts with at least `tokens` tokens in a call use AMX tiles, the others AVX-512
+    (HYBRIDJIT_AMX_MIN_TOKENS). 0 (the default) gives each layer the crossover measured for its kind of AMX
+    kernel: 8 tokens for bf16 weights, 16 for int8 with one scale per row, 32 for fp8, 64 for grouped int8/int4."""
+    _ffi.set_amx_min_tokens(operator.index(tokens))
+
+
+def configure_threads(threads: int | None = None, numa_nodes: int | None = None) -> None:
+    """Replaces the CPU thread pool: `threads` counting the calling thread (HYBRIDJIT_THREADS; default one
+    per CPU of the affinity mask) split into `numa_nodes` logical nodes (HYBRIDJIT_NUMA_NODES; default the
+    machine's). Forcing two nodes on a one-node machine exercises the per-node slicing."""
+    _ffi.configure_threads(operator.index(threads or 0), operator.index(numa_nodes or 0))

@@ -1,0 +1,310 @@
+"""MoE operator benchmark on the CPU: one routed-experts layer at DeepSeek-V3 expert shapes.
+
+    python bench/moe_cpu.py                      # every format, decode 1 2 4 8 and prefill 128 512 2048 tokens
+    python bench/moe_cpu.py --quick              # decode only, top-k + 4 experts per layer (< 1 min on 2 cores)
+    python bench/moe_cpu.py --formats fp8 int4 --decode 1 --prefill 2048 --crossover
+
+Each case runs the operator (hybridjit._ffi through routed_experts_host: the same C++ entry as the XLA custom
+call, without XLA's dispatch) on `tokens` tokens routed top-k uniformly at random, fresh routing per call,
+and reports the median latency, TFLOP/s (2 * 3 * hidden * inter multiply-adds per routed token), and the
+effective GB/s of weight bytes read (the distinct experts a call touches, weights and scales as stored).
+Decode layers hold enough experts (a few GB) that a call's experts are not in cache from the previous call;
+prefill holds 32 (the issue's setting: 2048 tokens x top-8 / 32 = 512 tokens per expert). The floors are
+measured in the same process: memory read (streaming sum) and triad bandwidth over all cores; each decode
+figure is also given as a fraction of the read bandwidth (ratio_to_floor).
+
+Formats: fp8 (E4M3FN, 128x128 block scales), bf16, int8 and int4 (one float32 scale per 128 input columns of
+a row), int8_row (one scale per row: AMX keeps int8 tiles). Baselines in the same process: NumPy (float32
+weights, matmul per expert) and PyTorch CPU (bfloat16 weights, if torch is installed). --crossover times AVX-512
+against AMX by tokens per expert (the basis of HYBRIDJIT_AMX_MIN_TOKENS). Ends with one JSON line.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import ml_dtypes
+import numpy as np
+
+from floors import machine, memory_floors
+from hybridjit.ops.routed_experts import (
+    kernel_info,
+    layer_kernel,
+    register_layer,
+    routed_experts_host,
+    set_amx_min_tokens,
+    set_cpu_kernel,
+)
+
+FORMATS = ("fp8", "bf16", "int8", "int4", "int8_row")
+GROUP = 128
+
+
+def random_bytes(rng, n: int) -> np.ndarray:
+    return np.frombuffer(rng.bytes(n), np.uint8).copy()
+
+
+def make_projection(rng, fmt: str, n: int, rows: int, cols: int):
+    """n experts' [rows, cols] matrices (views into one buffer) and their scales, random but well-formed."""
+    if fmt == "fp8":
+        raw = random_bytes(rng, n * rows * cols)
+        # As in real checkpoints (block scale = amax / 448): no NaN, denormals and zeros ~1e-4 of the codes.
+        raw[(raw & 0x78) == 0] |= 0x08
+        raw[(raw & 0x7F) == 0x7F] -= 1
+        raw[::9973] = 0
+        weights = raw.view(ml_dtypes.float8_e4m3fn).reshape(n, rows, cols)
+        grid = (-(-rows // 128), -(-cols // 128))
+    elif fmt == "bf16":
+        bits = random_bytes(rng, 2 * n * rows * cols).view(np.uint16)
+        weights = ((bits & 0x80FF) | 0x3C00).view(ml_dtypes.bfloat16).reshape(n, rows, cols)  # +-[2^-7, 2^-5)
+        grid = None
+    elif fmt in ("int8", "int8_row"):
+        raw = random_bytes(rng, n * rows * cols).view(np.int8)
+        raw[raw == -128] = -127
+        weights = raw.reshape(n, rows, cols)
+        grid = (rows, 1 if fmt == "int8_row" else -(-cols // GROUP))
+    else:  # int4
+        weights = random_bytes(rng, n * rows * (cols // 2)).reshape(n, rows, cols // 2)
+        grid = (rows, -(-cols // GROUP))
+    scales = None if grid is None else (rng.uniform(0.5, 1.5, (n, *grid)) * 1e-3).astype(np.float32)
+    return list(weights), None if scales is None else list(scales)
+
+
+def make_layer(rng, fmt, n_experts, hidden, inter):
+    gate, gate_s = make_projection(rng, fmt, n_experts, inter, hidden)
+    up, up_s = make_projection(rng, fmt, n_experts, inter, hidden)
+    down, down_s = make_projection(rng, fmt, n_experts, hidden, inter)
+    if fmt == "bf16":
+        return register_layer(gate, up, down)
+    block = {"fp8": (128, 128), "int8_row": (1, 128 * -(-max(hidden, inter) // 128))}.get(fmt, (1, GROUP))
+    return register_layer(gate, up, down, gate_s, up_s, down_s, block=block)
+
+
+def expert_bytes(fmt, hidden, inter) -> int:
+    weights = 3 * hidden * inter * {"fp8": 1, "bf16": 2, "int8": 1, "int8_row": 1, "int4": 0.5}[fmt]
+    if fmt == "fp8":
+        scales = 3 * (-(-hidden // 128)) * (-(-inter // 128))
+    elif fmt == "int8_row":
+        scales = 2 * inter + hidden
+    elif fmt == "bf16":
+        scales = 0
+    else:
+        scales = 2 * inter * (-(-hidden // GROUP)) + hidden * (-(-inter // GROUP))
+    return int(weights + 4 * scales)
+
+
+def routings(rng, calls, tokens, top_k, n_experts):
+    """Uniformly random top-k (distinct experts per token) routing for each call."""
+    out = []
+    for _ in range(calls):
+        ids = np.argsort(rng.random((tokens, n_experts)), axis=1)[:, :top_k].astype(np.int32)
+        weights = rng.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32)
+        out.append((ids, weights))
+    return out
+
+
+def median_ms(run, routes, warmup=2):
+    for ids, weights in routes[:warmup]:
+        run(ids, weights)
+    times = []
+    for ids, weights in routes[warmup:]:
+        start = time.perf_counter()
+        run(ids, weights)
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def figures(case, ms, routes, bytes_per_expert, hidden, inter, floors):
+    tokens, top_k = routes[0][0].shape
+    touched = statistics.mean(len(np.unique(ids)) for ids, _ in routes)
+    gbps = touched * bytes_per_expert / (ms * 1e6)
+    case.update(
+        median_ms=round(ms, 3),
+        gbps=round(gbps, 2),
+        tflops=round(2 * 3 * hidden * inter * tokens * top_k / (ms * 1e9), 3),
+        experts_touched=round(touched, 1),
+    )
+    if case["phase"] == "decode":
+        case["ratio_to_floor"] = round(gbps / floors["read_gbps"], 3)
+    return case
+
+
+def decode_experts(bytes_per_expert, quick, top_k):
+    """Enough experts that a call's top-k were not read by the previous call: ~4 GB (DeepSeek-V3 has 256)."""
+    if quick:
+        return top_k + 4
+    return int(min(256, max(4 * top_k, 4e9 // bytes_per_expert)))
+
+
+def bench_hybridjit(args, rng, floors, results):
+    hidden, inter, top_k = args.hidden, args.inter, args.top_k
+    for fmt in args.formats:
+        per_expert = expert_bytes(fmt, hidden, inter)
+        phases = [("decode", t) for t in args.decode] + [("prefill", t) for t in args.prefill]
+        for phase in ("decode", "prefill"):
+            tokens_list = [t for p, t in phases if p == phase]
+            if not tokens_list:
+                continue
+            n_experts = decode_experts(per_expert, args.quick, top_k) if phase == "decode" else args.prefill_experts
+            with make_layer(rng, fmt, n_experts, hidden, inter) as layer:
+                for tokens in tokens_list:
+                    calls = args.repeats if phase == "decode" else max(3, args.repeats // 6)
+                    routes = routings(rng, calls + 2, tokens, top_k, n_experts)
+                    x = rng.standard_normal((tokens, hidden)).astype(ml_dtypes.bfloat16)
+                    ms = median_ms(lambda ids, w, x=x, layer=layer: routed_experts_host(layer, x, ids, w), routes)
+                    per_call = tokens * top_k / n_experts
+                    case = {"impl": "hybridjit", "format": fmt, "phase": phase, "tokens": tokens, "top_k": top_k,
+                            "experts": n_experts, "kernel": layer_kernel(layer, max(1, round(per_call)))}
+                    results.append(figures(case, ms, routes, per_expert, hidden, inter, floors))
+                    print(row(results[-1]), flush=True)
+
+
+def random_f32(rng, n, rows, cols):
+    bits = random_bytes(rng, 4 * n * rows * cols).view(np.uint32)
+    return list(((bits & 0x807FFFFF) | 0x3C000000).view(np.float32).reshape(n, rows, cols))  # +-[2^-7, 2^-6)
+
+
+def moe_reference_impl(matmul, silu, zeros, gate, up, down, x, ids, weights):
+    """The MoE layer as a user would write it over per-expert weight matrices [out, in]."""
+    y = zeros(x.shape)
+    for e in np.unique(ids):
+        tok, slot = np.nonzero(ids == e)
+        xe = x[tok]
+        h = silu(matmul(xe, gate[e])) * matmul(xe, up[e])
+        y[tok] += matmul(h, down[e]) * weights[tok, slot][:, None]
+    return y
+
+
+def bench_numpy(args, rng, floors, results):
+    hidden, inter, top_k = args.hidden, args.inter, args.top_k
+    per_expert = 3 * hidden * inter * 4
+    for phase, tokens_list in (("decode", args.decode), ("prefill", args.prefill)):
+        if not tokens_list:
+            continue
+        n = decode_experts(per_expert, args.quick, top_k) if phase == "decode" else args.prefill_experts
+        gate, up = random_f32(rng, n, hidden, inter), random_f32(rng, n, hidden, inter)  # stored [in, out]
+        down = random_f32(rng, n, inter, hidden)
+        for tokens in tokens_list:
+            routes = routings(rng, (args.repeats if phase == "decode" else 3) + 2, tokens, top_k, n)
+            x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+
+            def run(ids, w, x=x, gate=gate, up=up, down=down):
+                moe_reference_impl(np.matmul, lambda v: v / (1 + np.exp(-v)), np.zeros, gate, up, down, x, ids, w)
+
+            case = {"impl": "numpy", "format": "f32", "phase": phase, "tokens": tokens, "top_k": top_k, "experts": n}
+            results.append(figures(case, median_ms(run, routes), routes, per_expert, hidden, inter, floors))
+            print(row(results[-1]), flush=True)
+        del gate, up, down
+
+
+def bench_torch(args, rng, floors, results):
+    try:
+        import torch
+    except ImportError:
+        print("torch is not installed: no PyTorch baseline")
+        return
+    torch.set_num_threads(kernel_info()["threads"])
+    hidden, inter, top_k = args.hidden, args.inter, args.top_k
+    per_expert = 3 * hidden * inter * 2
+    for phase, tokens_list in (("decode", args.decode), ("prefill", args.prefill)):
+        if not tokens_list:
+            continue
+        n = decode_experts(per_expert, args.quick, top_k) if phase == "decode" else args.prefill_experts
+
+        def weights(rows, cols, n=n):
+            matrices, _ = make_projection(rng, "bf16", n, rows, cols)
+            return [torch.from_numpy(m.view(np.uint16)).view(torch.bfloat16) for m in matrices]
+
+        gate, up, down = weights(inter, hidden), weights(inter, hidden), weights(hidden, inter)
+        for tokens in tokens_list:
+            routes = routings(rng, (args.repeats if phase == "decode" else 3) + 2, tokens, top_k, n)
+            x = torch.randn(tokens, hidden, dtype=torch.bfloat16)
+
+            def run(ids, w, x=x, gate=gate, up=up, down=down, linear=torch.nn.functional.linear):
+                # linear: x @ w.T on [out, in] weights, as nn.Linear
+                with torch.inference_mode():
+                    y = torch.zeros_like(x)
+                    wt = torch.from_numpy(w).to(torch.bfloat16)
+                    for e in np.unique(ids):
+                        tok, slot = np.nonzero(ids == e)
+                        tok_t, slot_t = torch.from_numpy(tok), torch.from_numpy(slot)
+                        xe = x[tok_t]
+                        h = torch.nn.functional.silu(linear(xe, gate[e])) * linear(xe, up[e])
+                        y.index_add_(0, tok_t, linear(h, down[e]) * wt[tok_t, slot_t][:, None])
+                    return y
+
+            case = {"impl": "torch", "format": "bf16", "phase": phase, "tokens": tokens, "top_k": top_k, "experts": n}
+            results.append(figures(case, median_ms(run, routes), routes, per_expert, hidden, inter, floors))
+            print(row(results[-1]), flush=True)
+        del gate, up, down
+
+
+def bench_crossover(args, rng, floors, results):
+    """Tokens per expert where AMX overtakes AVX-512: 8 experts, every token routed to all of them."""
+    if "amx" not in kernel_info()["supported"]:
+        print("no AMX on this host: no crossover")
+        return
+    info = kernel_info()
+    hidden, inter = args.hidden, args.inter
+    for fmt in args.formats:
+        with make_layer(rng, fmt, 8, hidden, inter) as layer:
+            for tokens in (2, 4, 8, 16, 32, 64):
+                ids = np.tile(np.arange(8, dtype=np.int32), (tokens, 1))
+                routes = [(ids, np.full(ids.shape, 0.125, np.float32))] * 7
+                x = rng.standard_normal((tokens, hidden)).astype(ml_dtypes.bfloat16)
+                for family in ("avx512", "amx"):
+                    set_cpu_kernel(family)
+                    set_amx_min_tokens(1)
+                    ms = median_ms(lambda ids, w, x=x, layer=layer: routed_experts_host(layer, x, ids, w), routes)
+                    case = {"impl": "hybridjit", "format": fmt, "phase": "crossover", "tokens": tokens, "top_k": 8,
+                            "experts": 8, "kernel": layer_kernel(layer, tokens)}
+                    results.append(figures(case, ms, routes, expert_bytes(fmt, hidden, inter), hidden, inter, floors))
+                    print(row(results[-1]), flush=True)
+    set_cpu_kernel(info["kernel"])
+    set_amx_min_tokens(info["amx_min_tokens"])
+
+
+def row(r) -> str:
+    ratio = f"{r['ratio_to_floor']:>6.1%}" if "ratio_to_floor" in r else " " * 6
+    return (
+        f"{r['impl']:>9} {r['format']:>8} {r['phase']:>9} {r['tokens']:>5} tok  {r.get('kernel', ''):>9} "
+        f"{r['median_ms']:>10.3f} ms {r['gbps']:>8.1f} GB/s {ratio} {r['tflops']:>8.3f} TFLOP/s"
+    )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    parser.add_argument("--decode", nargs="*", type=int, default=[1, 2, 4, 8])
+    parser.add_argument("--prefill", nargs="*", type=int, default=[128, 512, 2048])
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--inter", type=int, default=2048)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--prefill-experts", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=30, help="timed calls per decode case (prefill: a sixth)")
+    parser.add_argument("--no-baselines", dest="baselines", action="store_false")
+    parser.add_argument("--crossover", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="decode only, top-k + 4 experts per layer, few repeats")
+    args = parser.parse_args()
+    if args.quick:
+        args.prefill, args.repeats = [], min(args.repeats, 6)
+    rng = np.random.default_rng(0)
+    floors = memory_floors(bytes_per_array=(1 << 28) if args.quick else (1 << 30), repeats=3 if args.quick else 5)
+    print(f"machine: {machine()}")
+    print(f"floors: memory read {floors['read_gbps']:.1f} GB/s, triad {floors['triad_gbps']:.1f} GB/s "
+          f"({floors['threads']} threads)")
+    results = []
+    bench_hybridjit(args, rng, floors, results)
+    if args.baselines:
+        bench_numpy(args, rng, floors, results)
+        bench_torch(args, rng, floors, results)
+    if args.crossover:
+        bench_crossover(args, rng, floors, results)
+    shape = {"hidden": args.hidden, "inter": args.inter, "top_k": args.top_k, "command": " ".join(sys.argv)}
+    print(json.dumps({"bench": "moe_cpu", "machine": {**machine(), **shape}, "floors": floors, "results": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""Prefill benchmark: time to first token of stream-loaded prefill against its floor, and of the CPU-expert
+hybrid prefill for the crossover.
+
+    python bench/prefill.py --geometry deepseek-v3 --layers 7 [--tokens 1024 4096 8192 16384 32768 65536]
+    python bench/prefill.py --checkpoint PATH [--tokens ...]
+
+A geometry builds a random FP8 checkpoint of that model's real shapes in memory, loaded by the same loader with
+the routed experts in one pinned host copy (Placement(pinned_experts=True)), which both paths read. With
+--layers the model is truncated; figures at full depth are projections, labelled so: the measured TTFT plus
+the missing MoE layers at the steady per-layer time (the median time between consecutive MoE layers' outputs
+after the first MoE layer).
+
+Floors, measured by the same run: pinned host-to-device bandwidth (one 2 GiB copy, best of 5), a dense bf16
+GEMM (8192^3, best of 10 back-to-back), and the CPU expert kernels' rate (one routed-expert layer on a batch of
+--cpu-tokens tokens routed uniformly). The floor of a prompt is max(bytes streamed / H2D bandwidth, FLOPs /
+GEMM rate) at full depth, FLOPs as stream_prefill.prefill_flops counts them (causal attention: lower
+triangle). The hybrid prefill (the engine's jitted prefill, routed experts on the CPU) is measured at
+--hybrid-tokens (it holds [t, t] attention scores, so only short prompts fit) and projected to full depth by
+its time per MoE layer; at other lengths it is modelled (stream_prefill.prefill_seconds with the measured
+rates). Ends with one JSON line.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+from hybridjit import engine
+from hybridjit import stream_prefill as sp
+from hybridjit.checkpoint import DTYPES, Checkpoint
+from hybridjit.config import ModelConfig
+from hybridjit.models import deepseek_v3 as dsv3
+from hybridjit.ops.routed_experts import routed_experts
+from hybridjit.pinned_experts import pinned_layer
+from hybridjit.placement import Placement
+from hybridjit.resolve import resolve_model
+from hybridjit.synthetic import GEOMETRIES, SyntheticCheckpoint, geometry_config
+from hybridjit.weights import SCALE_SUFFIX, WeightLoader
+
+GIB = 1 << 30
+
+
+class PooledExperts(SyntheticCheckpoint):
+    """A SyntheticCheckpoint whose FP8 routed-expert weights are views into one random byte pool at
+    per-tensor offsets: nothing is generated or kept per tensor (the loader copies each into pinned memory
+    once), so a layer of DeepSeek-V3 experts costs one copy to load and no second host copy."""
+
+    POOL_BYTES = 1 << 26
+
+    def __init__(self, cfg: ModelConfig, seed: int = 0):
+        super().__init__(cfg, seed)
+        rng = np.random.default_rng(seed)
+        self._pool = (rng.integers(0, 256, self.POOL_BYTES, dtype=np.uint8) & 0xBF).view(DTYPES["F8_E4M3"])
+
+    def get(self, name):
+        info = self.tensors[name]
+        if ".experts." not in name or name.endswith(SCALE_SUFFIX) or info.dtype != "F8_E4M3":
+            return super().get(name)
+        start = zlib.crc32(name.encode()) % (self.POOL_BYTES - info.nbytes)
+        return self._pool[start : start + info.nbytes].reshape(info.shape)
+
+
+def load(args):
+    placement = Placement(jax.devices()[0], jnp.dtype(args.dtype), pinned_experts=True)
+    if args.checkpoint:
+        path = resolve_model(args.checkpoint)
+        cfg = ModelConfig.from_json_file(path / "config.json")
+        ckpt, name, full = Checkpoint(path), str(path), cfg
+    else:
+        cfg = geometry_config(args.geometry, layers=args.layers, weight_format="fp8")
+        ckpt, name = PooledExperts(cfg), f"{args.geometry} (fp8, random weights)"
+        full = geometry_config(args.geometry, weight_format="fp8")
+    start = time.perf_counter()
+    weights, expert_layers = WeightLoader(cfg, ckpt, placement).load()
+    print(f"loaded {name}, {cfg.num_hidden_layers} of {full.num_hidden_layers} layers, in "
+          f"{time.perf_counter() - start:.1f} s")
+    return engine.Model(ckpt.directory, cfg, weights, expert_layers, None, placement), name, full
+
+
+# -------------------------------------------------------------------------------------------- floors
+
+
+def h2d_gbps(device, nbytes=2 * GIB, repeats=5) -> float:
+    """Peak pinned host -> device bandwidth: the best of `repeats` copies of one pinned buffer."""
+    src = jax.device_put(np.zeros(nbytes, np.uint8), SingleDeviceSharding(device, memory_kind="pinned_host"))
+    dst = SingleDeviceSharding(device, memory_kind="device")
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        copy = jax.device_put(src, dst)
+        copy.block_until_ready()
+        best = min(best, time.perf_counter() - start)
+        copy.delete()
+    return nbytes / best / 1e9
+
+
+def gemm_tflops(device, n=8192, repeats=10) -> float:
+    """A dense bf16 GEMM n^3: products back to back, best of three rounds."""
+    keys = jax.random.split(jax.random.key(0))
+    a, b = (jax.device_put(jax.random.normal(k, (n, n), jnp.bfloat16), device) for k in keys)
+    product = jax.jit(lambda a, b: a @ b)
+    product(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        outs = [product(a, b) for _ in range(repeats)]
+        jax.block_until_ready(outs)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 * repeats / best / 1e12
+
+
+def cpu_expert_tflops(model: engine.Model, tokens: int, repeats=3) -> float:
+    """The CPU expert kernels on one MoE layer, `tokens` tokens routed uniformly at random (best of repeats)."""
+    cfg, cpu = model.config, jax.devices("cpu")[0]
+    moe = next(layer.mlp for layer in model.weights.layers if isinstance(layer.mlp, dsv3.MoE))
+    rng = np.random.default_rng(0)
+    ids = np.stack([rng.choice(cfg.n_routed_experts, cfg.num_experts_per_tok, replace=False) for _ in range(tokens)])
+    ids, w, x = jax.device_put((ids.astype(np.int32), np.full(ids.shape, 0.1, np.float32),
+                                rng.standard_normal((tokens, cfg.hidden_size)).astype(jnp.bfloat16)), cpu)
+    call = jax.jit(lambda x, ids, w: routed_experts(x, ids, w, layer=moe.expert_layer))
+    call(x, ids, w).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call(x, ids, w).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * tokens * cfg.num_experts_per_tok / best / 1e12
+
+
+# --------------------------------------------------------------------------------------------- cases
+
+
+def stream_case(model: engine.Model, full: ModelConfig, length: int, floors: dict, budget: int | None) -> dict:
+    cfg, device = model.config, model.placement.device
+    tokens = np.random.default_rng(length).integers(2, cfg.vocab_size, (1, length)).astype(np.int32)
+
+    def run():
+        cache = dsv3.init_cache(cfg, 1, length, model.dtype, device)
+        jax.block_until_ready(cache)
+        stats = sp.StreamStats()
+        start = time.perf_counter()
+        logits, cache = sp.stream_prefill(model, tokens, [length], cache, vram_budget=budget, stats=stats)
+        jax.block_until_ready((logits, cache))
+        return time.perf_counter() - start, stats
+
+    run()  # compiles
+    ttft, stats = run()
+    moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    done = [0.0, *stats.layer_done_s]
+    per_layer = [done[i + 1] - done[i] for i in range(cfg.num_hidden_layers)]
+    steady = statistics.median(per_layer[i] for i in (moe[1:] or moe))
+    layer_bytes = pinned_layer(model.weights.layers[moe[0]].mlp.expert_layer).nbytes
+    full_moe = sum(full.is_moe_layer(i) for i in range(full.num_hidden_layers))
+    projected = ttft + (full.num_hidden_layers - cfg.num_hidden_layers) * steady
+    transfer_s = full_moe * layer_bytes / (floors["h2d_gbps"] * 1e9)
+    compute_s = sum(sp.prefill_flops(full, 1, length).values()) / (floors["gemm_tflops"] * 1e12)
+    floor = max(transfer_s, compute_s)
+    h2d = layer_bytes / steady / 1e9
+    memory = device.memory_stats()
+    return {
+        "path": "stream", "tokens": length, "ring_depth": stats.plan.depth,
+        "block_gib": round(stats.plan.block_bytes / GIB, 3),
+        "attention": type(stats.plan.attention).__name__,
+        "ttft_ms": round(1e3 * ttft, 1), "moe_layer_ms": round(1e3 * steady, 1),
+        "projected_full_depth_ttft_s": round(projected, 3),
+        "h2d_gbps": round(h2d, 2), "h2d_ratio": round(h2d / floors["h2d_gbps"], 3),
+        "overall_h2d_gbps": round(stats.streamed_bytes / ttft / 1e9, 2),
+        "tflops": round(sum(sp.prefill_flops(cfg, 1, length).values()) / ttft / 1e12, 1),
+        "floor_full_depth_s": round(floor, 3), "ratio_to_floor": round(projected / floor, 3),
+        "bound": "transfer" if transfer_s >= compute_s else "compute",
+        "peak_ring_gib": round(stats.peak_ring_bytes / GIB, 3),
+        "activation_estimate_gib": round(stats.plan.activation_bytes / GIB, 3),
+        "peak_device_gib": round(memory["peak_bytes_in_use"] / GIB, 2) if memory else None,
+    }
+
+
+def hybrid_case(model: engine.Model, full: ModelConfig, length: int) -> dict:
+    """The engine's own prefill program (routed experts on the CPU), measured, projected by its MoE layers."""
+    cfg, device = model.config, model.placement.device
+    tokens = np.random.default_rng(length).integers(2, cfg.vocab_size, (1, length)).astype(np.int32)
+    sampling = engine.SamplingParams().device_args()
+
+    def run():
+        cache = dsv3.init_cache(cfg, 1, length, model.dtype, device)
+        jax.block_until_ready(cache)
+        start = time.perf_counter()
+        out = engine._prefill_program(cfg, model.weights, tokens, np.array([length], np.int32), cache,
+                                      jax.random.key(0), *sampling)
+        jax.block_until_ready(out)
+        return time.perf_counter() - start
+
+    run()  # compiles
+    ttft = run()
+    moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    full_moe = sum(full.is_moe_layer(i) for i in range(full.num_hidden_layers))
+    return {"path": "hybrid", "tokens": length, "measured": True, "ttft_ms": round(1e3 * ttft, 1),
+            # the dense layers' share is counted as MoE: a slight overestimate
+            "projected_full_depth_ttft_s": round(ttft * full_moe / moe, 3)}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="checkpoint path or model name")
+    source.add_argument("--geometry", choices=sorted(GEOMETRIES))
+    parser.add_argument("--layers", type=int, help="truncate a geometry to this many layers")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192, 16384, 32768, 65536])
+    parser.add_argument("--hybrid-tokens", type=int, nargs="*", default=[1024, 4096])
+    parser.add_argument("--cpu-tokens", type=int, default=4096, help="batch of the CPU expert-rate floor")
+    parser.add_argument("--vram-budget-gib", type=float, help="stream_prefill's VRAM budget (default: free memory)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--time-limit", type=float, default=float("inf"),
+                        help="seconds after which no new case starts (the JSON line still comes)")
+    args = parser.parse_args(argv)
+    begin = time.perf_counter()
+
+    model, name, full = load(args)
+    device = model.placement.device
+    floors = {"h2d_gbps": round(h2d_gbps(device), 2), "gemm_tflops": round(gemm_tflops(device), 1),
+              "cpu_expert_tflops": round(cpu_expert_tflops(model, args.cpu_tokens), 3)}
+    rates = sp.PrefillRates(floors["h2d_gbps"], floors["gemm_tflops"], floors["cpu_expert_tflops"])
+    print(f"prefill: {name} on {device.device_kind}; floors: pinned H2D {floors['h2d_gbps']} GB/s, bf16 GEMM "
+          f"{floors['gemm_tflops']} TFLOP/s, CPU experts {floors['cpu_expert_tflops']} TFLOP/s")
+    budget = int(args.vram_budget_gib * GIB) if args.vram_budget_gib else None
+    results, skipped = [], []
+    print(f"{'path':>6} {'tokens':>6} {'depth':>5} {'TTFT ms':>9} {'layer ms':>8} {'full s(proj)':>12} "
+          f"{'H2D GB/s':>8} {'of peak':>7} {'TFLOP/s':>7} {'floor s':>8} {'ratio':>6}")
+    cases = [("stream", n) for n in args.tokens] + [("hybrid", n) for n in args.hybrid_tokens]
+    for path, length in cases:
+        if time.perf_counter() - begin > args.time_limit:
+            skipped.append(f"{path} {length}")
+            continue
+        if path == "stream":
+            r = stream_case(model, full, length, floors, budget)
+            print(f"{path:>6} {length:6d} {r['ring_depth']:5d} {r['ttft_ms']:9.1f} {r['moe_layer_ms']:8.1f} "
+                  f"{r['projected_full_depth_ttft_s']:12.2f} {r['h2d_gbps']:8.1f} {r['h2d_ratio']:7.2f} "
+                  f"{r['tflops']:7.1f} {r['floor_full_depth_s']:8.2f} {r['ratio_to_floor']:6.2f}", flush=True)
+        else:
+            r = hybrid_case(model, full, length)
+            print(f"{path:>6} {length:6d} {'-':>5} {r['ttft_ms']:9.1f} {'-':>8} "
+                  f"{r['projected_full_depth_ttft_s']:12.2f}", flush=True)
+        results.append(r)
+    measured = {r["tokens"] for r in results if r["path"] == "hybrid"}
+    for length in args.tokens:
+        if length not in measured:
+            t = sp.prefill_seconds(full, 1, length, rates)["hybrid"]
+            results.append({"path": "hybrid", "tokens": length, "measured": False,
+                            "modelled_full_depth_ttft_s": round(t, 3)})
+            print(f"{'hybrid':>6} {length:6d} (modelled from the measured rates) {t:10.2f} s")
+    crossover = sp.crossover_length(full, rates)
+    print(f"crossover (modelled, measured rates): stream-loaded prefill from {crossover} tokens"
+          + (f"; skipped for time: {', '.join(skipped)}" if skipped else ""))
+    machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "device": device.device_kind,
+               "jax": jax.__version__}
+    print(json.dumps({"bench": "prefill", "model": name, "layers": model.config.num_hidden_layers,
+                      "full_layers": full.num_hidden_layers, "machine": machine, "floors": floors,
+                      "crossover_tokens": crossover, "skipped": skipped, "results": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,398 @@
+// AMX kernels: the GEMMs of prefill and batched decode, many tokens per expert (KTransformers §3.2).
+//
+// The product is computed transposed, Y^T = W X^T, so that the weights are the A operand: an A tile is
+// 16 weight rows by 64 bytes, which is the checkpoint's own [out, in] layout, while the activations
+// (packed once per expert call) take the B operand's pair/quad-interleaved layout. The weights are
+// copied tile by tile into an L2-resident strip laid out as whole tiles, zero-padded at the matrix
+// edges; fp8, and int8/int4 with several scale groups per row, are dequantized to bfloat16 on that
+// copy (w * scale rounded to nearest even), so there is no second copy of the weights in memory, and
+// the copy costs a few instructions per weight against hundreds of multiply-adds per weight at
+// prefill sizes. int8 with one scale per row keeps int8 tiles (tdpbssd on int8 activations) and scales
+// once at the end.
+//
+// Blocking: per 128 rows and 512 input elements, the strips of every projection (gate and up share
+// the activations) are converted once and then swept by 32-token x 32-row blocks of 2x2 C tiles
+// accumulated across the 16 (or 8) k-steps; partial sums live in the output buffer between blocks.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "expert_kernels.h"
+#include "numeric_formats.h"
+
+#define HJ_AMX                                                                                                   \
+  __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni," \
+                        "avx2,fma,f16c")))
+
+namespace hybridjit {
+namespace {
+
+constexpr int64_t kTileRows = 16;
+constexpr int64_t kTileBytes = 1024;       // 16 rows x 64 bytes
+constexpr int64_t kRowBlock = 128;         // weight rows per strip
+constexpr int64_t kKStepsBf16 = 16;        // k-steps of 32 bf16 per strip: 512 input elements
+constexpr int64_t kKStepsInt8 = 8;         // k-steps of 64 int8 per strip: also 512
+constexpr int64_t kStripBytes = kKStepsBf16 * kTileBytes;  // one row-tile of a strip
+
+int64_t RoundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+int64_t Blocks(int64_t cols, int64_t block) { return (cols + block - 1) / block; }
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: C (2 x 2), 4-5: A (weights), 6-7: B (activations); all 16 rows x 64 bytes.
+HJ_AMX void ConfigureTiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = kTileRows;
+  }
+  _tile_loadconfig(&config);
+}
+
+HJ_AMX __mmask16 FirstLanes16(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << std::max<int64_t>(n, 0)) - 1); }
+HJ_AMX __mmask32 FirstLanes32(int64_t n) {
+  return n >= 32 ? ~__mmask32{0} : (__mmask32{1} << std::max<int64_t>(n, 0)) - 1;
+}
+HJ_AMX __mmask64 FirstLanes64(int64_t n) {
+  return n >= 64 ? ~__mmask64{0} : (__mmask64{1} << std::max<int64_t>(n, 0)) - 1;
+}
+
+// One token's row as bfloat16 (round to nearest even), zero-padded to `padded` elements.
+HJ_AMX void RowToBf16(const ActivationRows& rows, int64_t t, int64_t cols, int64_t padded, uint16_t* out) {
+  const void* src = rows.Row(t);
+  for (int64_t c = 0; c < padded; c += 16) {
+    const __mmask16 k = FirstLanes16(cols - c);
+    __m256i bits;
+    if (rows.bf16) {
+      bits = _mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(src) + c);
+    } else {
+      bits = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(k, static_cast<const float*>(src) + c));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), bits);
+  }
+}
+
+HJ_AMX void RowToFloat(const ActivationRows& rows, int64_t t, int64_t cols, float* out) {
+  const void* src = rows.Row(t);
+  if (!rows.bf16) {
+    std::memcpy(out, src, cols * sizeof(float));
+    return;
+  }
+  for (int64_t c = 0; c < cols; c += 16) {
+    const __mmask16 k = FirstLanes16(cols - c);
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(src) + c));
+    _mm512_mask_storeu_ps(out + c, k, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+  }
+}
+
+// ---- packed activations ----------------------------------------------------------------------------------
+// B tiles for token block tb (16 tokens, padded to an even count) and k-step ks at (tb * ksteps + ks) KiB:
+// row r of a tile holds, for each of the 16 tokens, the 4 bytes of input elements [ks * step + 4r / size,
+// ...) (bf16: 2 elements, int8: 4). int8 tiles are preceded by one float scale per (padded) token.
+
+int64_t PaddedTokens(int64_t tokens) { return RoundUp(tokens, 32); }
+
+bool IntTiles(const LayerWeights& layer) {
+  // int8 tiles only when a row has one scale for both input sizes (gate/up: hidden, down: inter).
+  return layer.format == WeightFormat::kInt8 && layer.block_cols >= std::max(layer.hidden, layer.inter);
+}
+
+size_t ScaleBytes(int64_t tokens) { return RoundUp(PaddedTokens(tokens) * 4, 64); }
+
+size_t Bf16PackedBytes(const LayerWeights&, int64_t tokens, int64_t cols) {
+  return PaddedTokens(tokens) / kTileRows * Blocks(cols, 32) * kTileBytes;
+}
+
+size_t Int8PackedBytes(const LayerWeights&, int64_t tokens, int64_t cols) {
+  return ScaleBytes(tokens) + PaddedTokens(tokens) / kTileRows * Blocks(cols, 64) * kTileBytes;
+}
+
+// Scatters one token's 4-byte groups (dwords) into column (t % 16) of its token block's tiles.
+HJ_AMX void ScatterToken(const uint32_t* dwords, int64_t ksteps, int64_t t, char* tiles) {
+  char* base = tiles + (t / kTileRows) * ksteps * kTileBytes + (t % kTileRows) * 4;
+  for (int64_t ks = 0; ks < ksteps; ++ks) {
+    char* tile = base + ks * kTileBytes;
+    for (int64_t r = 0; r < kTileRows; ++r) std::memcpy(tile + r * 64, dwords + ks * kTileRows + r, 4);
+  }
+}
+
+HJ_AMX void Bf16Pack(const LayerWeights&, const ActivationRows& rows, int64_t cols, void* packed) {
+  const int64_t ksteps = Blocks(cols, 32);
+  const int64_t padded_tokens = PaddedTokens(rows.count);
+  if (padded_tokens > rows.count) std::memset(packed, 0, padded_tokens / kTileRows * ksteps * kTileBytes);
+  thread_local std::vector<uint16_t> row;
+  row.resize(ksteps * 32);
+  for (int64_t t = 0; t < rows.count; ++t) {
+    RowToBf16(rows, t, cols, ksteps * 32, row.data());
+    ScatterToken(reinterpret_cast<const uint32_t*>(row.data()), ksteps, t, static_cast<char*>(packed));
+  }
+}
+
+// One scale per token row (the layer has one group per row): as QuantizeInt8.
+HJ_AMX void Int8Pack(const LayerWeights&, const ActivationRows& rows, int64_t cols, void* packed) {
+  const int64_t ksteps = Blocks(cols, 64);
+  const int64_t padded_tokens = PaddedTokens(rows.count);
+  auto* scales = static_cast<float*>(packed);
+  char* tiles = static_cast<char*>(packed) + ScaleBytes(rows.count);
+  std::memset(packed, 0, ScaleBytes(rows.count));
+  if (padded_tokens > rows.count) std::memset(tiles, 0, padded_tokens / kTileRows * ksteps * kTileBytes);
+  thread_local std::vector<float> x;
+  thread_local std::vector<int8_t> q;
+  x.resize(cols);
+  q.assign(ksteps * 64, 0);
+  for (int64_t t = 0; t < rows.count; ++t) {
+    RowToFloat(rows, t, cols, x.data());
+    scales[t] = QuantizeInt8(x.data(), cols, q.data());
+    ScatterToken(reinterpret_cast<const uint32_t*>(q.data()), ksteps, t, tiles);
+  }
+}
+
+// ---- weight strips ---------------------------------------------------------------------------------------
+// Rows [r0, r0 + 128) x k-steps [k0, k0 + n) of one projection, as tiles: row-tile rt, k-step ks at
+// (rt * n + ks) KiB. Rows past the matrix and elements past the row are zero.
+
+// The scale of each of 16 consecutive elements from column c of a scale row: one broadcast when they
+// share a block (always, for 128-multiples), else looked up one by one.
+HJ_AMX __m512 ScaleVector(const float* scale_row, int64_t block_cols, int64_t c) {
+  if (c / block_cols == (c + 15) / block_cols) {
+    float s;
+    std::memcpy(&s, scale_row + c / block_cols, sizeof s);
+    return _mm512_set1_ps(s);
+  }
+  alignas(64) float v[16];
+  for (int i = 0; i < 16; ++i) std::memcpy(v + i, scale_row + (c + i) / block_cols, sizeof(float));
+  return _mm512_load_ps(v);
+}
+
+// bfloat16 bits of m * 2^-9, by FP8 denormal mantissa m.
+const uint16_t* Fp8DenormalTable() {
+  static const std::vector<uint16_t> table = [] {
+    std::vector<uint16_t> t(32, 0);
+    for (int m = 0; m < 8; ++m) t[m] = FloatToBf16Bits(std::ldexp(static_cast<float>(m), -9));
+    return t;
+  }();
+  return table.data();
+}
+
+// 32 FP8 bytes -> 32 exact bfloat16 values (E4M3 fits in bfloat16): rebias the exponent by 120,
+// look up the denormals, keep NaN.
+HJ_AMX __m512i Fp8ToBf16(__m256i raw) {
+  const __m512i w16 = _mm512_cvtepi8_epi16(raw);
+  // (w16 << 4) & 0x87f0 keeps S and E.M; adding 120 << 7 rebiases the exponent (no carry into S).
+  __m512i v = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(w16, 4), _mm512_set1_epi16(static_cast<short>(0x87f0))),
+                               _mm512_set1_epi16(120 << 7));
+  const __mmask32 denormal = _mm512_testn_epi16_mask(w16, _mm512_set1_epi16(0x78));
+  const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(w16, _mm512_set1_epi16(0x7f)), _mm512_set1_epi16(0x7f));
+  v = _mm512_mask_permutexvar_epi16(v, denormal, w16, _mm512_loadu_si512(Fp8DenormalTable()));
+  v = _mm512_mask_mov_epi16(v, nan, _mm512_set1_epi16(0x7fc0));
+  return _mm512_ternarylogic_epi32(v, w16, _mm512_set1_epi16(static_cast<short>(0x8000)), 0xf8);  // a | (b & c)
+}
+
+HJ_AMX __m512 Bf16HalfToFloat(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+
+// 32 weights of a row from element c (n valid) as float32 (unscaled), in two halves.
+HJ_AMX void LoadRowFloats(const LayerWeights& layer, const unsigned char* row, int64_t c, int64_t n, __m512* lo,
+                          __m512* hi) {
+  switch (layer.format) {
+    case WeightFormat::kFp8E4M3Fn: {
+      const __m512i b = Fp8ToBf16(_mm256_maskz_loadu_epi8(FirstLanes32(n), row + c));
+      *lo = Bf16HalfToFloat(_mm512_castsi512_si256(b));
+      *hi = Bf16HalfToFloat(_mm512_extracti64x4_epi64(b, 1));
+      return;
+    }
+    case WeightFormat::kInt8: {
+      const __m256i q = _mm256_maskz_loadu_epi8(FirstLanes32(n), row + c);
+      *lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+      *hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+      return;
+    }
+    case WeightFormat::kInt4: {
+      // 16 bytes hold the 32 elements: low nibbles are the even ones, high nibbles the odd ones.
+      const __m128i b = _mm_maskz_loadu_epi8(FirstLanes16((n + 1) / 2), row + c / 2);
+      const __m128i mask = _mm_set1_epi8(0x0f);
+      const __m128i even = _mm_and_si128(b, mask), odd = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+      const __m128i eight = _mm_set1_epi8(8);
+      const __m128i first = _mm_sub_epi8(_mm_unpacklo_epi8(even, odd), eight);
+      const __m128i second = _mm_sub_epi8(_mm_unpackhi_epi8(even, odd), eight);
+      // Elements past n decode as -8 from zero bytes: zero them.
+      *lo = _mm512_maskz_cvtepi32_ps(FirstLanes16(n), _mm512_cvtepi8_epi32(first));
+      *hi = _mm512_maskz_cvtepi32_ps(FirstLanes16(n - 16), _mm512_cvtepi8_epi32(second));
+      return;
+    }
+    case WeightFormat::kF32:
+    case WeightFormat::kBf16:
+      break;
+  }
+  *lo = *hi = _mm512_setzero_ps();
+}
+
+HJ_AMX void Bf16Strip(const LayerWeights& layer, const Projection& w, int64_t r0, int64_t k0, int64_t n_ksteps,
+                      char* strip) {
+  const int64_t cols = w.cols;
+  const int64_t row_bytes = layer.RowBytes(cols);
+  const int64_t n_scale_cols = layer.scaled() ? Blocks(cols, layer.block_cols) : 0;
+  for (int64_t rt = 0; rt < kRowBlock / kTileRows; ++rt) {
+    for (int64_t m = 0; m < kTileRows; ++m) {
+      const int64_t r = r0 + rt * kTileRows + m;
+      for (int64_t ks = 0; ks < n_ksteps; ++ks) {
+        char* dst = strip + (rt * n_ksteps + ks) * kTileBytes + m * 64;
+        const int64_t c = (k0 + ks) * 32;
+        const int64_t n = r < w.rows ? std::min<int64_t>(32, cols - c) : 0;
+        if (n <= 0) {
+          _mm512_storeu_si512(dst, _mm512_setzero_si512());
+          continue;
+        }
+        const unsigned char* row = static_cast<const unsigned char*>(w.data) + r * row_bytes;
+        if (layer.format == WeightFormat::kBf16) {
+          _mm512_storeu_si512(dst, _mm512_maskz_loadu_epi16(FirstLanes32(n), row + c * 2));
+          continue;
+        }
+        const float* scale_row = w.scale + (r / layer.block_rows) * n_scale_cols;
+        __m512 lo, hi;
+        LoadRowFloats(layer, row, c, n, &lo, &hi);
+        lo = _mm512_mul_ps(lo, ScaleVector(scale_row, layer.block_cols, c));
+        hi = _mm512_mul_ps(hi, ScaleVector(scale_row, layer.block_cols, c + 16));
+        _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+    }
+  }
+}
+
+HJ_AMX void Int8Strip(const Projection& w, int64_t r0, int64_t k0, int64_t n_ksteps, char* strip) {
+  for (int64_t rt = 0; rt < kRowBlock / kTileRows; ++rt) {
+    for (int64_t m = 0; m < kTileRows; ++m) {
+      const int64_t r = r0 + rt * kTileRows + m;
+      for (int64_t ks = 0; ks < n_ksteps; ++ks) {
+        char* dst = strip + (rt * n_ksteps + ks) * kTileBytes + m * 64;
+        const int64_t c = (k0 + ks) * 64;
+        const int64_t n = r < w.rows ? std::min<int64_t>(64, w.cols - c) : 0;
+        __m512i v = _mm512_setzero_si512();
+        if (n > 0) v = _mm512_maskz_loadu_epi8(FirstLanes64(n), static_cast<const unsigned char*>(w.data) + r * w.cols + c);
+        _mm512_storeu_si512(dst, v);
+      }
+    }
+  }
+}
+
+// ---- the tile loop ---------------------------------------------------------------------------------------
+
+// C[rows r0.., tokens t0..] (+)= strip x B over the strip's k-steps, for 2 x 2 tiles at a time. With
+// `accumulate`, C starts from `out` (float32, or int32 for int8 tiles) instead of zero.
+template <bool kInt8>
+HJ_AMX void SweepStrip(const char* strip, int64_t strip_rows, int64_t n_ksteps, const char* b_tiles,
+                       int64_t total_ksteps, int64_t k0, int64_t tokens_padded, bool accumulate, float* out,
+                       int64_t out_stride) {
+  const int64_t stride_bytes = out_stride * 4;
+  for (int64_t tb = 0; tb < tokens_padded / kTileRows; tb += 2) {
+    const char* b0 = b_tiles + (tb * total_ksteps + k0) * kTileBytes;
+    const char* b1 = b0 + total_ksteps * kTileBytes;
+    for (int64_t rt = 0; rt < strip_rows / kTileRows; rt += 2) {
+      const char* a0 = strip + rt * n_ksteps * kTileBytes;
+      const char* a1 = a0 + n_ksteps * kTileBytes;
+      float* c = out + rt * kTileRows * out_stride + tb * kTileRows;
+      if (accumulate) {
+        _tile_loadd(0, c, stride_bytes);
+        _tile_loadd(1, c + kTileRows, stride_bytes);
+        _tile_loadd(2, c + kTileRows * out_stride, stride_bytes);
+        _tile_loadd(3, c + kTileRows * out_stride + kTileRows, stride_bytes);
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (int64_t ks = 0; ks < n_ksteps; ++ks) {
+        _tile_loadd(4, a0 + ks * kTileBytes, 64);
+        _tile_loadd(5, a1 + ks * kTileBytes, 64);
+        _tile_loadd(6, b0 + ks * kTileBytes, 64);
+        _tile_loadd(7, b1 + ks * kTileBytes, 64);
+        if constexpr (kInt8) {
+          _tile_dpbssd(0, 4, 6);
+          _tile_dpbssd(1, 4, 7);
+          _tile_dpbssd(2, 5, 6);
+          _tile_dpbssd(3, 5, 7);
+        } else {
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, c, stride_bytes);
+      _tile_stored(1, c + kTileRows, stride_bytes);
+      _tile_stored(2, c + kTileRows * out_stride, stride_bytes);
+      _tile_stored(3, c + kTileRows * out_stride + kTileRows, stride_bytes);
+    }
+  }
+}
+
+template <bool kInt8>
+HJ_AMX void AmxGemm(const LayerWeights& layer, const Projection* w, int n_proj, int64_t row0, int64_t rows,
+                    const void* packed, int64_t tokens, float* const* out, int64_t out_stride) {
+  const int64_t cols = w[0].cols;
+  const int64_t step = kInt8 ? 64 : 32;
+  const int64_t strip_ksteps = kInt8 ? kKStepsInt8 : kKStepsBf16;
+  const int64_t total_ksteps = Blocks(cols, step);
+  const int64_t tokens_padded = PaddedTokens(tokens);
+  const char* b_tiles = static_cast<const char*>(packed) + (kInt8 ? ScaleBytes(tokens) : 0);
+  const size_t strip_bytes = kRowBlock / kTileRows * kStripBytes;
+  thread_local std::vector<char> strips;
+  strips.resize(strip_bytes * n_proj + 64);
+  char* strip_base = strips.data() + (64 - reinterpret_cast<uintptr_t>(strips.data()) % 64) % 64;
+  ConfigureTiles();
+  for (int64_t rs = 0; rs < rows; rs += kRowBlock) {
+    const int64_t strip_rows = std::min(kRowBlock, RoundUp(rows - rs, 32));
+    for (int64_t k0 = 0; k0 < total_ksteps; k0 += strip_ksteps) {
+      const int64_t n_ksteps = std::min(strip_ksteps, total_ksteps - k0);
+      for (int p = 0; p < n_proj; ++p) {
+        char* strip = strip_base + p * strip_bytes;
+        if constexpr (kInt8) {
+          Int8Strip(w[p], row0 + rs, k0, n_ksteps, strip);
+        } else {
+          Bf16Strip(layer, w[p], row0 + rs, k0, n_ksteps, strip);
+        }
+        SweepStrip<kInt8>(strip, strip_rows, n_ksteps, b_tiles, total_ksteps, k0, tokens_padded, k0 > 0,
+                          out[p] + rs * out_stride, out_stride);
+      }
+    }
+  }
+  _tile_release();
+  if constexpr (kInt8) {
+    // The int32 sums times the row's and the token's scale.
+    const auto* x_scales = static_cast<const float*>(packed);
+    for (int p = 0; p < n_proj; ++p) {
+      for (int64_t r = 0; r < rows; ++r) {
+        float ws;
+        std::memcpy(&ws, w[p].scale + (row0 + r), sizeof ws);
+        float* o = out[p] + r * out_stride;
+        for (int64_t t = 0; t < tokens; t += 16) {
+          const __mmask16 k = FirstLanes16(tokens - t);
+          const __m512 sums = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(k, o + t));
+          const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(ws), _mm512_maskz_loadu_ps(k, x_scales + t));
+          _mm512_mask_storeu_ps(o + t, k, _mm512_mul_ps(sums, scale));
+        }
+      }
+    }
+  }
+}
+
+constexpr GemmKernel kBf16Tiles{"amx_bf16", 32, Bf16PackedBytes, Bf16Pack, AmxGemm<false>};
+constexpr GemmKernel kInt8Tiles{"amx_int8", 32, Int8PackedBytes, Int8Pack, AmxGemm<true>};
+
+}  // namespace
+
+const GemmKernel* AmxKernel(const LayerWeights& layer) {
+  if (layer.format == WeightFormat::kF32) return nullptr;  // float32 weights: no lossless AMX type
+  return IntTiles(layer) ? &kInt8Tiles : &kBf16Tiles;
+}
+
+}  // namespace hybridjit

@@ -1,0 +1,439 @@
+// AVX-512 kernels (F, BW, VL, DQ, BF16, VNNI): the GEMV of decode, memory-bound by design.
+//
+// bf16 and fp8 weights meet bfloat16 activations in vdpbf16ps (float32 accumulators). FP8 E4M3FN is
+// expanded to bfloat16 in registers (OSDI '26 §3.4): sign-extend each byte to 16 bits, shift the
+// exponent and mantissa into bfloat16 position and OR in a rebias of 112, which makes the value the
+// FP8 value times 2^-8 (the 2^8 goes into the block scale). The rebias keeps every FP8 value a normal
+// bfloat16: shifting without it (the value times 2^-120, the bias fixed in the scale) would make FP8
+// denormals and most products bfloat16/float32 denormals, which vdpbf16ps flushes to zero. FP8's own
+// denormals (exponent field 0, zero included) and NaN are not affine in the bits; a row's scale block
+// that holds one is decoded by an exact path (a table lookup for the 8 denormal mantissas, NaN kept),
+// the others (all but ~1% of blocks in real checkpoints) by the 3-instruction fast path. Sums run per scale block, and the block scale is applied once
+// to the block's float32 sums (post-scaling); row tiles never cross a scale row-block.
+//
+// int8 and int4 weights meet int8 activations in vpdpbusd (unsigned x signed bytes): int8 weights with
+// their sign bit flipped (q + 128), int4 nibbles as stored (q + 8); the offset times the group's sum
+// of activations is subtracted through the accumulator's initial value. Group scales apply once per
+// group to the converted sums.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "expert_kernels.h"
+#include "numeric_formats.h"
+
+#define HJ_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,avx2,fma,f16c")))
+
+namespace hybridjit {
+namespace {
+
+int64_t RoundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+int64_t Blocks(int64_t cols, int64_t block) { return (cols + block - 1) / block; }
+
+// The first n (< 64) lanes.
+HJ_AVX512 __mmask64 FirstLanes64(int64_t n) { return n >= 64 ? ~__mmask64{0} : (__mmask64{1} << n) - 1; }
+HJ_AVX512 __mmask32 FirstLanes32(int64_t n) { return n >= 32 ? ~__mmask32{0} : (__mmask32{1} << n) - 1; }
+HJ_AVX512 __mmask16 FirstLanes16(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
+
+// Converts one token's row (float32 or bfloat16) to float32.
+HJ_AVX512 void LoadFloatRow(const ActivationRows& rows, int64_t i, int64_t cols, float* out) {
+  const void* src = rows.Row(i);
+  if (!rows.bf16) {
+    std::memcpy(out, src, cols * sizeof(float));
+    return;
+  }
+  const auto* bits = static_cast<const uint16_t*>(src);
+  for (int64_t c = 0; c < cols; c += 16) {
+    const __mmask16 k = FirstLanes16(cols - c);
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, bits + c));
+    _mm512_mask_storeu_ps(out + c, k, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+  }
+}
+
+// ---- bf16 / fp8 ----------------------------------------------------------------------------------------
+// Packed activations: per token bfloat16[RoundUp(cols + 32, 32)], zero beyond cols (a 32-element chunk
+// may start anywhere inside the row when scale blocks are not multiples of 32).
+
+constexpr int64_t kBf16Chunk = 32;
+
+int64_t Bf16TokenElements(int64_t cols) { return RoundUp(cols + kBf16Chunk, kBf16Chunk); }
+
+size_t Bf16PackedBytes(const LayerWeights&, int64_t tokens, int64_t cols) {
+  return tokens * Bf16TokenElements(cols) * sizeof(uint16_t);
+}
+
+HJ_AVX512 void Bf16Pack(const LayerWeights&, const ActivationRows& rows, int64_t cols, void* packed) {
+  const int64_t stride = Bf16TokenElements(cols);
+  for (int64_t t = 0; t < rows.count; ++t) {
+    auto* out = static_cast<uint16_t*>(packed) + t * stride;
+    const void* src = rows.Row(t);
+    for (int64_t c = 0; c < stride; c += 16) {
+      const __mmask16 k = FirstLanes16(std::max<int64_t>(0, cols - c));
+      __m256i bits;
+      if (rows.bf16) {
+        bits = _mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(src) + c);
+      } else {
+        // Round to nearest even, as FloatToBf16Bits.
+        bits = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(k, static_cast<const float*>(src) + c));
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), bits);
+    }
+  }
+}
+
+// bfloat16 bits of m * 2^-9 * 2^-8 (FP8 denormal mantissa m, times the 2^-8 of the fast path), by m.
+const std::array<uint16_t, 32>& Fp8DenormalTable() {
+  static const std::array<uint16_t, 32> table = [] {
+    std::array<uint16_t, 32> t{};
+    for (int m = 0; m < 8; ++m) t[m] = FloatToBf16Bits(std::ldexp(static_cast<float>(m), -17));
+    return t;
+  }();
+  return table;
+}
+
+// 32 sign-extended FP8 bytes -> bfloat16 of value * 2^-8, exact for normal values only.
+HJ_AVX512 __m512i Fp8Fast(__m512i w16) {
+  // w16 = SSSSSSSS S.EEEE.MMM; << 4 and mask keeps S at bit 15 and E.M at bits 10..4; 0x3800 sets the
+  // exponent field to 0111EEEE = E + 112.
+  return _mm512_ternarylogic_epi32(_mm512_slli_epi16(w16, 4), _mm512_set1_epi16(static_cast<short>(0x87f0)),
+                                   _mm512_set1_epi16(0x3800), 0xea);  // (a & b) | c
+}
+
+HJ_AVX512 __m512i Fp8Exact(__m512i w16) {
+  __m512i v = Fp8Fast(w16);
+  const __mmask32 denormal = _mm512_testn_epi16_mask(w16, _mm512_set1_epi16(0x78));
+  const __mmask32 nan =
+      _mm512_cmpeq_epi16_mask(_mm512_and_si512(w16, _mm512_set1_epi16(0x7f)), _mm512_set1_epi16(0x7f));
+  // For a denormal the low 5 index bits are 00MMM.
+  const __m512i table = _mm512_loadu_si512(Fp8DenormalTable().data());
+  v = _mm512_mask_permutexvar_epi16(v, denormal, w16, table);
+  v = _mm512_mask_mov_epi16(v, nan, _mm512_set1_epi16(0x7fc0));
+  return _mm512_ternarylogic_epi32(v, w16, _mm512_set1_epi16(static_cast<short>(0x8000)), 0xf8);  // a | (b & c)
+}
+
+// Whether bytes [c0, c1) of an FP8 row hold an exponent field of 0 (denormals and zeros) or NaN
+// (S.1111.111): checked once per row and scale block, 64 bytes an instruction.
+HJ_AVX512 bool HasFp8Special(const unsigned char* row, int64_t c0, int64_t c1) {
+  __mmask64 any = 0;
+  for (int64_t c = c0; c < c1; c += 64) {
+    const __m512i raw = _mm512_maskz_loadu_epi8(FirstLanes64(c1 - c), row + c);
+    const __mmask64 valid = FirstLanes64(c1 - c);
+    any |= _mm512_mask_testn_epi8_mask(valid, raw, _mm512_set1_epi8(0x78)) |
+           _mm512_mask_cmpeq_epi8_mask(valid, _mm512_or_si512(raw, _mm512_set1_epi8(-128)), _mm512_set1_epi8(-1));
+  }
+  return any != 0;
+}
+
+// n (<= 32) weights from column c as bfloat16 (FP8: times 2^-8), lanes past n zero. `exact`: the
+// FP8 block holds denormals or NaN. Not inlined into the fast loop: the compiler would otherwise
+// evaluate both FP8 paths and select.
+template <WeightFormat F>
+__attribute__((noinline)) HJ_AVX512 __m512i LoadBf16WeightsSlow(const unsigned char* row, int64_t c, int64_t n) {
+  if constexpr (F == WeightFormat::kBf16) {
+    return _mm512_maskz_loadu_epi16(FirstLanes32(n), row + c * 2);
+  } else {
+    return Fp8Exact(_mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(FirstLanes32(n), row + c)));
+  }
+}
+
+template <WeightFormat F>
+HJ_AVX512 __m512i LoadBf16Weights(const unsigned char* row, int64_t c, int64_t n, bool exact) {
+  if (n < kBf16Chunk || exact) return LoadBf16WeightsSlow<F>(row, c, n);
+  if constexpr (F == WeightFormat::kBf16) {
+    return _mm512_loadu_si512(row + c * 2);
+  } else {
+    return Fp8Fast(_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c))));
+  }
+}
+
+template <WeightFormat F, int R, int TC>
+HJ_AVX512 void Bf16Tile(const LayerWeights& layer, const Projection& w, int64_t row, const uint16_t* x,
+                        int64_t x_stride, int64_t t0, float* out, int64_t out_stride) {
+  constexpr bool kScaled = F == WeightFormat::kFp8E4M3Fn;
+  const int64_t cols = w.cols;
+  const int64_t row_bytes = layer.RowBytes(cols);
+  const int64_t block = kScaled ? layer.block_cols : cols;
+  const int64_t n_blocks = Blocks(cols, block);
+  const float* scales = kScaled ? w.scale + (row / layer.block_rows) * n_blocks : nullptr;
+  const unsigned char* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = static_cast<const unsigned char*>(w.data) + (row + r) * row_bytes;
+  __m512 total[R][TC];
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < TC; ++t) total[r][t] = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const int64_t c1 = std::min(cols, (b + 1) * block);
+    __m512 acc[R][TC];
+    for (int r = 0; r < R; ++r) {
+      for (int t = 0; t < TC; ++t) acc[r][t] = _mm512_setzero_ps();
+    }
+    bool exact[R] = {};
+    if constexpr (kScaled) {
+      for (int r = 0; r < R; ++r) exact[r] = HasFp8Special(rows[r], b * block, c1);
+    }
+    for (int64_t c = b * block; c < c1; c += kBf16Chunk) {
+      const int64_t n = std::min(kBf16Chunk, c1 - c);
+      __m512i wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = LoadBf16Weights<F>(rows[r], c, n, exact[r]);
+      for (int t = 0; t < TC; ++t) {
+        const __m512i xv = _mm512_loadu_si512(x + (t0 + t) * x_stride + c);
+        for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)wv[r], (__m512bh)xv);
+      }
+    }
+    if constexpr (kScaled) {
+      float s;
+      std::memcpy(&s, scales + b, sizeof s);
+      const __m512 scale = _mm512_set1_ps(s * 256.0f);
+      for (int r = 0; r < R; ++r) {
+        for (int t = 0; t < TC; ++t) total[r][t] = _mm512_fmadd_ps(acc[r][t], scale, total[r][t]);
+      }
+    } else {
+      for (int r = 0; r < R; ++r) {
+        for (int t = 0; t < TC; ++t) total[r][t] = _mm512_add_ps(total[r][t], acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < TC; ++t) out[r * out_stride + t0 + t] = _mm512_reduce_add_ps(total[r][t]);
+  }
+}
+
+// Rows in tiles inside scale row-blocks: 4 rows when there are one or two tokens (the weight stream
+// dominates), else one row for chunks of 8, 4, 2, 1 tokens (the conversion is shared by the chunk).
+template <typename TileFn>
+void ForTiles(int64_t row0, int64_t rows, int64_t block_rows, int64_t tokens, TileFn tile) {
+  for (int64_t r = row0; r < row0 + rows;) {
+    const int64_t block_end = std::min(row0 + rows, (r / block_rows + 1) * block_rows);
+    while (r < block_end) {
+      if (tokens <= 2 && block_end - r >= 4) {
+        if (tokens == 1) {
+          tile(std::integral_constant<int, 4>(), std::integral_constant<int, 1>(), r, 0);
+        } else {
+          tile(std::integral_constant<int, 4>(), std::integral_constant<int, 2>(), r, 0);
+        }
+        r += 4;
+        continue;
+      }
+      int64_t t = 0;
+      for (; t + 8 <= tokens; t += 8) tile(std::integral_constant<int, 1>(), std::integral_constant<int, 8>(), r, t);
+      for (; t + 4 <= tokens; t += 4) tile(std::integral_constant<int, 1>(), std::integral_constant<int, 4>(), r, t);
+      for (; t + 2 <= tokens; t += 2) tile(std::integral_constant<int, 1>(), std::integral_constant<int, 2>(), r, t);
+      for (; t < tokens; ++t) tile(std::integral_constant<int, 1>(), std::integral_constant<int, 1>(), r, t);
+      r += 1;
+    }
+  }
+}
+
+template <WeightFormat F>
+HJ_AVX512 void Bf16Gemm(const LayerWeights& layer, const Projection* w, int n_proj, int64_t row0, int64_t rows,
+                        const void* packed, int64_t tokens, float* const* out, int64_t out_stride) {
+  const auto* x = static_cast<const uint16_t*>(packed);
+  const int64_t xs = Bf16TokenElements(w[0].cols);
+  const int64_t block_rows = F == WeightFormat::kFp8E4M3Fn ? layer.block_rows : w[0].rows;
+  for (int p = 0; p < n_proj; ++p) {
+    ForTiles(row0, rows, block_rows, tokens, [&](auto R, auto TC, int64_t r, int64_t t) {
+      Bf16Tile<F, decltype(R)::value, decltype(TC)::value>(layer, w[p], r, x, xs, t, out[p] + (r - row0) * out_stride,
+                                                           out_stride);
+    });
+  }
+}
+
+// ---- int8 / int4 ----------------------------------------------------------------------------------------
+// Packed activations, per token (64-byte aligned): float scale[groups], int32 correction[groups]
+// (-offset * sum of the group's q: 128 for int8, 8 for int4), then q[kp]; for int4 de-interleaved per
+// 128-element chunk, the 64 even elements then the 64 odd ones (matching the low and high nibbles of
+// 64 weight bytes).
+
+constexpr int64_t kInt8Chunk = 64;
+constexpr int64_t kInt4Chunk = 128;
+
+struct IntLayout {
+  int64_t groups, kp, token_bytes;
+  size_t scales = 0, corr, q;
+};
+
+IntLayout MakeIntLayout(const LayerWeights& layer, int64_t cols) {
+  IntLayout l;
+  l.groups = Blocks(cols, layer.block_cols);
+  l.kp = RoundUp(cols, layer.format == WeightFormat::kInt4 ? kInt4Chunk : kInt8Chunk);
+  l.corr = RoundUp(l.groups * 4, 64);
+  l.q = l.corr + RoundUp(l.groups * 4, 64);
+  l.token_bytes = static_cast<int64_t>(l.q) + l.kp;
+  return l;
+}
+
+size_t IntPackedBytes(const LayerWeights& layer, int64_t tokens, int64_t cols) {
+  return tokens * MakeIntLayout(layer, cols).token_bytes;
+}
+
+HJ_AVX512 float AbsMaxAvx512(const float* x, int64_t n) {
+  __m512i m = _mm512_setzero_si512();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512i bits = _mm512_maskz_loadu_epi32(FirstLanes16(n - i), x + i);
+    m = _mm512_max_epu32(m, _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)));
+  }
+  const uint32_t amax = _mm512_reduce_max_epu32(m);
+  float value;
+  std::memcpy(&value, &amax, sizeof value);
+  return value;
+}
+
+// As QuantizeInt8 (same scale and rounding); returns the scale, and the sum of q in *sum.
+HJ_AVX512 float QuantizeGroup(const float* x, int64_t n, int8_t* q, int32_t* sum) {
+  const float amax = AbsMaxAvx512(x, n);
+  if (amax == 0.0f || !std::isfinite(amax)) {
+    *sum = 0;
+    return QuantizeInt8(x, n, q);
+  }
+  const __m512 inv = _mm512_set1_ps(127.0f / amax);
+  __m512i total = _mm512_setzero_si512();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = FirstLanes16(n - i);
+    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), inv));
+    total = _mm512_add_epi32(total, v);
+    _mm_mask_storeu_epi8(q + i, k, _mm512_cvtsepi32_epi8(v));
+  }
+  *sum = _mm512_reduce_add_epi32(total);
+  return Int8Scale(amax);
+}
+
+HJ_AVX512 void IntPack(const LayerWeights& layer, const ActivationRows& rows, int64_t cols, void* packed) {
+  const IntLayout l = MakeIntLayout(layer, cols);
+  const bool int4 = layer.format == WeightFormat::kInt4;
+  const int32_t offset = int4 ? 8 : 128;
+  thread_local std::vector<float> x;
+  thread_local std::vector<int8_t> q;
+  x.resize(cols);
+  q.assign(l.kp, 0);
+  for (int64_t t = 0; t < rows.count; ++t) {
+    LoadFloatRow(rows, t, cols, x.data());
+    char* token = static_cast<char*>(packed) + t * l.token_bytes;
+    auto* scales = reinterpret_cast<float*>(token + l.scales);
+    auto* corr = reinterpret_cast<int32_t*>(token + l.corr);
+    for (int64_t g = 0; g < l.groups; ++g) {
+      const int64_t begin = g * layer.block_cols;
+      int32_t sum;
+      scales[g] = QuantizeGroup(x.data() + begin, std::min(layer.block_cols, cols - begin), q.data() + begin, &sum);
+      corr[g] = -offset * sum;
+    }
+    auto* out = reinterpret_cast<int8_t*>(token + l.q);
+    if (int4) {
+      for (int64_t c = 0; c < l.kp; c += kInt4Chunk) {
+        for (int64_t i = 0; i < kInt4Chunk / 2; ++i) {
+          out[c + i] = q[c + 2 * i];
+          out[c + kInt4Chunk / 2 + i] = q[c + 2 * i + 1];
+        }
+      }
+    } else {
+      std::memcpy(out, q.data(), l.kp);
+    }
+  }
+}
+
+template <bool kInt4, int R, int TC>
+HJ_AVX512 void IntTile(const LayerWeights& layer, const Projection& w, int64_t row, const char* packed,
+                       const IntLayout& l, int64_t t0, float* out, int64_t out_stride) {
+  const int64_t cols = w.cols;
+  const int64_t row_bytes = layer.RowBytes(cols);
+  const unsigned char* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = static_cast<const unsigned char*>(w.data) + (row + r) * row_bytes;
+  const char* tokens[TC];
+  for (int t = 0; t < TC; ++t) tokens[t] = packed + (t0 + t) * l.token_bytes;
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
+  const __m512i sign_bit = _mm512_set1_epi8(-128);
+  __m512 total[R][TC];
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < TC; ++t) total[r][t] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0; g < l.groups; ++g) {
+    const int64_t c0 = g * layer.block_cols, c1 = std::min(cols, c0 + layer.block_cols);
+    __m512i acc[R][TC];
+    for (int t = 0; t < TC; ++t) {
+      const int32_t corr = reinterpret_cast<const int32_t*>(tokens[t] + l.corr)[g];
+      for (int r = 0; r < R; ++r) acc[r][t] = _mm512_maskz_set1_epi32(1, corr);
+    }
+    if constexpr (kInt4) {
+      for (int64_t c = c0; c < c1; c += kInt4Chunk) {
+        const __mmask64 k = FirstLanes64((std::min(kInt4Chunk, cols - c) + 1) / 2);
+        __m512i lo[R], hi[R];
+        for (int r = 0; r < R; ++r) {
+          const __m512i v = _mm512_maskz_loadu_epi8(k, rows[r] + c / 2);
+          lo[r] = _mm512_and_si512(v, low_nibbles);
+          hi[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles);
+        }
+        for (int t = 0; t < TC; ++t) {
+          const char* xq = tokens[t] + l.q + c;
+          const __m512i even = _mm512_loadu_si512(xq), odd = _mm512_loadu_si512(xq + 64);
+          for (int r = 0; r < R; ++r) {
+            acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], lo[r], even);
+            acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], hi[r], odd);
+          }
+        }
+      }
+    } else {
+      for (int64_t c = c0; c < c1; c += kInt8Chunk) {
+        const __mmask64 k = FirstLanes64(cols - c);
+        __m512i wv[R];
+        // Lanes past the row load as 0 and flip to 128, against activations padded with 0.
+        for (int r = 0; r < R; ++r) wv[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(k, rows[r] + c), sign_bit);
+        for (int t = 0; t < TC; ++t) {
+          const __m512i xq = _mm512_loadu_si512(tokens[t] + l.q + c);
+          for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], wv[r], xq);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float ws;
+      std::memcpy(&ws, w.scale + (row + r) * l.groups + g, sizeof ws);
+      for (int t = 0; t < TC; ++t) {
+        const float xs = reinterpret_cast<const float*>(tokens[t] + l.scales)[g];
+        total[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), _mm512_set1_ps(ws * xs), total[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < TC; ++t) out[r * out_stride + t0 + t] = _mm512_reduce_add_ps(total[r][t]);
+  }
+}
+
+template <bool kInt4>
+HJ_AVX512 void IntGemm(const LayerWeights& layer, const Projection* w, int n_proj, int64_t row0, int64_t rows,
+                       const void* packed, int64_t tokens, float* const* out, int64_t out_stride) {
+  const IntLayout l = MakeIntLayout(layer, w[0].cols);
+  const char* x = static_cast<const char*>(packed);
+  for (int p = 0; p < n_proj; ++p) {
+    ForTiles(row0, rows, w[0].rows, tokens, [&](auto R, auto TC, int64_t r, int64_t t) {
+      IntTile<kInt4, decltype(R)::value, decltype(TC)::value>(layer, w[p], r, x, l, t, out[p] + (r - row0) * out_stride,
+                                                              out_stride);
+    });
+  }
+}
+
+constexpr GemmKernel kBf16{"avx512", 1, Bf16PackedBytes, Bf16Pack, Bf16Gemm<WeightFormat::kBf16>};
+constexpr GemmKernel kFp8{"avx512", 1, Bf16PackedBytes, Bf16Pack, Bf16Gemm<WeightFormat::kFp8E4M3Fn>};
+constexpr GemmKernel kInt8{"avx512", 1, IntPackedBytes, IntPack, IntGemm<false>};
+constexpr GemmKernel kInt4{"avx512", 1, IntPackedBytes, IntPack, IntGemm<true>};
+
+}  // namespace
+
+const GemmKernel* Avx512Kernel(const LayerWeights& layer) {
+  switch (layer.format) {
+    case WeightFormat::kF32:
+      return nullptr;  // the AVX2 FMA kernel: float32 weights gain nothing from bfloat16 dot products
+    case WeightFormat::kBf16:
+      return &kBf16;
+    case WeightFormat::kFp8E4M3Fn:
+      return &kFp8;
+    case WeightFormat::kInt8:
+      return &kInt8;
+    case WeightFormat::kInt4:
+      return &kInt4;
+  }
+  return nullptr;
+}
+
+}  // namespace hybridjit

@@ -1,0 +1,436 @@
+#include "moe_operator.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <new>
+#include <stdexcept>
+#include <vector>
+
+#include "expert_kernels.h"
+#include "numeric_formats.h"
+#include "thread_pool.h"
+
+namespace hybridjit {
+
+int64_t AmxMinTokens(const LayerWeights& layer) {
+  if (const int64_t tokens = AmxMinTokensOverride(); tokens > 0) return tokens;
+  // Crossovers measured on a 16-core Emerald Rapids at DeepSeek-V3 expert shapes (bench/moe_cpu.py
+  // --crossover): bf16 weights load straight into tiles; fp8 and grouped int8/int4 pay a
+  // dequantization of every weight per call, which only enough tokens amortize.
+  const GemmKernel* amx = AmxKernel(layer);
+  if (!amx) return std::numeric_limits<int64_t>::max();
+  if (std::string(amx->name) == "amx_int8") return 16;
+  switch (layer.format) {
+    case WeightFormat::kBf16:
+      return 8;
+    case WeightFormat::kFp8E4M3Fn:
+      return 32;
+    default:
+      return 64;
+  }
+}
+
+const GemmKernel& SelectKernel(CpuKernel family, const LayerWeights& layer, int64_t tokens) {
+  if (family == CpuKernel::kAmx && tokens < AmxMinTokens(layer)) family = CpuKernel::kAvx512;
+  for (int level = static_cast<int>(family); level > 0; --level) {
+    const GemmKernel* kernel = nullptr;
+    switch (static_cast<CpuKernel>(level)) {
+      case CpuKernel::kAmx:
+        kernel = AmxKernel(layer);
+        break;
+      case CpuKernel::kAvx512:
+        kernel = Avx512Kernel(layer);
+        break;
+      case CpuKernel::kAvx2:
+        kernel = Avx2Kernel(layer);
+        break;
+      case CpuKernel::kGeneric:
+        break;
+    }
+    if (kernel) return *kernel;
+  }
+  return *GenericKernel(layer);
+}
+
+namespace {
+
+// pack + zero, gate/up, down, convert: a task waits only for tasks of earlier phases (thread_pool.h).
+constexpr int kPhases = 4;
+constexpr size_t kAlign = 64;
+
+// SiLU(g) * u with a polynomial exp (relative error ~2e-7), so that the loop vectorises: prefill
+// takes tens of millions of these per layer.
+float ExpApprox(float v) {
+  v = std::min(88.0f, std::max(-87.0f, v));
+  const float n = std::nearbyint(v * 1.44269504f);
+  const float f = (v - n * 0.693145752f) - n * 1.42860677e-06f;
+  float p = 1.98412698e-4f;
+  p = p * f + 1.38888889e-3f;
+  p = p * f + 8.33333333e-3f;
+  p = p * f + 4.16666667e-2f;
+  p = p * f + 1.66666667e-1f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void SiluMul(const float* g, const float* u,
+                                                                         int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.0f + ExpApprox(-g[i])) * u[i];
+}
+
+// Grows, never shrinks: a thread's buffers are reused by its next calls (no page faults per call).
+class Buffer {
+ public:
+  ~Buffer() { std::free(data_); }
+  char* Get(size_t bytes) {
+    if (bytes > size_) {
+      std::free(data_);
+      size_ = (bytes + kAlign - 1) / kAlign * kAlign;
+      data_ = static_cast<char*>(std::aligned_alloc(kAlign, size_));
+      if (!data_) {
+        size_ = 0;
+        throw std::bad_alloc();
+      }
+    }
+    return data_;
+  }
+
+ private:
+  char* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+size_t Aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+int64_t RoundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+struct ExpertPlan {
+  int64_t expert = 0;
+  int64_t first = 0;  // routes [first, first + count) of the sorted route arrays
+  int64_t count = 0;
+  const GemmKernel* kernel = nullptr;
+  size_t packed_in = 0, act = 0, packed_act = 0;  // arena offsets
+  std::atomic<int64_t> gate_up_left{0};
+  std::atomic<bool> input_ready{false};
+  std::atomic<bool> act_ready{false};
+};
+
+enum class TaskKind { kPack, kZero, kGateUp, kDown, kConvert };
+
+struct Task {
+  TaskKind kind;
+  int64_t plan;  // index into plans (pack, gate/up, down)
+  int64_t begin, end;  // rows (gate/up, down) or elements (zero, convert)
+  int64_t slice;  // down: the row slice, whose turn counter orders the additions
+};
+
+// Splits [0, rows) into one part per node and each part into slices of about `size` rows, aligned
+// to 32 rows (AMX tiles, and FP8 128-row scale blocks stay whole in the common case).
+std::vector<std::vector<std::pair<int64_t, int64_t>>> Slices(int64_t rows, int nodes, int64_t size) {
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> out(nodes);
+  for (int n = 0; n < nodes; ++n) {
+    const int64_t begin = std::min(rows, RoundUp(rows * n / nodes, 32));
+    const int64_t end = n + 1 == nodes ? rows : std::min(rows, RoundUp(rows * (n + 1) / nodes, 32));
+    for (int64_t r = begin; r < end; r += size) out[n].emplace_back(r, std::min(end, r + size));
+  }
+  return out;
+}
+
+int64_t SliceRows(int64_t rows, int64_t experts, int threads) {
+  return std::clamp<int64_t>(rows * experts / (8 * threads) / 32 * 32, 32, 256);
+}
+
+class MoeJob {
+ public:
+  MoeJob(const LayerWeights& layer, const MoeCall& call, const ThreadPool& pool)
+      : layer_(layer), call_(call), nodes_(pool.nodes()) {
+    Route();
+    Plan(pool.threads());
+  }
+
+  std::string Run(ThreadPool& pool) {
+    Job job;
+    job.run = [this](int64_t id) { RunTask(id); };
+    job.tasks = std::move(lists_);
+    std::string error = pool.Run(job);
+    if (error.empty() && failed_.load()) error = "routed experts failed";
+    return error;
+  }
+
+ private:
+  void Route() {
+    const int64_t n_routes = call_.tokens * call_.top_k;
+    std::vector<int64_t> first(layer_.n_experts() + 1, 0);
+    for (int64_t r = 0; r < n_routes; ++r) ++first[call_.ids[r] + 1];
+    for (int64_t e = 0; e < layer_.n_experts(); ++e) first[e + 1] += first[e];
+    route_token_.resize(n_routes);
+    route_weight_.resize(n_routes);
+    std::vector<int64_t> cursor(first.begin(), first.end() - 1);
+    for (int64_t r = 0; r < n_routes; ++r) {
+      const int64_t slot = cursor[call_.ids[r]]++;
+      route_token_[slot] = r / call_.top_k;
+      route_weight_[slot] = call_.weights[r];
+    }
+    std::vector<int64_t> active;
+    for (int64_t e = 0; e < layer_.n_experts(); ++e) {
+      if (first[e + 1] > first[e]) active.push_back(e);
+    }
+    // Largest first: the big experts of a skewed prefill start early instead of forming the tail.
+    std::stable_sort(active.begin(), active.end(),
+                     [&](int64_t a, int64_t b) { return first[a + 1] - first[a] > first[b + 1] - first[b]; });
+    plans_ = std::make_unique<ExpertPlan[]>(active.size());
+    n_plans_ = static_cast<int64_t>(active.size());
+    for (int64_t i = 0; i < n_plans_; ++i) {
+      plans_[i].expert = active[i];
+      plans_[i].first = first[active[i]];
+      plans_[i].count = first[active[i] + 1] - first[active[i]];
+    }
+  }
+
+  void Plan(int threads) {
+    const int64_t hidden = layer_.hidden, inter = layer_.inter;
+    const CpuKernel family = SelectedCpuKernel();
+    size_t arena = 0;
+    const auto reserve = [&](size_t bytes) {
+      const size_t at = arena;
+      arena += Aligned(bytes);
+      return at;
+    };
+    for (int64_t i = 0; i < n_plans_; ++i) {
+      ExpertPlan& p = plans_[i];
+      p.kernel = &SelectKernel(family, layer_, p.count);
+      p.packed_in = reserve(p.kernel->packed_bytes(layer_, p.count, hidden));
+      p.act = reserve(p.count * inter * sizeof(float));
+      p.packed_act = reserve(p.kernel->packed_bytes(layer_, p.count, inter));
+    }
+    const int64_t y_elements = call_.tokens * hidden;
+    y_acc_offset_ = reserve(call_.y_bf16 ? y_elements * sizeof(float) : 0);
+    arena_ = ArenaBuffer().Get(arena + kAlign);
+    y_acc_ = call_.y_bf16 ? reinterpret_cast<float*>(arena_ + y_acc_offset_) : static_cast<float*>(call_.y);
+
+    lists_.assign(kPhases, std::vector<std::vector<int64_t>>(nodes_));
+    const auto add = [&](int phase, int node, Task task) {
+      lists_[phase][node].push_back(static_cast<int64_t>(tasks_.size()));
+      tasks_.push_back(task);
+    };
+    for (int64_t i = 0; i < n_plans_; ++i) add(0, i % nodes_, {TaskKind::kPack, i, 0, 0, 0});
+    constexpr int64_t kChunk = 1 << 16;  // elements per zeroing / conversion task
+    for (int64_t b = 0, c = 0; b < y_elements; b += kChunk, ++c) {
+      add(0, c % nodes_, {TaskKind::kZero, 0, b, std::min(y_elements, b + kChunk), 0});
+      ++zero_left_;
+    }
+    const auto gate_up = Slices(inter, nodes_, SliceRows(inter, n_plans_, threads));
+    const auto down = Slices(hidden, nodes_, SliceRows(hidden, n_plans_, threads));
+    for (int n = 0; n < nodes_; ++n) {
+      for (int64_t i = 0; i < n_plans_; ++i) {
+        for (const auto& [begin, end] : gate_up[n]) {
+          add(1, n, {TaskKind::kGateUp, i, begin, end, 0});
+          ++plans_[i].gate_up_left;
+        }
+      }
+    }
+    int64_t n_slices = 0;
+    for (int n = 0; n < nodes_; ++n) n_slices += static_cast<int64_t>(down[n].size());
+    turns_ = std::make_unique<std::atomic<int64_t>[]>(n_slices);
+    for (int64_t l = 0; l < n_slices; ++l) turns_[l].store(0);
+    for (int n = 0, slice_base = 0; n < nodes_; slice_base += static_cast<int>(down[n].size()), ++n) {
+      for (int64_t i = 0; i < n_plans_; ++i) {
+        for (size_t s = 0; s < down[n].size(); ++s) {
+          add(2, n, {TaskKind::kDown, i, down[n][s].first, down[n][s].second, slice_base + static_cast<int64_t>(s)});
+          ++down_left_;
+        }
+      }
+    }
+    if (call_.y_bf16) {
+      for (int64_t b = 0, c = 0; b < y_elements; b += kChunk, ++c) {
+        add(3, c % nodes_, {TaskKind::kConvert, 0, b, std::min(y_elements, b + kChunk), 0});
+      }
+    }
+  }
+
+  // The caller thread's arena: reused across calls, never shared between two running calls.
+  static Buffer& ArenaBuffer() {
+    thread_local Buffer buffer;
+    return buffer;
+  }
+
+  void RunTask(int64_t id) {
+    const Task& task = tasks_[id];
+    try {
+      if (!failed_.load(std::memory_order_relaxed)) Compute(task);
+    } catch (...) {
+      failed_.store(true);
+      Release(task);
+      throw;
+    }
+    Release(task);
+  }
+
+  // Bookkeeping that must happen whether or not the task's work succeeded, so no task waits forever.
+  void Release(const Task& task) {
+    switch (task.kind) {
+      case TaskKind::kPack:
+        plans_[task.plan].input_ready.store(true, std::memory_order_release);
+        break;
+      case TaskKind::kZero:
+        zero_left_.fetch_sub(1, std::memory_order_acq_rel);
+        break;
+      case TaskKind::kGateUp: {
+        ExpertPlan& p = plans_[task.plan];
+        if (p.gate_up_left.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+          try {
+            if (!failed_.load(std::memory_order_relaxed)) PackAct(p);
+          } catch (...) {
+            failed_.store(true);
+            p.act_ready.store(true, std::memory_order_release);
+            throw;
+          }
+          p.act_ready.store(true, std::memory_order_release);
+        }
+        break;
+      }
+      case TaskKind::kDown:
+        WaitForTurn(task);  // already ours if the work ran; waited for here if it failed or was skipped
+        turns_[task.slice].store(task.plan + 1, std::memory_order_release);
+        down_left_.fetch_sub(1, std::memory_order_acq_rel);
+        break;
+      case TaskKind::kConvert:
+        break;
+    }
+  }
+
+  void PackAct(ExpertPlan& p) {
+    ActivationRows rows;
+    rows.base = arena_ + p.act;
+    rows.stride = layer_.inter;
+    rows.count = p.count;
+    p.kernel->pack(layer_, rows, layer_.inter, arena_ + p.packed_act);
+  }
+
+  static float* Scratch(size_t floats) {
+    thread_local Buffer buffer;
+    return reinterpret_cast<float*>(buffer.Get(floats * sizeof(float)));
+  }
+
+  void Compute(const Task& task) {
+    switch (task.kind) {
+      case TaskKind::kPack: {
+        const ExpertPlan& p = plans_[task.plan];
+        ActivationRows rows;
+        rows.base = call_.x;
+        rows.bf16 = call_.x_bf16;
+        rows.stride = layer_.hidden;
+        rows.index = route_token_.data() + p.first;
+        rows.count = p.count;
+        p.kernel->pack(layer_, rows, layer_.hidden, arena_ + p.packed_in);
+        return;
+      }
+      case TaskKind::kZero:
+        std::fill(y_acc_ + task.begin, y_acc_ + task.end, 0.0f);
+        return;
+      case TaskKind::kGateUp:
+        GateUp(task);
+        return;
+      case TaskKind::kDown:
+        Down(task);
+        return;
+      case TaskKind::kConvert: {
+        SpinUntil([&] { return down_left_.load(std::memory_order_acquire) == 0; });
+        if (failed_.load()) return;
+        auto* y = static_cast<uint16_t*>(call_.y);
+        for (int64_t i = task.begin; i < task.end; ++i) y[i] = FloatToBf16Bits(y_acc_[i]);
+        return;
+      }
+    }
+  }
+
+  void GateUp(const Task& task) {
+    ExpertPlan& p = plans_[task.plan];
+    SpinUntil([&] { return p.input_ready.load(std::memory_order_acquire); });
+    if (failed_.load()) return;
+    const int64_t rows = task.end - task.begin;
+    const int64_t pad = p.kernel->pad;
+    const int64_t stride = RoundUp(p.count, pad);
+    const int64_t block = RoundUp(rows, pad) * stride;
+    float* scratch = Scratch(3 * block);
+    float* out[2] = {scratch, scratch + block};
+    const ExpertWeights& w = layer_.experts[p.expert];
+    const Projection proj[2] = {{w.gate, w.gate_scale, layer_.inter, layer_.hidden},
+                                {w.up, w.up_scale, layer_.inter, layer_.hidden}};
+    p.kernel->gemm(layer_, proj, 2, task.begin, rows, arena_ + p.packed_in, p.count, out, stride);
+    float* fused = scratch + 2 * block;
+    SiluMul(out[0], out[1], rows * stride, fused);
+    auto* act = reinterpret_cast<float*>(arena_ + p.act);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t t = 0; t < p.count; ++t) act[t * layer_.inter + task.begin + r] = fused[r * stride + t];
+    }
+  }
+
+  void Down(const Task& task) {
+    ExpertPlan& p = plans_[task.plan];
+    SpinUntil([&] {
+      return p.act_ready.load(std::memory_order_acquire) && zero_left_.load(std::memory_order_acquire) == 0;
+    });
+    if (failed_.load()) return;
+    const int64_t rows = task.end - task.begin;
+    const int64_t stride = RoundUp(p.count, p.kernel->pad);
+    float* out = Scratch(RoundUp(rows, p.kernel->pad) * stride);
+    const ExpertWeights& w = layer_.experts[p.expert];
+    const Projection proj{w.down, w.down_scale, layer_.hidden, layer_.inter};
+    p.kernel->gemm(layer_, &proj, 1, task.begin, rows, arena_ + p.packed_act, p.count, &out, stride);
+    // Each row slice sums the experts in plan order, whatever order their tasks finish in: the same
+    // inputs always give the same bits (greedy decoding is deterministic). Release passes the turn on.
+    WaitForTurn(task);
+    for (int64_t t = 0; t < p.count; ++t) {
+      const float weight = route_weight_[p.first + t];
+      float* y = y_acc_ + route_token_[p.first + t] * layer_.hidden + task.begin;
+      for (int64_t r = 0; r < rows; ++r) y[r] += weight * out[r * stride + t];
+    }
+  }
+
+  void WaitForTurn(const Task& task) {
+    SpinUntil([&] { return turns_[task.slice].load(std::memory_order_acquire) == task.plan; });
+  }
+
+  const LayerWeights& layer_;
+  const MoeCall& call_;
+  const int nodes_;
+  std::vector<int64_t> route_token_;
+  std::vector<float> route_weight_;
+  std::unique_ptr<ExpertPlan[]> plans_;
+  int64_t n_plans_ = 0;
+  std::vector<Task> tasks_;
+  std::vector<std::vector<std::vector<int64_t>>> lists_;
+  std::unique_ptr<std::atomic<int64_t>[]> turns_;  // per down row slice: the plan whose turn it is to add
+  char* arena_ = nullptr;
+  size_t y_acc_offset_ = 0;
+  float* y_acc_ = nullptr;
+  std::atomic<int64_t> zero_left_{0};
+  std::atomic<int64_t> down_left_{0};
+  std::atomic<bool> failed_{false};
+};
+
+}  // namespace
+
+std::string RunRoutedExperts(const LayerWeights& layer, const MoeCall& call) {
+  if (call.tokens == 0) return "";
+  try {
+    std::shared_ptr<ThreadPool> pool = ThreadPool::Global();
+    MoeJob job(layer, call, *pool);
+    return job.Run(*pool);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+}
+
+}  // namespace hybridjit

@@ -1,0 +1,130 @@
+"""Routed experts in ONE resident pinned-host copy, shared by the CPU expert kernels and stream-loaded prefill.
+
+Each MoE layer's experts are stacked per projection into blocks of consecutive experts; each block is a JAX
+array in the device's "pinned_host" memory (page-locked, so the GPU pulls it over PCIe with an asynchronous
+copy at full speed: DESIGN.md §3). The C++ expert bank is registered with numpy views of those same buffers (a
+pinned_host array's unsafe_buffer_pointer() is a real host pointer), so the CPU kernels of hybrid decode read
+the very bytes that stream-loaded prefill sends to the GPU: no second copy of the experts in host memory
+(OSDI '26 §3.3.2). A block is the unit that hybridjit.stream_prefill streams and keeps in its ring.
+"""
+
+import ctypes
+import dataclasses
+import weakref
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+from hybridjit.ops.routed_experts import ExpertLayer, register_layer
+
+PINNED_HOST = "pinned_host"
+# A layer's experts are split into this many blocks by default: DeepSeek-V3's 256 FP8 experts make blocks of
+# 32 experts, 1.4 GB each, large enough for full-speed copies and small enough that a ring of two fits a GPU
+# with less free memory than one layer of experts.
+BLOCKS_PER_LAYER = 8
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ExpertBlock:
+    """Experts [start, start + size) of a layer in pinned host memory: per projection (gate, up, down) stacked
+    [size, out, in] in the stored dtype, with FP8 block scales [size, ceil(out/bo), ceil(in/bi)] float32."""
+
+    start: int
+    weights: tuple[jax.Array, jax.Array, jax.Array]
+    scales: tuple[jax.Array, jax.Array, jax.Array] | None
+
+    @property
+    def arrays(self) -> tuple[jax.Array, ...]:
+        return self.weights + (self.scales or ())
+
+    @property
+    def size(self) -> int:
+        return self.weights[0].shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PinnedExperts:
+    """One MoE layer's routed experts, in blocks, and the FP8 block shape of their scales (None: not FP8)."""
+
+    blocks: tuple[ExpertBlock, ...]
+    quant_block: tuple[int, int] | None
+
+    @property
+    def n_experts(self) -> int:
+        return sum(b.size for b in self.blocks)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.blocks)
+
+
+# Bank layer id -> its pinned experts, for as long as the bank layer holds them (see host_view).
+_PINNED: weakref.WeakValueDictionary[int, PinnedExperts] = weakref.WeakValueDictionary()
+
+
+def pinned_layer(layer_id: int) -> PinnedExperts | None:
+    """The pinned experts behind an expert-bank layer id, or None if that layer was not registered pinned."""
+    return _PINNED.get(layer_id)
+
+
+def register_pinned(
+    gate: Sequence[np.ndarray],
+    up: Sequence[np.ndarray],
+    down: Sequence[np.ndarray],
+    gate_scale: Sequence[np.ndarray] | None = None,
+    up_scale: Sequence[np.ndarray] | None = None,
+    down_scale: Sequence[np.ndarray] | None = None,
+    block: tuple[int, int] | None = None,
+    *,
+    device: jax.Device,
+    experts_per_block: int | None = None,
+) -> ExpertLayer:
+    """register_layer's drop-in for one layer (same arguments, same checks by the bank), with the experts
+    first copied into pinned host memory of `device` in blocks of `experts_per_block` (default: the layer in
+    BLOCKS_PER_LAYER blocks). The source arrays can be dropped afterwards; the pinned copy lives as long as
+    the returned bank layer, and `pinned_layer(layer.id)` finds it."""
+    n = len(gate)
+    per = experts_per_block or -(-n // BLOCKS_PER_LAYER)
+    sharding = SingleDeviceSharding(device, memory_kind=PINNED_HOST)
+    scaled = gate_scale is not None
+    blocks = tuple(
+        ExpertBlock(
+            start,
+            tuple(_pin(seq[start : start + per], sharding) for seq in (gate, up, down)),
+            tuple(_pin(seq[start : start + per], sharding) for seq in (gate_scale, up_scale, down_scale))
+            if scaled else None,
+        )
+        for start in range(0, n, per)
+    )
+    pinned = PinnedExperts(blocks, block if scaled else None)
+    # The bank gets per-expert views; each view keeps `pinned` alive, so the pinned copy (and its _PINNED
+    # entry) lives exactly as long as the bank layer holds its arrays.
+    views = [
+        [expert for b in blocks for expert in host_view(b.arrays[j], pinned)] for j in range(len(blocks[0].arrays))
+    ]
+    layer = register_layer(*views, block=block) if scaled else register_layer(*views)
+    _PINNED[layer.id] = pinned
+    return layer
+
+
+def _pin(arrays: Sequence[np.ndarray], sharding: SingleDeviceSharding) -> jax.Array:
+    stacked = np.stack(arrays)
+    pinned = jax.device_put(stacked, sharding)
+    pinned.block_until_ready()
+    # The views handed to the bank assume a dense row-major host buffer: check that once, on the last expert.
+    if not np.array_equal(host_view(pinned, None)[-1].view(np.uint8), stacked[-1].view(np.uint8)):
+        raise RuntimeError(f"{sharding.memory_kind} buffer of {pinned.shape} {pinned.dtype} is not row-major")
+    return pinned
+
+
+def host_view(array: jax.Array, owner) -> np.ndarray:
+    """A numpy view of a host-memory JAX array's buffer, which keeps `owner` (and the array) alive."""
+    buffer = (ctypes.c_byte * array.nbytes).from_address(array.unsafe_buffer_pointer())
+    buffer.owners = (array, owner)
+    return np.frombuffer(buffer, array.dtype).reshape(array.shape)

@@ -1,0 +1,477 @@
+"""Stream-loading prefill (OSDI '26 §3.1): long prompts computed entirely on the GPU while the routed experts
+stream in from the one pinned host copy that the CPU expert kernels also read (hybridjit.pinned_experts).
+
+For long prompts the CPU's compute, not its memory bandwidth, limits the hybrid path: every expert is used by
+many tokens, so it pays to bring the experts to the GPU instead. The weights travel as stored (FP8 + block
+scales: half the bytes of BF16) and are dequantized on the GPU. Non-expert weights are already resident on the
+GPU (the hybrid decode needs them there), so only the routed experts stream.
+
+The pipeline runs over per-layer executables (DESIGN.md §4: separate executables with asynchronous copies
+overlap transfers with compute far better than host offload inside one jit). The paper's loader, model and
+unloader threads become one ordered host loop here, because of how PJRT allocates on a GPU: device memory is
+"compute-synchronized" (xla/pjrt/local_device_state.h), so a copy into a newly allocated buffer waits for all
+the compute enqueued before the copy was issued. A loader thread racing a model thread that runs ahead
+therefore serializes the copies behind the compute (measured: each MoE layer took its transfer time plus its
+compute time, bench/RESULTS.md). The loop instead keeps the compute queue short and issues copies first:
+
+  load     before each executable, copy the next expert blocks into every free ring slot (jax.device_put from
+           the pinned host copy: an asynchronous DMA that starts at once, the compute queue being empty);
+  compute  dispatch one executable (attention with the dense MLP, or with the router and shared experts of a
+           MoE layer; then the tokens grouped by expert, one executable per expert block, the combine) and wait
+           for it; an executable that reads a block waits on the device for that block's copy;
+  unload   once a block's executable has finished, delete its device buffers: its slot is free for the next
+           copy, issued before the next executable.
+
+The ring holds at most `depth` blocks on the device. Its depth follows a VRAM budget: a whole layer of
+experts ahead when activations are small (short prompts, transfer-bound), down to ping-pong (2) and then 1
+(no overlap: slower, not failing) as a long prompt's activations take the memory. Attention runs chunked over
+queries (ChunkedAttention) or as cuDNN's fused attention on a GPU in 16-bit, so no [t, t] scores exist.
+
+The result is the decode state: the KV cache in the layout decode_step uses, and the logits of each
+sequence's last prompt token.
+"""
+
+import collections
+import dataclasses
+import math
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+from hybridjit.config import ModelConfig
+from hybridjit.models import deepseek_v3 as dsv3
+from hybridjit.pinned_experts import ExpertBlock, PinnedExperts, pinned_layer
+
+# Scores of one query chunk of ChunkedAttention ([b, h, chunk, s] float32, about three live copies) stay
+# under this many bytes when the chunk is not given.
+ATTENTION_SCRATCH = 1 << 30
+# Experts get more tokens than the average under real routing, and capacity rounds up (_capacity): the
+# activation estimate plans for this many slots per routed token.
+SLOTS_PER_PAIR = 1.5
+# Executables also hold fixed-size scratch (cuBLAS/cuDNN workspaces), whatever the prompt.
+WORKSPACE_BYTES = 64 << 20
+# Expert formats the device dequantizes (dequantize_blocks for FP8); int8/int4 experts take the hybrid path.
+STREAMABLE = frozenset(map(np.dtype, (np.float32, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn)))
+
+
+@dataclasses.dataclass(frozen=True)
+class CudnnAttention:
+    """The causal attention core of ChunkedAttention's signature as cuDNN's fused (flash) attention, which
+    takes the query/key head dim (n + p = 192) different from the value head dim (v = 128) on Hopper with
+    cuDNN >= 9.10. jax.nn.dot_product_attention requires equal head dims, hence the private entry point."""
+
+    def __call__(self, q_nope, q_rope, k_nope, k_rope, values, scale):
+        from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+        q = jnp.concatenate([q_nope, q_rope], axis=-1)
+        shared_rope = jnp.broadcast_to(k_rope[:, :, None], (*k_nope.shape[:3], k_rope.shape[-1]))
+        k = jnp.concatenate([k_nope, shared_rope], axis=-1)
+        return dot_product_attention(q, k, values, scale=scale, mask_type=MaskType.CAUSAL, qkv_layout="BTNH")
+
+
+# ------------------------------------------------------------------------------------------ the plan
+
+
+@dataclasses.dataclass(frozen=True)
+class RingPlan:
+    """How one stream-loaded prefill uses device memory beyond the resident weights and the cache."""
+
+    depth: int  # expert blocks resident on the device at once
+    block_bytes: int  # bytes of the largest block, as streamed
+    activation_bytes: int  # estimated peak of everything else: activations, scores, dequantized weights
+    attention: dsv3.ChunkedAttention | CudnnAttention
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.depth * self.block_bytes
+
+
+def activation_bytes(cfg: ModelConfig, batch: int, length: int, dtype, attention, experts_per_block: int) -> int:
+    """An upper estimate of the device memory one layer's prefill needs besides weights, cache and ring: the
+    largest of its phases (attention, dense MLP, one expert block) on top of the residual stream and the
+    executables' workspaces."""
+    n, item, d, h = batch * length, jnp.dtype(dtype).itemsize, cfg.hidden_size, cfg.num_attention_heads
+    qk, v = cfg.qk_head_dim, cfg.v_head_dim
+    residual = n * d * (4 * item + 4)  # x, x after attention, normed tokens, shared experts; float32 sum
+    # Queries, keys (the cuDNN path also concatenates both), values and output, all per head.
+    attention_phase = n * (h * (4 * qk + 2 * v) + (cfg.q_lora_rank or 0) + 2 * cfg.kv_lora_rank) * item
+    if isinstance(attention, dsv3.ChunkedAttention):
+        attention_phase += 3 * batch * h * attention.chunk * length * 4
+    dense_phase = 3 * n * cfg.intermediate_size * item
+    slots = math.ceil(SLOTS_PER_PAIR * n * cfg.num_experts_per_tok * experts_per_block / cfg.n_routed_experts)
+    f = cfg.moe_intermediate_size
+    expert_phase = slots * (d * item + 3 * f * item + d * 4) + 3 * experts_per_block * d * f * (item + 4)
+    return WORKSPACE_BYTES + residual + max(attention_phase, dense_phase, expert_phase)
+
+
+def plan_ring(
+    cfg: ModelConfig,
+    experts: list[PinnedExperts],
+    batch: int,
+    length: int,
+    dtype,
+    device: jax.Device,
+    *,
+    vram_budget: int | None = None,
+    depth: int | None = None,
+    attention_chunk: int | None = None,
+) -> RingPlan:
+    """The ring for a prompt batch: `depth` if given, else a whole layer of blocks, fewer when the VRAM budget
+    (bytes for ring and activations; default: the device's free memory, unbounded on a CPU) cannot hold them
+    next to this prompt's activations. Raises ValueError when not even one block fits."""
+    blocks = [b for layer in experts for b in layer.blocks]
+    block_bytes = max(b.nbytes for b in blocks)
+    attention = _attention(cfg, batch, length, dtype, device, attention_chunk)
+    activations = activation_bytes(cfg, batch, length, dtype, attention, max(b.size for b in blocks))
+    if depth is not None and depth < 1:
+        raise ValueError(f"the ring needs a depth of at least 1 block, got {depth}")
+    if vram_budget is None:
+        vram_budget = _free_device_memory(device)
+    if depth is None:
+        depth = len(experts[0].blocks)
+        if vram_budget is not None:
+            depth = max(1, min(depth, (vram_budget - activations) // block_bytes))
+    if vram_budget is not None and activations + depth * block_bytes > vram_budget:
+        gib = 2.0**-30
+        raise ValueError(
+            f"stream-loaded prefill of {batch} x {length} tokens needs about {activations * gib:.2f} GiB for "
+            f"activations plus {depth} expert block(s) of {block_bytes * gib:.2f} GiB; the VRAM budget is "
+            f"{vram_budget * gib:.2f} GiB. Use the hybrid prefill, a shorter prompt, or smaller expert blocks"
+        )
+    return RingPlan(depth, block_bytes, activations, attention)
+
+
+def _attention(cfg, batch, length, dtype, device, chunk):
+    if chunk is None and device.platform == "gpu" and jnp.dtype(dtype).itemsize == 2 and _cudnn_has_mla():
+        return CudnnAttention()
+    if chunk is None:  # the largest power of two whose scores fit the scratch
+        per_query = 3 * batch * cfg.num_attention_heads * length * 4
+        chunk = 1 << max(0, (ATTENTION_SCRATCH // per_query).bit_length() - 1)
+    return dsv3.ChunkedAttention(min(chunk, length))
+
+
+def _cudnn_has_mla() -> bool:
+    from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+
+    try:
+        return check_cudnn_version() >= 91000
+    except RuntimeError:  # no cuDNN
+        return False
+
+
+def _free_device_memory(device: jax.Device) -> int | None:
+    stats = device.memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(0.9 * (stats["bytes_limit"] - stats["bytes_in_use"]))  # headroom for fragmentation
+
+
+# ------------------------------------------------------------------------------------- executables
+
+
+@partial(jax.jit, static_argnums=(0, 1), donate_argnames="cache")
+def _dense_layer(cfg, attention, layer, x, cache):
+    x, cache = dsv3.prefill_attention_layer(cfg, layer, x, cache, attention)
+    return x + dsv3.mlp(layer.mlp, dsv3.rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)), cache
+
+
+@partial(jax.jit, static_argnums=(0, 1), donate_argnames="cache")
+def _moe_front(cfg, attention, layer, x, cache):
+    """Attention, then the router and shared experts: (x, tokens [N, d], ids, weights, shared, counts, cache)."""
+    x, cache = dsv3.prefill_attention_layer(cfg, layer, x, cache, attention)
+    moe = layer.mlp
+    tokens = dsv3.rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps).reshape(-1, x.shape[-1])
+    ids, weights = dsv3.route(cfg, moe.router, moe.correction_bias, tokens)
+    shared = dsv3.mlp(moe.shared, tokens) if moe.shared is not None else None
+    counts = jnp.zeros(cfg.n_routed_experts, jnp.int32).at[ids.reshape(-1)].add(1)
+    return x, tokens, ids, weights, shared, counts, cache
+
+
+@partial(jax.jit, static_argnums=(0, 1))
+def _dispatch(capacity, block_sizes, tokens, ids, weights):
+    """The routed pairs grouped by expert, split per block, and the zero sum of the routed experts. Split here
+    so that no block's executable needs an argument from the host: a host-to-device copy would queue behind
+    the block copies on the transfer stream and hold the GPU up."""
+    rows, slot_weights = dsv3.group_by_expert(ids, weights, sum(block_sizes), capacity)
+    bounds = np.cumsum(block_sizes)[:-1]
+    return jnp.split(rows, bounds), jnp.split(slot_weights, bounds), jnp.zeros(tokens.shape, jnp.float32)
+
+
+@partial(jax.jit, static_argnums=(0, 1), donate_argnames="out")
+def _expert_block(quant_block, dtype, tokens, rows, slot_weights, out, weights, scales):
+    """One block's experts on their tokens, added into out."""
+    if scales is None:
+        experts = dsv3.Experts(*(w.astype(dtype) for w in weights))
+    else:
+        pairs = zip(weights, scales, strict=True)
+        experts = dsv3.Experts(*(dsv3.dequantize_blocks(w, s, quant_block, dtype) for w, s in pairs))
+    return dsv3.experts_grouped(experts, tokens, rows, slot_weights, out)
+
+
+@jax.jit
+def _moe_combine(x, routed, shared):
+    out = routed.astype(x.dtype)
+    if shared is not None:
+        out = out + shared
+    return x + out.reshape(x.shape)
+
+
+@partial(jax.jit, static_argnums=0)
+def _last_logits(cfg, norm, lm_head, x, lengths):
+    last = x[jnp.arange(x.shape[0]), lengths - 1]
+    return dsv3.linear(dsv3.rms_norm(last, norm, cfg.rms_norm_eps), lm_head).astype(jnp.float32)
+
+
+def _capacity(max_count: int) -> int:
+    """Slots per expert for the largest expert's token count: rounded up to an eighth of its power of two, so
+    padding stays under 12.5% and a handful of shapes (executables) serve every prompt."""
+    step = 1 << max(0, max_count.bit_length() - 4)
+    return max(1, -(-max_count // step) * step)
+
+
+# ---------------------------------------------------------------------------------------- the ring
+
+
+class _Ring:
+    """Expert blocks copied to the device in the order the layers read them, at most `depth` resident."""
+
+    def __init__(self, blocks: list[ExpertBlock], depth: int, device: jax.Device):
+        self._device, self._sharding = device, SingleDeviceSharding(device, memory_kind="device")
+        self._waiting = collections.deque(blocks)  # not copied yet
+        self._copied: collections.deque = collections.deque()  # (block, device arrays), copies maybe in flight
+        self._free = depth
+        self._resident: list[tuple[jax.Array, ...]] = []
+        self.peak_bytes = 0  # the most bytes of device buffers the ring ever held (measured: live buffers)
+        self.peak_in_use = None  # the device's bytes in use right after each block's allocation, at most
+        self.streamed_bytes = 0
+
+    def load(self) -> None:
+        """Issues the copies of the next blocks into every free slot."""
+        while self._free and self._waiting:
+            block = self._waiting.popleft()
+            arrays = tuple(jax.device_put(block.arrays, self._sharding))
+            self._free -= 1
+            self._copied.append((block, arrays))
+            self._measure(arrays)
+
+    def take(self, block: ExpertBlock) -> tuple[jax.Array, ...]:
+        """The device copy of `block`, the next one in order (its copy may still be in flight)."""
+        self.load()
+        copied, arrays = self._copied.popleft()
+        assert copied is block, "blocks taken out of the order they are copied in"
+        return arrays
+
+    def unload(self, arrays: tuple[jax.Array, ...]) -> None:
+        """Frees the slot of a block whose executables have all finished."""
+        for a in arrays:
+            a.delete()
+        self._free += 1
+
+    def run(self, executable, *args):
+        """Dispatches one executable after issuing every copy there is room for, and waits for it: the next
+        copies then find the compute queue empty and start at once."""
+        self.load()
+        return jax.block_until_ready(executable(*args))
+
+    def _measure(self, arrays):
+        self._resident = [r for r in self._resident if not r[0].is_deleted()] + [arrays]
+        live = sum(a.nbytes for r in self._resident for a in r if not a.is_deleted())
+        self.peak_bytes = max(self.peak_bytes, live)
+        self.streamed_bytes += sum(a.nbytes for a in arrays)
+        if (stats := self._device.memory_stats()) is not None:  # None on XLA:CPU
+            self.peak_in_use = max(self.peak_in_use or 0, stats["bytes_in_use"])
+
+
+@dataclasses.dataclass
+class StreamStats:
+    """What one stream-loaded prefill did: its plan, the bytes it streamed, the ring's measured peak, the most
+    device memory in use when a block had just been allocated (None where the device does not say), and when
+    each layer's output was ready, in seconds from the start."""
+
+    plan: RingPlan | None = None
+    streamed_bytes: int = 0
+    peak_ring_bytes: int = 0
+    peak_device_bytes: int | None = None
+    layer_done_s: list[float] = dataclasses.field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------ prefill
+
+
+def stream_prefill(
+    model,
+    tokens,
+    lengths,
+    cache: list[dsv3.LayerCache],
+    *,
+    vram_budget: int | None = None,
+    depth: int | None = None,
+    attention_chunk: int | None = None,
+    stats: StreamStats | None = None,
+):
+    """Prefill of right-padded prompts tokens [b, t] with their lengths [b], with the routed experts streamed
+    to the device: (float32 logits [b, vocab] of each prompt's last token, the filled cache).
+
+    The contract of the engine's prefill: `cache` (init_cache of at least t positions) is donated and comes
+    back in the layout decode_step reads. The model must have been loaded with Placement(pinned_experts=True).
+    `vram_budget`, `depth` and `attention_chunk` override plan_ring's choices; `stats` receives the plan and
+    the measured figures.
+    """
+    cfg, weights, device, dtype = model.config, model.weights, model.placement.device, model.dtype
+    pinned = _pinned_layers(weights)
+    tokens = jax.device_put(np.asarray(tokens, np.int32), device)
+    lengths = jax.device_put(np.asarray(lengths, np.int32), device)
+    plan = plan_ring(
+        cfg, list(pinned.values()), *tokens.shape, dtype, device,
+        vram_budget=vram_budget, depth=depth, attention_chunk=attention_chunk,
+    )
+    stats = stats if stats is not None else StreamStats()
+    stats.plan = plan
+    start = time.perf_counter()
+    ring = _Ring([b for layer in pinned.values() for b in layer.blocks], plan.depth, device)
+    x = ring.run(lambda: weights.embed[tokens])
+    cache = list(cache)
+    for i, layer in enumerate(weights.layers):
+        if i in pinned:
+            x, cache[i] = _moe_layer(cfg, plan, layer, pinned[i], x, cache[i], ring, dtype)
+        else:
+            x, cache[i] = ring.run(_dense_layer, cfg, plan.attention, layer, x, cache[i])
+        stats.layer_done_s.append(time.perf_counter() - start)
+    logits = _last_logits(cfg, weights.norm, weights.lm_head, x, lengths)
+    stats.streamed_bytes, stats.peak_ring_bytes, stats.peak_device_bytes = (
+        ring.streamed_bytes, ring.peak_bytes, ring.peak_in_use
+    )
+    return logits, cache
+
+
+def _pinned_layers(weights: dsv3.Weights) -> dict[int, PinnedExperts]:
+    pinned = {}
+    for i, layer in enumerate(weights.layers):
+        if isinstance(layer.mlp, dsv3.MoE):
+            experts = pinned_layer(layer.mlp.expert_layer) if layer.mlp.expert_layer is not None else None
+            if experts is None:
+                raise ValueError(
+                    f"layer {i}: its routed experts are not in pinned host memory; stream-loaded prefill needs the "
+                    "model loaded with Placement(..., pinned_experts=True)"
+                )
+            if (dtype := experts.blocks[0].weights[0].dtype) not in STREAMABLE:
+                raise ValueError(f"layer {i}: routed experts stored as {dtype} cannot be streamed; use hybrid prefill")
+            pinned[i] = experts
+    return pinned
+
+
+def _moe_layer(cfg, plan: RingPlan, layer: dsv3.Layer, experts: PinnedExperts, x, cache, ring: _Ring, dtype):
+    # The expert-bank layer id is static pytree metadata: drop it so that every MoE layer shares executables.
+    layer = dataclasses.replace(layer, mlp=dataclasses.replace(layer.mlp, expert_layer=None))
+    x, tokens, ids, weights, shared, counts, cache = ring.run(_moe_front, cfg, plan.attention, layer, x, cache)
+    # The routing decides how many slots per expert (dropless), on the host: the one readback of a layer.
+    capacity = _capacity(int(np.max(np.asarray(counts))))
+    block_sizes = tuple(b.size for b in experts.blocks)
+    rows, slot_weights, out = ring.run(_dispatch, capacity, block_sizes, tokens, ids, weights)
+    for block, block_rows, block_slot_weights in zip(experts.blocks, rows, slot_weights, strict=True):
+        arrays = ring.take(block)
+        out = ring.run(
+            _expert_block, experts.quant_block, jnp.dtype(dtype), tokens, block_rows, block_slot_weights, out,
+            arrays[:3], arrays[3:] or None,
+        )
+        ring.unload(arrays)
+    return ring.run(_moe_combine, x, out, shared), cache
+
+
+# ------------------------------------------------------------------------------------- path choice
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillRates:
+    """The measured figures the prefill-path choice is fed with. bench/prefill.py measures all three; the
+    defaults are its figures on 1x H200 with 16 cores (bench/RESULTS.md)."""
+
+    pcie_gbps: float = 54.0  # pinned host -> device copies
+    gpu_tflops: float = 550.0  # what prefill's GPU work achieves (a dense bf16 GEMM: 784; attention is slower)
+    cpu_expert_tflops: float = 3.8  # the CPU expert kernels on one layer, 4096 tokens routed uniformly
+
+
+def prefill_flops(cfg: ModelConfig, batch: int, length: int) -> dict[str, float]:
+    """FLOPs (2 per multiply-add) of one prefill: {"routed": routed experts, "other": everything else}, with
+    causal attention counted over its lower triangle and the LM head on the last tokens only."""
+    n, d, h = batch * length, cfg.hidden_size, cfg.num_attention_heads
+    qk, v, r, p, f = cfg.qk_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.moe_intermediate_size
+    q_proj = d * cfg.q_lora_rank + cfg.q_lora_rank * h * qk if cfg.q_lora_rank else d * h * qk
+    per_token = q_proj + d * (r + p) + r * h * (cfg.qk_nope_head_dim + v) + h * v * d
+    core = batch * h * length * (length + 1) // 2 * (qk + v)
+    layers = cfg.num_hidden_layers
+    moe = sum(cfg.is_moe_layer(i) for i in range(layers))
+    other = (
+        layers * (n * per_token + core)
+        + (layers - moe) * n * 3 * d * cfg.intermediate_size
+        + moe * n * (3 * d * f * cfg.n_shared_experts + d * cfg.n_routed_experts)
+        + batch * d * cfg.vocab_size
+    )
+    return {"routed": 2.0 * moe * n * cfg.num_experts_per_tok * 3 * d * f, "other": 2.0 * other}
+
+
+def expert_bytes(cfg: ModelConfig) -> int:
+    """Bytes of all routed experts as stored: FP8 with its float32 block scales, else BF16."""
+    moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    d, f = cfg.hidden_size, cfg.moe_intermediate_size
+    if cfg.fp8 is None:
+        per_expert = 3 * d * f * 2
+    else:
+        bo, bi = cfg.fp8.block
+        grid = 2 * -(-f // bo) * -(-d // bi) + -(-d // bo) * -(-f // bi)
+        per_expert = 3 * d * f + 4 * grid
+    return moe * cfg.n_routed_experts * per_expert
+
+
+def prefill_seconds(cfg: ModelConfig, batch: int, length: int, rates: PrefillRates) -> dict[str, float]:
+    """Modelled prefill time of both paths: stream-loaded (the larger of streaming every expert over PCIe and
+    computing everything on the GPU: they overlap) and hybrid (the GPU's part, then the routed experts on the
+    CPU: they alternate layer by layer)."""
+    flops = prefill_flops(cfg, batch, length)
+    gpu = rates.gpu_tflops * 1e12
+    return {
+        "stream": max(expert_bytes(cfg) / (rates.pcie_gbps * 1e9), (flops["other"] + flops["routed"]) / gpu),
+        "hybrid": flops["other"] / gpu + flops["routed"] / (rates.cpu_expert_tflops * 1e12),
+    }
+
+
+def crossover_length(cfg: ModelConfig, rates: PrefillRates, batch: int = 1) -> int:
+    """The shortest prompt length from which the stream-loaded prefill is modelled faster than the hybrid."""
+    def stream_wins(length):
+        t = prefill_seconds(cfg, batch, length, rates)
+        return t["stream"] < t["hybrid"]
+
+    high = 1
+    while not stream_wins(high):
+        if high >= cfg.max_position_embeddings:
+            return cfg.max_position_embeddings + 1  # never within the context
+        high *= 2
+    low = high // 2  # stream_wins(low) is false, or low == 0
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if stream_wins(mid) else (mid, high)
+    return high
+
+
+def choose_prefill_path(
+    model, batch: int, length: int, *, rates: PrefillRates | None = None, threshold: int | None = None
+) -> str:
+    """"stream" or "hybrid" for a prompt batch [batch, length]. Streaming needs pinned experts in a streamable
+    format; then `threshold` (prompt tokens, batch * length) overrides the cost model; without it, streaming is
+    chosen on a GPU when prefill_seconds models it faster with `rates` (default PrefillRates())."""
+    try:
+        if not _pinned_layers(model.weights):
+            return "hybrid"
+    except ValueError:  # experts not pinned, or in a format the device does not dequantize
+        return "hybrid"
+    if threshold is not None:
+        return "stream" if batch * length >= threshold else "hybrid"
+    if model.placement.device.platform != "gpu":
+        return "hybrid"
+    t = prefill_seconds(model.config, batch, length, rates or PrefillRates())
+    return "stream" if t["stream"] < t["hybrid"] else "hybrid"

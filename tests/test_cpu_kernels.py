@@ -1,0 +1,503 @@
+"""The CPU expert kernels: every family x weight format x shape class against float64 numpy references.
+
+The references are written here, from the formats' definitions (ffi/weight_bank.h), independently of the
+C++: weights are dequantized in float64, and the rounding a kernel applies to what it multiplies (bfloat16
+activations for vdpbf16ps and AMX, int8 activations for the integer kernels, bfloat16 weights where AMX
+dequantizes to tiles) is applied to the float64 activations, so that what remains is float32 accumulation.
+Families the host cannot run are skipped here and run on the AVX-512/AMX machine.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import zlib
+from contextlib import contextmanager
+from functools import partial
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from hybridjit import _ffi
+from hybridjit.ops.routed_experts import (
+    configure_threads,
+    kernel_info,
+    layer_kernel,
+    register_layer,
+    routed_experts,
+    routed_experts_host,
+    set_amx_min_tokens,
+    set_cpu_kernel,
+)
+
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+# Relative RMS error ||y - y_ref|| / ||y_ref|| against the float64 reference of the kernel's arithmetic (one
+# table for every kernel and format), keyed by the activations' precision:
+#   f32   float32 activations, exact weights: float32 accumulation over a few hundred terms (~2e-7).
+#   bf16  activations rounded to bfloat16, as the reference does too: float32 accumulation (~2e-7), plus the
+#         occasional intermediate silu(g) * u that float32 and float64 round to neighbouring bfloat16 values
+#         (one costs up to ~5e-4 here). Unemulated, the bfloat16 rounding alone would be ~2e-3.
+#   int8  activations quantized to int8 per group, as the reference does too: exact integer dots (~1e-7),
+#         plus the occasional intermediate on the other side of a rounding boundary (one costs up to ~5e-4).
+#         Unemulated, the quantization alone would be ~2e-2.
+# A bfloat16 result adds its own rounding, at most 2^-8 relative.
+TOLERANCE = {"f32": 1e-5, "bf16": 1e-3, "int8": 2e-3}
+BF16_OUTPUT = 2.0**-8
+
+FAMILIES = ("generic", "avx2", "avx512", "amx")
+SUPPORTED = kernel_info()["supported"]
+FP8_NAN_BYTES = (0x7F, 0xFF)
+FP8_POOLS = {
+    "all": np.array([b for b in range(256) if b not in FP8_NAN_BYTES], np.uint8),
+    # exponent fields 0 and 1 only: denormals (zeros included) and the smallest normals dominate
+    "subnormal": np.array([b for b in range(256) if (b >> 3) & 0xF in (0, 1)], np.uint8),
+}
+
+
+def host_has(family):
+    return pytest.mark.skipif(
+        family not in SUPPORTED,
+        reason=f"this host cannot run the {family} kernels (CPUID/XCR0); they run on the AVX-512/AMX machine",
+    )
+
+
+FAMILY_PARAMS = [pytest.param(f, marks=host_has(f)) for f in FAMILIES]
+
+
+@contextmanager
+def kernel_family(family, amx_min_tokens=1):
+    """Selects a family for the block; with amx, AMX from `amx_min_tokens` tokens per expert (1: always)."""
+    info = kernel_info()
+    set_cpu_kernel(family)
+    set_amx_min_tokens(amx_min_tokens)
+    try:
+        yield
+    finally:
+        set_cpu_kernel(info["kernel"])
+        set_amx_min_tokens(info["amx_min_tokens"])
+
+
+# --- the formats, from their definitions ------------------------------------------------------------------
+
+
+def unpack_int4(packed: np.ndarray, cols: int) -> np.ndarray:
+    """uint8 [rows, ceil(cols / 2)] -> int q [rows, cols]: element 2j is the low nibble of byte j, stored q + 8."""
+    nibbles = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(len(packed), -1)[:, :cols]
+    return nibbles.astype(np.int64) - 8
+
+
+def dequantize(fmt, stored, scale, block, shape) -> np.ndarray:
+    rows, cols = shape
+    if fmt == "int4":
+        q = unpack_int4(stored, cols).astype(np.float64)
+    else:
+        q = stored.astype(np.float64)
+    if scale is None:
+        return q
+    grid = np.kron(scale.astype(np.float64), np.ones(block))
+    return q * grid[:rows, :cols]
+
+
+def random_matrix(rng, fmt, shape, block, pool="all"):
+    """(stored array, float32 scales or None, float64 dequantized) with unit-order outputs."""
+    rows, cols = shape
+    if fmt in ("f32", "bf16"):
+        w = (rng.standard_normal(shape) / np.sqrt(cols)).astype(np.float32 if fmt == "f32" else BF16)
+        return w, None, w.astype(np.float64)
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    if fmt == "fp8":
+        stored = rng.choice(FP8_POOLS[pool], size=shape).view(FP8)
+        rms = np.sqrt(np.mean(stored.astype(np.float64) ** 2))
+    elif fmt == "int8":
+        stored = rng.integers(-127, 128, size=shape).astype(np.int8)
+        rms = 73.0
+    else:  # int4
+        q = rng.integers(-8, 8, size=(rows, cols + cols % 2))
+        q[:, cols:] = 0
+        nibbles = (q + 8).astype(np.uint8)
+        stored = np.ascontiguousarray(nibbles[:, 0::2] | (nibbles[:, 1::2] << 4))
+        rms = 4.6
+    scale = (rng.uniform(0.5, 2.0, size=grid) / rms / np.sqrt(cols)).astype(np.float32)
+    return stored, scale, dequantize(fmt, stored, scale, block, shape)
+
+
+def make_layer(rng, fmt, n_experts, hidden, inter, block, pool="all"):
+    shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    made = {p: [random_matrix(rng, fmt, s, block, pool) for _ in range(n_experts)] for p, s in shapes.items()}
+    scales = {f"{p}_scale": [m[1] for m in made[p]] for p in shapes} if made["gate"][0][1] is not None else {}
+    layer = register_layer(*([m[0] for m in made[p]] for p in shapes), **scales, block=block)
+    dense = {p: [m[2] for m in made[p]] for p in shapes}
+    return layer, dense, made
+
+
+# --- the reference ----------------------------------------------------------------------------------------
+
+
+def round_bf16(a):
+    return np.asarray(a, np.float64).astype(np.float32).astype(BF16).astype(np.float64)
+
+
+def quantize_int8(a, group):
+    """The kernels' int8 activation quantization per row and group, in their float32 arithmetic, dequantized."""
+    a32 = np.asarray(a, np.float64).astype(np.float32)
+    out = np.zeros(a32.shape, np.float64)
+    for g in range(0, a32.shape[-1], group):
+        part = a32[..., g : g + group]
+        amax = np.max(np.abs(part), axis=-1, keepdims=True)
+        safe = np.where(amax > 0, amax, np.float32(1))
+        q = np.rint(part * (np.float32(127) / safe))
+        out[..., g : g + group] = np.where(amax > 0, q * (amax / np.float32(127)), 0)
+    return out
+
+
+def reference(x, ids, weights, dense, activations="f32", group=None):
+    """float64 routed experts on float64 weights, with the kernel's rounding of its activations."""
+    prepare = {
+        "f32": lambda a: np.asarray(a, np.float64),
+        "bf16": round_bf16,
+        "int8": partial(quantize_int8, group=group),
+    }[activations]
+    xin = prepare(np.asarray(x).astype(np.float64))
+    y = np.zeros(xin.shape)
+    for t in range(len(xin)):
+        for e, w in zip(np.asarray(ids)[t], np.asarray(weights, np.float64)[t], strict=True):
+            g, u = dense["gate"][e] @ xin[t], dense["up"][e] @ xin[t]
+            y[t] += w * (dense["down"][e] @ prepare((g / (1.0 + np.exp(-g)) * u)[None])[0])
+    return y
+
+
+def arithmetic(kernel, fmt):
+    """(activation precision, whether the weights are rounded to bfloat16) of a kernel on a format."""
+    if kernel == "amx_bf16":
+        return "bf16", fmt not in ("bf16", "f32")
+    if fmt in ("int8", "int4"):
+        return "int8", False
+    return ("bf16" if kernel == "avx512" else "f32"), False
+
+
+def relative_rms(y, y_ref):
+    return float(np.linalg.norm(np.asarray(y, np.float64) - y_ref) / np.linalg.norm(y_ref))
+
+
+def routing(rng, tokens, top_k, n_experts):
+    """Random routing that leaves the last expert unused and routes token 0 to expert 1 twice."""
+    ids = np.stack([rng.permutation(n_experts - 1)[:top_k] for _ in range(tokens)]).astype(np.int32)
+    ids[0, :2] = 1
+    weights = rng.uniform(0.1, 1.0, size=(tokens, top_k)).astype(np.float32)
+    return ids, weights
+
+
+def check_layer(layer, dense, fmt, block, x, ids, weights, tokens_per_expert, run=routed_experts_host):
+    """Runs the layer and checks it against the reference of the kernel that ran it; returns the error."""
+    kernel = layer_kernel(layer, tokens_per_expert)
+    activations, round_weights = arithmetic(kernel, fmt)
+    if round_weights:
+        dense = {p: [round_bf16(w) for w in ws] for p, ws in dense.items()}
+    y = np.asarray(run(layer, x, ids, weights))
+    assert y.dtype == x.dtype and y.shape == x.shape
+    error = relative_rms(y, reference(x, ids, weights, dense, activations, block[1] if block else None))
+    tolerance = TOLERANCE[activations] + (BF16_OUTPUT if x.dtype == BF16 else 0)
+    assert error < tolerance, f"{kernel} on {fmt}: relative RMS error {error:.3g} >= {tolerance:.3g}"
+    return error
+
+
+# --- every family x format x shape class ------------------------------------------------------------------
+
+FORMATS = [
+    ("f32", None, "all"),
+    ("bf16", None, "all"),
+    ("fp8", (128, 128), "all"),
+    ("fp8", (32, 32), "all"),
+    ("fp8", (16, 48), "all"),  # not square, not a multiple of 32: chunks straddle blocks
+    ("fp8", (32, 32), "subnormal"),
+    ("int8", (1, 128), "all"),
+    ("int8", (1, 1024), "all"),  # one scale per row: AMX keeps int8 tiles
+    ("int4", (1, 128), "all"),
+    ("int4", (1, 256), "all"),  # partial last groups, and groups of two 128-element chunks
+]
+# (hidden, inter): neither a multiple of 128 (partial scale blocks, odd int4 rows); multiples; smaller
+# than one block.
+SHAPES = [(200, 137), (256, 128), (72, 40)]
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+@pytest.mark.parametrize("hidden, inter", SHAPES)
+@pytest.mark.parametrize("fmt, block, pool", FORMATS, ids=lambda v: str(v))
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
+def test_matches_float64_reference(family, fmt, block, pool, hidden, inter, tokens):
+    rng = np.random.default_rng(zlib.crc32(repr((fmt, block, pool, hidden, inter, tokens)).encode()))
+    n_experts, top_k = 6, 3
+    layer, dense, _ = make_layer(rng, fmt, n_experts, hidden, inter, block, pool)
+    with layer, kernel_family(family):
+        x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+        ids, weights = routing(rng, tokens, top_k, n_experts)
+        check_layer(layer, dense, fmt, block, x, ids, weights, tokens)
+
+
+@pytest.mark.parametrize("fmt, block", [("bf16", None), ("fp8", (128, 128)), ("int8", (1, 128)), ("int4", (1, 128))])
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
+def test_bfloat16_activations_through_xla(family, fmt, block):
+    """The custom call in a jitted graph takes the same kernels, with bfloat16 in and out."""
+    rng = np.random.default_rng(1)
+    layer, dense, _ = make_layer(rng, fmt, 5, 200, 136, block)
+    with layer, kernel_family(family):
+        x = rng.standard_normal((9, 200)).astype(BF16)
+        ids, weights = routing(rng, 9, 2, 5)
+
+        def run(layer, x, ids, weights):
+            return jax.jit(partial(routed_experts, layer=layer.id))(x, ids, weights)
+
+        check_layer(layer, dense, fmt, block, x, ids, weights, 9, run=run)
+
+
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
+def test_fp8_denormals_and_tiny_products_are_kept(family):
+    """Weights drawn from FP8 denormals and activations ~1e-12 (products ~1e-30): a kernel that flushed
+    bfloat16 or float32 denormals (the unbiased FP8-to-bfloat16 shift under vdpbf16ps) would lose them."""
+    rng = np.random.default_rng(2)
+    layer, dense, _ = make_layer(rng, "fp8", 4, 256, 128, (128, 128), pool="subnormal")
+    with layer, kernel_family(family):
+        x = (rng.standard_normal((3, 256)) * 1e-12).astype(np.float32)
+        ids, weights = routing(rng, 3, 2, 4)
+        check_layer(layer, dense, "fp8", (128, 128), x, ids, weights, 3)
+
+
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_fp8_nan_reaches_only_the_tokens_of_its_expert(family, tokens):
+    rng = np.random.default_rng(3)
+    layer, _, made = make_layer(rng, "fp8", 3, 256, 128, (32, 32))
+    with layer, kernel_family(family):
+        made["gate"][2][0].view(np.uint8)[5, 7] = 0x7F  # NaN in expert 2
+        x = rng.standard_normal((tokens, 256)).astype(np.float32)
+        ids = np.tile(np.array([[0, 1], [2, 0], [1, 0], [1, 2]], np.int32), (tokens, 1))[:tokens]
+        y = routed_experts_host(layer, x, ids, np.ones(ids.shape, np.float32))
+        np.testing.assert_array_equal(np.isnan(y).all(axis=1), (ids == 2).any(axis=1))
+
+
+# --- selection ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
+def test_override_forces_each_family(family):
+    expected = {"generic": "generic", "avx2": "avx2", "avx512": "avx512", "amx": "amx_bf16"}[family]
+    layer, _, _ = make_layer(np.random.default_rng(4), "fp8", 2, 128, 128, (128, 128))
+    with layer, kernel_family(family):
+        assert kernel_info()["kernel"] == family
+        assert layer_kernel(layer, 1) == expected
+        assert kernel_info()["formats"]["fp8"]["few_tokens"] == expected
+
+
+def test_f32_weights_use_the_fma_kernel_above_avx2():
+    layer, _, _ = make_layer(np.random.default_rng(5), "f32", 2, 64, 32, None)
+    with layer:
+        kernel = layer_kernel(layer, 100)
+        assert kernel == ("generic" if kernel_info()["kernel"] == "generic" else "avx2")
+
+
+@pytest.mark.skipif("amx" not in SUPPORTED, reason="this host has no AMX; the switch runs on the AMX machine")
+def test_amx_takes_over_from_avx512_by_tokens_per_expert():
+    rng = np.random.default_rng(6)
+    layers = {
+        (fmt, block): make_layer(rng, fmt, 2, 256, 128, block)[0]
+        for fmt, block in [("bf16", None), ("fp8", (128, 128)), ("int8", (1, 128)), ("int8", (1, 256))]
+    }
+    try:
+        with kernel_family("amx", amx_min_tokens=16):  # one threshold for every layer
+            assert [layer_kernel(layers["int8", (1, 128)], t) for t in (1, 15, 16, 512)] == [
+                "avx512",
+                "avx512",
+                "amx_bf16",
+                "amx_bf16",
+            ]
+            assert layer_kernel(layers["int8", (1, 256)], 16) == "amx_int8"
+        with kernel_family("amx", amx_min_tokens=0):  # the measured crossover of each kind of layer
+            for key, threshold, kernel in [
+                (("bf16", None), 8, "amx_bf16"),
+                (("fp8", (128, 128)), 32, "amx_bf16"),
+                (("int8", (1, 128)), 64, "amx_bf16"),
+                (("int8", (1, 256)), 16, "amx_int8"),
+            ]:
+                assert layer_kernel(layers[key], threshold - 1) == "avx512"
+                assert layer_kernel(layers[key], threshold) == kernel
+    finally:
+        for layer in layers.values():
+            layer.close()
+
+
+def test_a_family_the_host_lacks_is_refused():
+    missing = [f for f in FAMILIES if f not in SUPPORTED]
+    if not missing:
+        pytest.skip("this host runs every family")
+    with pytest.raises(ValueError, match=f"CPU kernel '{missing[0]}' is not supported by this host"):
+        set_cpu_kernel(missing[0])
+    with pytest.raises(ValueError, match="unknown CPU kernel 'avx9'"):
+        set_cpu_kernel("avx9")
+
+
+def test_environment_overrides(tmp_path):
+    # Run outside the repository, whose source tree would shadow the installed package (`-c` puts the
+    # working directory first on sys.path).
+    script = "import json; from hybridjit.ops.routed_experts import kernel_info; print(json.dumps(kernel_info()))"
+    env = {**os.environ, "HYBRIDJIT_CPU_KERNEL": "generic", "HYBRIDJIT_THREADS": "3", "HYBRIDJIT_NUMA_NODES": "2"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (info["kernel"], info["threads"], info["numa_forced"]) == ("generic", 3, True)
+    assert info["numa_nodes"] == min(2, len(os.sched_getaffinity(0)))
+    env["HYBRIDJIT_CPU_KERNEL"] = "avx9"
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode != 0 and "unknown CPU kernel 'avx9'" in done.stderr
+
+
+# --- the operator and its thread pool -----------------------------------------------------------------------
+
+
+def test_forced_numa_nodes_slice_every_expert():
+    """Two logical nodes on a one-node machine: each expert's rows are split per node, threads steal."""
+    info = kernel_info()
+    rng = np.random.default_rng(8)
+    layer, dense, _ = make_layer(rng, "int8", 5, 256, 192, (1, 128))
+    try:
+        for threads in (1, 2, 3):
+            configure_threads(threads, numa_nodes=2)
+            assert kernel_info()["numa_forced"] and kernel_info()["threads"] == threads
+            x = rng.standard_normal((6, 256)).astype(np.float32)
+            ids, weights = routing(rng, 6, 3, 5)
+            check_layer(layer, dense, "int8", (1, 128), x, ids, weights, 6)
+    finally:
+        configure_threads(info["threads"], info["numa_nodes"] if info["numa_forced"] else 0)
+        layer.close()
+
+
+def test_skewed_prefill_load():
+    """Most tokens on one expert, a few on the others (dynamic scheduling, largest first)."""
+    rng = np.random.default_rng(9)
+    layer, dense, _ = make_layer(rng, "bf16", 6, 200, 136, None)
+    with layer:
+        tokens = 70
+        ids = np.stack([np.zeros(tokens, np.int32), rng.integers(1, 6, tokens).astype(np.int32)], axis=1)
+        ids[:3, 0] = 4
+        weights = rng.uniform(0.1, 1.0, size=ids.shape).astype(np.float32)
+        x = rng.standard_normal((tokens, 200)).astype(np.float32)
+        check_layer(layer, dense, "bf16", None, x, ids, weights, tokens)
+
+
+def test_concurrent_calls_from_many_threads():
+    """Callers from several threads at once (as XLA's and a GPU hand-off worker's): each caller works on its
+    own job with the shared pool, and none waits on another."""
+    rng = np.random.default_rng(10)
+    layers = [make_layer(rng, fmt, 4, 128, 96, block) for fmt, block in [("fp8", (128, 128)), ("int4", (1, 128))]]
+    x = rng.standard_normal((5, 128)).astype(np.float32)
+    ids, weights = routing(rng, 5, 2, 4)
+    expected = [routed_experts_host(layer, x, ids, weights) for layer, _, _ in layers]
+    failures = []
+
+    def work(i):
+        layer = layers[i % 2][0]
+        for _ in range(20):
+            y = routed_experts_host(layer, x, ids, weights)
+            if relative_rms(y, expected[i % 2].astype(np.float64)) > 1e-6:
+                failures.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and not failures
+    for layer, _, _ in layers:
+        layer.close()
+
+
+def test_host_call_checks():
+    layer, _, _ = make_layer(np.random.default_rng(11), "bf16", 3, 64, 32, None)
+    with layer:
+        x = np.zeros((2, 64), np.float32)
+        with pytest.raises(RuntimeError, match="expert id 3 out of range"):
+            routed_experts_host(layer, x, np.full((2, 1), 3, np.int32), np.ones((2, 1), np.float32))
+        with pytest.raises(ValueError, match=r"x must be float32 or bfloat16 \[T, 64\]"):
+            routed_experts_host(layer, x[:, :63], np.zeros((2, 1), np.int32), np.ones((2, 1), np.float32))
+        assert routed_experts_host(layer, x[:0], np.zeros((0, 1), np.int32), np.ones((0, 1), np.float32)).shape == (
+            0,
+            64,
+        )
+
+
+def test_int_registration_checks_groups_and_packing():
+    rng = np.random.default_rng(12)
+    gate = [rng.integers(0, 256, (32, 100)).astype(np.uint8)]
+    up = [rng.integers(0, 256, (32, 100)).astype(np.uint8)]
+    down = [rng.integers(0, 256, (199, 16)).astype(np.uint8)]
+    scales = {"gate_scale": [np.ones((32, 2), np.float32)], "up_scale": [np.ones((32, 2), np.float32)]}
+    register_layer(gate, up, down, **scales, down_scale=[np.ones((199, 1), np.float32)]).close()
+    with pytest.raises(ValueError, match=r"expert 0 gate_proj: shape \(32, 100\), expected \(32, 98\)"):
+        register_layer(gate, up, [d[:196] for d in down], **scales, down_scale=[np.ones((196, 1), np.float32)])
+    with pytest.raises(ValueError, match=r"block must be \(1, G\) with G a multiple of 128"):
+        register_layer(gate, up, down, **scales, down_scale=[np.ones((199, 1), np.float32)], block=(1, 64))
+    as_int8 = [rng.integers(-127, 128, shape).astype(np.int8) for shape in ((32, 100), (32, 100), (100, 32))]
+    with pytest.raises(ValueError, match="int8 weights need block scales, gate_scale is missing"):
+        register_layer(*([a] for a in as_int8))
+
+
+def test_memory_bandwidth_is_measured():
+    m = _ffi.memory_bandwidth(1 << 22, 2, 2)
+    assert m["threads"] == 2 and m["bytes_per_array"] == 1 << 22
+    assert m["read_gbps"] > 0.1 and m["triad_gbps"] > 0.1
+
+
+# --- int8 / int4 checkpoints ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory):
+    from checkpoint_factory import tiny_config, write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("bf16"), tiny_config("v3"), seed=7, weight_format="bf16")
+
+
+# Relative RMS errors of round-to-nearest symmetric quantization of these Gaussian-like weights: the int8 step
+# (max / 127) costs ~0.7%, the int4 step (max / 7) ~12%.
+@pytest.mark.parametrize("fmt, group, tolerance", [("int8", 128, 0.015), ("int4", 256, 0.15)])
+def test_convert_to_int_and_load(bf16_checkpoint, tmp_path, fmt, group, tolerance):
+    """The converter's format, read back by the loader: shapes, dtypes, dequantized weights, and the model's
+    logits against the bf16 model's (quantization error only)."""
+    import hybridjit
+    from hybridjit.checkpoint import Checkpoint
+    from hybridjit.convert import convert_checkpoint
+
+    dst = convert_checkpoint(bf16_checkpoint, tmp_path / fmt, fmt, group_size=group)
+    config = json.loads((dst / "config.json").read_text())
+    assert config["quantization_config"] == {
+        "quant_method": "hybridjit_int",
+        "bits": 8 if fmt == "int8" else 4,
+        "group_size": group,
+        "modules": "routed_experts",
+    }
+    src, out = Checkpoint(bf16_checkpoint), Checkpoint(dst)
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"  # [200, 136]: odd groups, partial last group
+    original = np.asarray(src.get(name)).astype(np.float64)
+    stored, scale = np.asarray(out.get(name)), np.asarray(out.get(name + "_scale_inv"))
+    assert stored.dtype == (np.int8 if fmt == "int8" else np.uint8)
+    assert stored.shape == (200, 136 if fmt == "int8" else 68) and scale.shape == (200, -(-136 // group))
+    back = dequantize(fmt, stored, scale, (1, group), original.shape)
+    assert relative_rms(back, original) < tolerance
+    assert out.info("model.layers.1.self_attn.o_proj.weight").dtype == "BF16"
+
+    # The tiny random model routes near ties: quantization flips some top-k choices, which moves its logits by
+    # 10-20% (an fp8 conversion of every projection moves them ~17%); a misread format would move them ~100%.
+    model = hybridjit.load(dst)
+    assert {layer.format for layer in model.expert_layers} == {fmt}
+    tokens = [[0, 17, 42, 99, 5]]
+    reference = np.asarray(hybridjit.load(bf16_checkpoint).logits(tokens), np.float64)
+    logits = np.asarray(model.logits(tokens), np.float64)
+    assert np.isfinite(logits).all() and relative_rms(logits, reference) < 0.5
