@@ -124,7 +124,7 @@ def geometry_config(name: str, *, layers: int | None = None, weight_format: str 
 
 
 class SyntheticCheckpoint:
-    """Random tensors for every name the config implies, made on first access and kept alive."""
+    """Random tensors for every name the config implies, made when asked for."""
 
     def __init__(self, cfg: ModelConfig, seed: int = 0):
         self.directory = Path(f"<synthetic {cfg.model_type} seed {seed}>")
@@ -136,7 +136,6 @@ class SyntheticCheckpoint:
                 self._add(name + SCALE_SUFFIX, "F32", scale_shape(spec.shape, cfg.fp8.block))
             else:
                 self._add(name, "F32" if name.endswith("e_score_correction_bias") else "BF16", spec.shape)
-        self._made: dict[str, np.ndarray] = {}
 
     def _add(self, name, dtype, shape):
         nbytes = int(np.prod(shape)) * DTYPES[dtype].itemsize
@@ -152,9 +151,9 @@ class SyntheticCheckpoint:
         return sum(t.nbytes for t in self.tensors.values())
 
     def get(self, name) -> np.ndarray:
-        if name not in self._made:
-            self._made[name] = self._make(self.tensors[name])
-        return self._made[name]
+        """A fresh random tensor: nothing is kept here (the expert bank keeps what it registers), so a
+        loader that copies the experts elsewhere (pinned memory) does not hold two copies."""
+        return self._make(self.tensors[name])
 
     def _make(self, info: TensorInfo) -> np.ndarray:
         rng = np.random.default_rng([self.seed, *info.name.encode()])
