@@ -10,9 +10,12 @@ from hlo_schedule import positions, schedule
 import hybridjit
 from hybridjit.models import deepseek_v3 as dsv3
 from hybridjit.ops.async_experts import SUBMIT, WAIT
+from hybridjit.ops.routed_experts import kernel_info
 
-# Same math, different grouping of tokens into kernel calls: rounding only.
-RTOL = 1e-5
+# Same math, different grouping of tokens into kernel calls: rounding only. The AVX-512 and AMX kernels
+# round activations to bfloat16 (2^-8) and pick their kernel by tokens per expert, so there the grouping
+# shows at bf16 level; the exact float32 kernels (generic, AVX2) agree to float32 rounding.
+RTOL = 2e-3 if kernel_info()["kernel"] in ("avx512", "amx") else 1e-5
 PROMPTS = np.array([[5, 17, 42, 99, 3, 250], [11, 12, 13, 14, 15, 16], [200, 1, 2, 3, 4, 5], [9, 8, 7, 6, 5, 4],
                     [100, 101, 102, 103, 104, 105]], np.int32)
 

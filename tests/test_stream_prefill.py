@@ -173,7 +173,8 @@ def test_budget_below_one_block_is_a_clear_error(model, tokens):
 
 
 def test_unpinned_model_is_refused(checkpoint, tokens):
-    plain = hybridjit.load(checkpoint, dtype="float32")
+    unpinned = dataclasses.replace(Placement.default("float32"), pinned_experts=False)
+    plain = hybridjit.load(checkpoint, placement=unpinned)
     try:
         with pytest.raises(ValueError, match="pinned_experts=True"):
             streamed(plain, tokens)
