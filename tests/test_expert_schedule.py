@@ -15,9 +15,11 @@ from checkpoint_factory import as_float32, read_tensors, tiny_config, write_chec
 
 import hybridjit
 from hybridjit.models import deepseek_v3 as dsv3
+from hybridjit.ops.routed_experts import kernel_info
 
-# float32 model vs float64 routed experts in the reference: rounding only.
-RTOL = 1e-4
+# float32 model vs float64 routed experts in the reference: rounding only; the AVX-512 and AMX kernels also
+# round the experts' activations to bfloat16 (2^-8).
+RTOL = 5e-3 if kernel_info()["kernel"] in ("avx512", "amx") else 1e-4
 # Below this relative change a schedule would be indistinguishable from the plain model in this test.
 MIN_EFFECT = 1e-3
 
