@@ -377,22 +377,14 @@ def _softmax(scores: jax.Array, mask: jax.Array, dtype) -> jax.Array:
     return jax.nn.softmax(scores, axis=-1).astype(dtype)
 
 
-def attention_expanded(cfg: ModelConfig, w: MLA, x: jax.Array, positions: jax.Array):
-    """Causal MLA over the t tokens of x alone (prefill), with keys and values expanded per head.
-
-    Returns the output [b, t, d] and the (latent, k_rope) pair to store in the cache.
-    """
-    cos, sin = rope_cos_sin(cfg.rope, positions)
-    q_nope, q_rope = _queries(cfg, w, x, cos, sin)
-    latent, k_rope = _latents(cfg, w, x, cos, sin)
-    wk, wv = _kv_b(cfg, w)
-    k_nope = jnp.einsum("bsr,hnr->bshn", latent, wk)
-    values = jnp.einsum("bsr,hvr->bshv", latent, wv)
+def causal_attention(q_nope, q_rope, k_nope, k_rope, values, scale):
+    """Dense causal attention of t queries over the same t positions, keys and values expanded per head:
+    q_nope [b, t, h, n], q_rope [b, t, h, p], k_nope [b, t, h, n], k_rope [b, t, p], values [b, t, h, v]."""
     scores = jnp.einsum("bthn,bshn->bhts", q_nope, k_nope) + jnp.einsum("bthp,bsp->bhts", q_rope, k_rope)
-    causal = positions[:, None, :, None] >= positions[:, None, None, :]
-    probs = _softmax(scores * cfg.softmax_scale, causal, x.dtype)
-    out = jnp.einsum("bhts,bshv->bthv", probs, values).reshape(*x.shape[:2], -1)
-    return linear(out, w.o, w.o_bias), (latent, k_rope)
+    t = q_nope.shape[1]
+    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    probs = _softmax(scores * scale, causal[None, None], values.dtype)
+    return jnp.einsum("bhts,bshv->bthv", probs, values)
 
 
 def attention_absorbed(cfg: ModelConfig, w: MLA, x: jax.Array, positions: jax.Array, cache: LayerCache):
@@ -443,13 +435,12 @@ def forward(cfg: ModelConfig, w: Weights, tokens: jax.Array, cache: list[LayerCa
 
     Sequences are right-padded; causality keeps padding out of every real token's attention.
     """
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     x = w.embed[tokens]
     new_cache, expert_ids = [], []
     for i, layer in enumerate(w.layers):
         with jax.named_scope(f"layer{i}"):
-            h, (latent, k_rope) = attention_expanded(
-                cfg, layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), positions
+            h, (latent, k_rope) = attention_prefill(
+                cfg, layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), causal_attention
             )
             x, ids = _feed_forward(cfg, layer, x + h)
             if ids is not None:
@@ -625,9 +616,9 @@ class ChunkedAttention:
 
 
 def attention_prefill(cfg: ModelConfig, w: MLA, x: jax.Array, attend: Callable):
-    """attention_expanded over whole prompts x [b, t, d] from position 0, with the causal attention core
-    `attend` (a ChunkedAttention or a fused kernel of the same signature). Returns the output [b, t, d] and
-    the (latent, k_rope) pair to store in the cache."""
+    """Causal MLA over whole prompts x [b, t, d] from position 0, keys and values expanded per head (prefill),
+    with the attention core `attend` (causal_attention, a ChunkedAttention, or a fused kernel of the same
+    signature). Returns the output [b, t, d] and the (latent, k_rope) pair to store in the cache."""
     positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
     cos, sin = rope_cos_sin(cfg.rope, positions)
     q_nope, q_rope = _queries(cfg, w, x, cos, sin)
