@@ -24,35 +24,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench_model import add_model_arguments, load_model
 from floors import machine, memory_floors
 from hybridjit import _ffi, engine
-from hybridjit.checkpoint import Checkpoint
 from hybridjit.config import ModelConfig
 from hybridjit.models import deepseek_v3 as dsv3
 from hybridjit.ops.async_experts import submit_routed_experts, wait_routed_experts
 from hybridjit.ops.routed_experts import kernel_info, register_layer, routed_experts
 from hybridjit.placement import Placement
-from hybridjit.resolve import resolve_model
-from hybridjit.synthetic import GEOMETRIES, SyntheticCheckpoint, geometry_config
-from hybridjit.weights import WeightLoader
 
 ON_GPU = jax.default_backend() == "gpu"
-
-
-def load(args):
-    if args.checkpoint:
-        path = resolve_model(args.checkpoint)
-        cfg = ModelConfig.from_json_file(path / "config.json")
-        ckpt, name, full_layers = Checkpoint(path), str(path), cfg.num_hidden_layers
-    else:
-        full_layers = GEOMETRIES[args.geometry]["num_hidden_layers"]
-        cfg = geometry_config(args.geometry, layers=args.layers, weight_format=args.format)
-        ckpt, name = SyntheticCheckpoint(cfg, seed=0), f"{args.geometry} ({args.format}, random weights)"
-    placement = Placement.default(args.dtype)
-    start = time.perf_counter()
-    weights, expert_layers = WeightLoader(cfg, ckpt, placement).load()
-    print(f"loaded {name} in {time.perf_counter() - start:.1f} s")
-    return engine.Model(ckpt.directory, cfg, weights, expert_layers, None, placement), name, full_layers
 
 
 def timed(fn, repeats):
@@ -197,10 +178,7 @@ def bench_case(model: engine.Model, batch: int, context: int, steps: int, rng) -
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", help="checkpoint path or model name")
-    source.add_argument("--geometry", choices=sorted(GEOMETRIES))
-    parser.add_argument("--layers", type=int, help="truncate a geometry to this many layers")
+    add_model_arguments(parser)
     parser.add_argument("--format", default="fp8", choices=("fp8", "bf16"), help="weight format of a geometry")
     parser.add_argument("--batch", type=int, nargs="+", default=[1])
     parser.add_argument("--context", type=int, nargs="+", default=[1024])
@@ -213,7 +191,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     floors = memory_floors()
-    model, name, full_layers = load(args)
+    model, name, full = load_model(args, Placement.default(args.dtype), args.format)
+    full_layers = full.num_hidden_layers
     rng = np.random.default_rng(0)
     depth = model.config.num_hidden_layers
     print(f"decode: {name}, {depth} of {full_layers} layers, on {model.placement.device}, kernel {kernel_info()}"

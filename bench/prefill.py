@@ -33,17 +33,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
+from bench_model import add_model_arguments, load_model
 from hybridjit import engine
 from hybridjit import stream_prefill as sp
-from hybridjit.checkpoint import DTYPES, Checkpoint
+from hybridjit.checkpoint import DTYPES
 from hybridjit.config import ModelConfig
 from hybridjit.models import deepseek_v3 as dsv3
 from hybridjit.ops.routed_experts import routed_experts
 from hybridjit.pinned_experts import pinned_layer
 from hybridjit.placement import Placement
-from hybridjit.resolve import resolve_model
-from hybridjit.synthetic import GEOMETRIES, SyntheticCheckpoint, geometry_config
-from hybridjit.weights import SCALE_SUFFIX, WeightLoader
+from hybridjit.synthetic import SyntheticCheckpoint
+from hybridjit.weights import SCALE_SUFFIX
 
 GIB = 1 << 30
 
@@ -70,19 +70,7 @@ class PooledExperts(SyntheticCheckpoint):
 
 def load(args):
     placement = Placement(jax.devices()[0], jnp.dtype(args.dtype), pinned_experts=True)
-    if args.checkpoint:
-        path = resolve_model(args.checkpoint)
-        cfg = ModelConfig.from_json_file(path / "config.json")
-        ckpt, name, full = Checkpoint(path), str(path), cfg
-    else:
-        cfg = geometry_config(args.geometry, layers=args.layers, weight_format="fp8")
-        ckpt, name = PooledExperts(cfg), f"{args.geometry} (fp8, random weights)"
-        full = geometry_config(args.geometry, weight_format="fp8")
-    start = time.perf_counter()
-    weights, expert_layers = WeightLoader(cfg, ckpt, placement).load()
-    print(f"loaded {name}, {cfg.num_hidden_layers} of {full.num_hidden_layers} layers, in "
-          f"{time.perf_counter() - start:.1f} s")
-    return engine.Model(ckpt.directory, cfg, weights, expert_layers, None, placement), name, full
+    return load_model(args, placement, "fp8", synthetic=PooledExperts)
 
 
 # -------------------------------------------------------------------------------------------- floors
@@ -208,10 +196,7 @@ def hybrid_case(model: engine.Model, full: ModelConfig, length: int) -> dict:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", help="checkpoint path or model name")
-    source.add_argument("--geometry", choices=sorted(GEOMETRIES))
-    parser.add_argument("--layers", type=int, help="truncate a geometry to this many layers")
+    add_model_arguments(parser)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192, 16384, 32768, 65536])
     parser.add_argument("--hybrid-tokens", type=int, nargs="*", default=[1024, 4096])
     parser.add_argument("--cpu-tokens", type=int, default=4096, help="batch of the CPU expert-rate floor")
