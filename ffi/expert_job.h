@@ -20,6 +20,15 @@ struct ExpertJob {
   void* y = nullptr;  // [tokens, hidden]
 };
 
+// Checks the operands of a routed-experts call against its layer (dtypes, shapes, hidden size; no data
+// is read): the trace-time half of every handler. Fails with kNotFound for an unknown layer.
+xla::ffi::Error CheckJobOperands(int64_t layer_id, const xla::ffi::AnyBuffer& x, const xla::ffi::AnyBuffer& ids,
+                                 const xla::ffi::AnyBuffer& weights, const xla::ffi::AnyBuffer& result);
+
+// The job of a call whose operands are in host memory (XLA:CPU), writing into `result`.
+ExpertJob JobOnHostBuffers(int64_t layer_id, const xla::ffi::AnyBuffer& x, const xla::ffi::AnyBuffer& ids,
+                           const xla::ffi::AnyBuffer& weights, xla::ffi::AnyBuffer& result);
+
 // Runs the job synchronously on the calling thread. Fails, naming the layer, on an unknown layer, a
 // hidden size that is not the layer's, or an expert id out of range.
 xla::ffi::Error RunExpertJob(const ExpertJob& job);

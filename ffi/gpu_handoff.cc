@@ -255,16 +255,6 @@ ffi::ErrorOr<Slot*> SlotFor(const cuda::Driver& cu, CUstream stream, int64_t slo
   return Handoff::Global().GetSlot(cu, key);
 }
 
-ffi::Error CheckOperands(int64_t layer_id, const ffi::AnyBuffer& x, const ffi::AnyBuffer& ids,
-                         const ffi::AnyBuffer& weights, const ffi::AnyBuffer& result) {
-  const LayerLease lease = WeightBank::Global().Find(layer_id);
-  if (!lease) {
-    return ffi::Error(ffi::ErrorCode::kNotFound,
-                      "hybridjit_routed_experts: unknown layer id " + std::to_string(layer_id));
-  }
-  return CheckRoutedExpertsOperands(lease.weights(), layer_id, x, ids, weights, result);
-}
-
 // Enqueues: inputs to staging, then the hand-off of the job to the CPU.
 ffi::Error EnqueueSubmit(const cuda::Driver& cu, CUstream stream, Slot& slot, int64_t layer_id, const ffi::AnyBuffer& x,
                          const ffi::AnyBuffer& ids, const ffi::AnyBuffer& weights) {
@@ -302,7 +292,7 @@ ffi::Error EnqueueWait(const cuda::Driver& cu, CUstream stream, Slot& slot, ffi:
 ffi::Error RoutedExpertsCuda(CUstream stream, ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer weights,
                              ffi::Result<ffi::AnyBuffer> y, int64_t layer_id) {
   Handoff::Global().CountEnqueue();
-  HYBRIDJIT_RETURN_IF_ERROR(CheckOperands(layer_id, x, ids, weights, *y));
+  HYBRIDJIT_RETURN_IF_ERROR(CheckJobOperands(layer_id, x, ids, weights, *y));
   auto cu = Driver();
   if (cu.has_error()) return cu.error();
   auto slot = SlotFor(**cu, stream, kSingleCallSlot, *y, ids.dimensions()[1]);
@@ -315,7 +305,7 @@ ffi::Error SubmitCuda(CUstream stream, ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi
                       ffi::Result<ffi::AnyBuffer> pending, ffi::Result<ffi::AnyBuffer> /*x_pass: aliases x*/,
                       int64_t layer_id, int64_t slot_index) {
   Handoff::Global().CountEnqueue();
-  HYBRIDJIT_RETURN_IF_ERROR(CheckOperands(layer_id, x, ids, weights, *pending));
+  HYBRIDJIT_RETURN_IF_ERROR(CheckJobOperands(layer_id, x, ids, weights, *pending));
   auto cu = Driver();
   if (cu.has_error()) return cu.error();
   auto slot = SlotFor(**cu, stream, slot_index, *pending, ids.dimensions()[1]);

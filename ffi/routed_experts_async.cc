@@ -3,8 +3,6 @@
 #include <string>
 
 #include "expert_job.h"
-#include "routed_experts_handler.h"
-#include "weight_bank.h"
 
 namespace hybridjit {
 namespace {
@@ -13,28 +11,8 @@ namespace ffi = xla::ffi;
 
 ffi::Error SubmitCpu(ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer weights, ffi::Result<ffi::AnyBuffer> pending,
                      ffi::Result<ffi::AnyBuffer> /*x_pass: aliases x*/, int64_t layer_id, int64_t /*slot*/) {
-  {
-    const LayerLease lease = WeightBank::Global().Find(layer_id);
-    if (!lease) {
-      return ffi::Error(ffi::ErrorCode::kNotFound,
-                        "hybridjit_routed_experts: unknown layer id " + std::to_string(layer_id));
-    }
-    if (ffi::Error error = CheckRoutedExpertsOperands(lease.weights(), layer_id, x, ids, weights, *pending);
-        error.failure()) {
-      return error;
-    }
-  }
-  ExpertJob job;
-  job.layer_id = layer_id;
-  job.bf16 = x.element_type() == ffi::DataType::BF16;
-  job.x = x.untyped_data();
-  job.ids = static_cast<const int32_t*>(ids.untyped_data());
-  job.weights = static_cast<const float*>(weights.untyped_data());
-  job.tokens = x.dimensions()[0];
-  job.top_k = ids.dimensions()[1];
-  job.hidden = x.dimensions()[1];
-  job.y = pending->untyped_data();
-  return RunExpertJob(job);
+  if (ffi::Error error = CheckJobOperands(layer_id, x, ids, weights, *pending); error.failure()) return error;
+  return RunExpertJob(JobOnHostBuffers(layer_id, x, ids, weights, *pending));
 }
 
 // On the host the result is already in `pending`, which the result aliases.

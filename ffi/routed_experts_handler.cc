@@ -2,7 +2,7 @@
 
 #include <string>
 
-#include "moe_operator.h"
+#include "expert_job.h"
 
 namespace hybridjit {
 namespace {
@@ -43,38 +43,8 @@ ffi::Error Invalid(int64_t layer_id, const std::string& what) {
 
 ffi::Error RoutedExpertsCpu(ffi::AnyBuffer x, ffi::AnyBuffer ids, ffi::AnyBuffer weights,
                             ffi::Result<ffi::AnyBuffer> y, int64_t layer_id) {
-  const LayerLease lease = WeightBank::Global().Find(layer_id);
-  if (!lease) {
-    return ffi::Error(ffi::ErrorCode::kNotFound,
-                      "hybridjit_routed_experts: unknown layer id " + std::to_string(layer_id) +
-                          " (closed, or never registered in this process)");
-  }
-  const LayerWeights& layer = lease.weights();
-  if (ffi::Error error = CheckRoutedExpertsOperands(layer, layer_id, x, ids, weights, *y); error.failure()) {
-    return error;
-  }
-  const int64_t tokens = x.dimensions()[0];
-  const int64_t top_k = ids.dimensions()[1];
-  const auto* id_data = static_cast<const int32_t*>(ids.untyped_data());
-  if (ffi::Error error = CheckExpertIds(id_data, tokens * top_k, layer.n_experts(), layer_id);
-      error.failure()) {
-    return error;
-  }
-
-  MoeCall call;
-  call.x = x.untyped_data();
-  call.x_bf16 = x.element_type() == ffi::DataType::BF16;
-  call.ids = id_data;
-  call.weights = static_cast<const float*>(weights.untyped_data());
-  call.tokens = tokens;
-  call.top_k = top_k;
-  call.y = y->untyped_data();
-  call.y_bf16 = call.x_bf16;
-  const std::string error = RunRoutedExperts(layer, call);
-  if (!error.empty()) {
-    return ffi::Error::Internal("hybridjit_routed_experts (layer " + std::to_string(layer_id) + "): " + error);
-  }
-  return ffi::Error::Success();
+  if (ffi::Error error = CheckJobOperands(layer_id, x, ids, weights, *y); error.failure()) return error;
+  return RunExpertJob(JobOnHostBuffers(layer_id, x, ids, weights, *y));
 }
 
 }  // namespace
