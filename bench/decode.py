@@ -5,12 +5,14 @@
 
 A geometry builds a random checkpoint of that model's real shapes in memory (hybridjit.synthetic), loaded by
 the same loader and expert bank as a real one; with --layers the model is truncated and tokens/s at full
-depth is reported as a projection (labelled so). The step runs where Placement.default puts it: on a GPU
+depth is reported as a projection (labelled so): the step time per MoE layer, dense layers and LM head
+included, times the full model's MoE layers. The step runs where Placement.default puts it: on a GPU
 with the routed experts on the CPU behind the CUDA hand-off, else all on XLA:CPU.
 
 Split of a step: `expert_ms` is the CPU time in the routed-expert jobs (counted by the hand-off on a GPU;
-measured by running the expert calls alone on the CPU otherwise), `handoff_us` the round trip of one
-submit/wait pair with an empty job (GPU only), `xla_ms` the rest. The floor is the time to read each step's
+measured by running the expert calls alone on the CPU otherwise; `expert_alone_ms` is always the latter),
+`handoff_us` the hand-off mechanism per submit/wait pair (its round trip less the CPU job inside it; GPU
+only), `xla_ms` the rest. The floor is the time to read each step's
 distinct experts once at the memory read bandwidth measured by the same run. Ends with one JSON line.
 """
 
@@ -60,7 +62,9 @@ def expert_bytes(model: engine.Model) -> int:
 
 
 def handoff_us(cfg: ModelConfig, batch: int, dtype, pairs: int = 32) -> float:
-    """Round trip of one submit/wait pair on the GPU whose CPU job is (nearly) empty: experts of width 1."""
+    """The hand-off mechanism alone: the round trip of one submit/wait pair on the GPU (copies, doorbell, the
+    worker noticing it, the stream's wait released, the result copied back) less the CPU job inside it, which
+    here is one of experts of width 1."""
     k = cfg.num_experts_per_tok
     rng = np.random.default_rng(1)
     gate = [rng.standard_normal((1, cfg.hidden_size), np.float32) for _ in range(k)]
@@ -77,7 +81,11 @@ def handoff_us(cfg: ModelConfig, batch: int, dtype, pairs: int = 32) -> float:
             return x
 
         x = jnp.zeros((batch, cfg.hidden_size), dtype)
-        return 1e3 * timed(lambda: chain(x).block_until_ready(), 20) / pairs
+        chain(x).block_until_ready()
+        _ffi.take_gpu_handoff_stats()
+        pair_ms = timed(lambda: chain(x).block_until_ready(), 20) / pairs
+        jobs, seconds, _ = _ffi.take_gpu_handoff_stats()
+        return 1e3 * (pair_ms - 1e3 * seconds / jobs)
 
 
 def cpu_expert_ms(model: engine.Model, batch: int, rng) -> float:
@@ -149,12 +157,13 @@ def bench_case(model: engine.Model, batch: int, context: int, steps: int, rng) -
     step = statistics.median(step_ms)
     moe_layers = sum(isinstance(layer.mlp, dsv3.MoE) for layer in w.layers)
     handler_runs = None
+    alone_ms = cpu_expert_ms(model, batch, rng)
     if ON_GPU:
         jobs, seconds, handler_runs = _ffi.take_gpu_handoff_stats()
         expert_ms = 1e3 * seconds / (steps + 1)
         handoff = handoff_us(cfg, batch, model.dtype)
     else:
-        expert_ms, handoff = cpu_expert_ms(model, batch, rng), 0.0
+        expert_ms, handoff = alone_ms, 0.0
     # Uniform routing over the step's batch*k choices: expected distinct experts per layer.
     n, picks = cfg.n_routed_experts, batch * cfg.num_experts_per_tok
     distinct = n * (1 - (1 - 1 / n) ** picks) if batch > 1 else cfg.num_experts_per_tok
@@ -167,6 +176,9 @@ def bench_case(model: engine.Model, batch: int, context: int, steps: int, rng) -
         "tok_s": round(batch * 1e3 / step, 2),
         "tpot_ms": round(step, 3),
         "expert_ms": round(expert_ms, 3),
+        # The same layers' expert jobs run back to back on the CPU alone (uniform routing): what the step's
+        # expert jobs would take without the GPU around them.
+        "expert_alone_ms": round(alone_ms, 3),
         "handoff_us_per_layer": round(handoff, 1),
         "xla_ms": round(step - expert_ms - handoff * moe_layers * len(groups) / 1e3, 3),
         "moe_layers": moe_layers,
@@ -198,7 +210,7 @@ def main(argv=None):
     print(f"decode: {name}, {depth} of {full_layers} layers, on {model.placement.device}, kernel {kernel_info()}"
           + (f", hand-off {_ffi.gpu_handoff_mode()}" if ON_GPU else ""))
     print(f"floors: memory read {floors['read_gbps']:.1f} GB/s, triad {floors['triad_gbps']:.1f} GB/s")
-    print(f"{'batch':>5} {'ctx':>6} {'dual':>5} {'defer':>5} {'step ms':>8} {'tok/s':>8} {'experts':>8} "
+    print(f"{'batch':>5} {'ctx':>6} {'dual':>5} {'defer':>5} {'step ms':>8} {'tok/s':>8} {'experts':>8} {'alone':>8} "
           f"{'hand-off':>9} {'xla':>8} {'floor':>8} {'ratio':>6}")
     results = []
     overlaps = {"on": [True], "off": [False], "both": [False, True]}[args.overlap]
@@ -212,10 +224,14 @@ def main(argv=None):
         r["floor_ms"] = round(r["expert_bytes_per_step"] / (floors["read_gbps"] * 1e6), 3)
         r["ratio_to_floor"] = round(r["floor_ms"] / r["median_step_ms"], 3)
         line = (f"{batch:5d} {context:6d} {str(overlap):>5} {deferred:5d} {r['median_step_ms']:8.2f} {r['tok_s']:8.2f} "
-                f"{r['expert_ms']:8.2f} {r['handoff_us_per_layer']:7.1f}us {r['xla_ms']:8.2f} {r['floor_ms']:8.2f} "
-                f"{r['ratio_to_floor']:6.2f}")
-        if depth < full_layers:  # projection: the measured per-layer average times the full depth
-            r["projected_full_depth_tok_s"] = round(batch * 1e3 / (r["median_step_ms"] / depth * full_layers), 3)
+                f"{r['expert_ms']:8.2f} {r['expert_alone_ms']:8.2f} {r['handoff_us_per_layer']:7.1f}us "
+                f"{r['xla_ms']:8.2f} {r['floor_ms']:8.2f} {r['ratio_to_floor']:6.2f}")
+        if depth < full_layers:
+            # Projection: the whole measured step (dense layers and LM head included) counted per MoE layer and
+            # scaled to the full model's MoE layers, so the estimate errs on the slow side.
+            full_moe = sum(full.is_moe_layer(i) for i in range(full_layers))
+            projected_ms = r["median_step_ms"] * full_moe / r["moe_layers"]
+            r["projected_full_depth_tok_s"] = round(batch * 1e3 / projected_ms, 3)
             line += f"  projected to {full_layers} layers: {r['projected_full_depth_tok_s']} tok/s"
         results.append(r)
         print(line)

@@ -3,6 +3,7 @@
     python bench/moe_cpu.py                      # every format, decode 1 2 4 8 and prefill 128 512 2048 tokens
     python bench/moe_cpu.py --quick              # decode only, top-k + 4 experts per layer (< 1 min on 2 cores)
     python bench/moe_cpu.py --formats fp8 int4 --decode 1 --prefill 2048 --crossover
+    python bench/moe_cpu.py --prefill --decode 1 --prefetch 0 256 512 1024 2048   # tune the prefetch distance
 
 Each case runs the operator (hybridjit._ffi through routed_experts_host: the same C++ entry as the XLA custom
 call, without XLA's dispatch) on `tokens` tokens routed top-k uniformly at random, fresh routing per call,
@@ -36,6 +37,7 @@ from hybridjit.ops.routed_experts import (
     routed_experts_host,
     set_amx_min_tokens,
     set_cpu_kernel,
+    set_prefetch_bytes,
 )
 
 FORMATS = ("fp8", "bf16", "int8", "int4", "int8_row")
@@ -149,16 +151,21 @@ def bench_hybridjit(args, rng, floors, results):
                 continue
             n_experts = decode_experts(per_expert, args.quick, top_k) if phase == "decode" else args.prefill_experts
             with make_layer(rng, fmt, n_experts, hidden, inter) as layer:
-                for tokens in tokens_list:
+                distances = args.prefetch if phase == "decode" and args.prefetch else [None]
+                for tokens, distance in ((t, d) for t in tokens_list for d in distances):
+                    if distance is not None:
+                        set_prefetch_bytes(distance)
                     calls = args.repeats if phase == "decode" else max(3, args.repeats // 6)
                     routes = routings(rng, calls + 2, tokens, top_k, n_experts)
                     x = rng.standard_normal((tokens, hidden)).astype(ml_dtypes.bfloat16)
                     ms = median_ms(lambda ids, w, x=x, layer=layer: routed_experts_host(layer, x, ids, w), routes)
                     per_call = tokens * top_k / n_experts
                     case = {"impl": "hybridjit", "format": fmt, "phase": phase, "tokens": tokens, "top_k": top_k,
-                            "experts": n_experts, "kernel": layer_kernel(layer, max(1, round(per_call)))}
+                            "experts": n_experts, "kernel": layer_kernel(layer, max(1, round(per_call))),
+                            "prefetch_bytes": distance}  # None: the kernels' per-format default
                     results.append(figures(case, ms, routes, per_expert, hidden, inter, floors))
                     print(row(results[-1]), flush=True)
+        set_prefetch_bytes(None)
 
 
 def random_f32(rng, n, rows, cols):
@@ -286,6 +293,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=30, help="timed calls per decode case (prefill: a sixth)")
     parser.add_argument("--no-baselines", dest="baselines", action="store_false")
     parser.add_argument("--crossover", action="store_true")
+    parser.add_argument("--prefetch", nargs="+", type=int, default=[],
+                        help="run the decode cases once per software-prefetch distance (bytes; 0: off)")
     parser.add_argument("--quick", action="store_true", help="decode only, top-k + 4 experts per layer, few repeats")
     args = parser.parse_args()
     if args.quick:

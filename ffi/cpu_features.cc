@@ -52,7 +52,8 @@ Features Detect() {
   const Cpuid l7s1 = Query(7, 1);
   f.avx2 = os_avx && Bit(l1.ecx, 12) /*FMA*/ && Bit(l1.ecx, 29) /*F16C*/ && Bit(l7.ebx, 5) /*AVX2*/;
   f.avx512 = f.avx2 && os_avx512 && Bit(l7.ebx, 16) /*F*/ && Bit(l7.ebx, 30) /*BW*/ && Bit(l7.ebx, 31) /*VL*/ &&
-             Bit(l7.ebx, 17) /*DQ*/ && Bit(l7.ecx, 11) /*VNNI*/ && Bit(l7s1.eax, 5) /*BF16*/;
+             Bit(l7.ebx, 17) /*DQ*/ && Bit(l7.ecx, 11) /*VNNI*/ && Bit(l7.ecx, 1) /*VBMI*/ &&
+             Bit(l7s1.eax, 5) /*BF16*/;
   f.amx_cpu = f.avx512 && os_amx && Bit(l7.edx, 24) /*AMX-TILE*/ && Bit(l7.edx, 22) /*AMX-BF16*/ &&
               Bit(l7.edx, 25) /*AMX-INT8*/;
   return f;
@@ -87,6 +88,8 @@ int64_t EnvInt(const char* name, int64_t fallback) {
 
 std::atomic<int> selected{-1};
 std::atomic<int64_t> amx_min_tokens{-1};  // -1: HYBRIDJIT_AMX_MIN_TOKENS not read yet
+constexpr int64_t kPrefetchUnset = -2;  // no SetWeightPrefetchOverride call: HYBRIDJIT_PREFETCH_BYTES decides
+std::atomic<int64_t> prefetch_bytes{kPrefetchUnset};
 std::mutex init_mutex;
 
 void Check(CpuKernel kernel) {
@@ -169,6 +172,17 @@ int64_t AmxMinTokensOverride() {
   int64_t expected = -1;
   amx_min_tokens.compare_exchange_strong(expected, value);
   return amx_min_tokens.load(std::memory_order_relaxed);
+}
+
+int64_t WeightPrefetchOverride() {
+  static const int64_t from_env = EnvInt("HYBRIDJIT_PREFETCH_BYTES", -1);
+  const int64_t value = prefetch_bytes.load(std::memory_order_relaxed);
+  return value == kPrefetchUnset ? from_env : value;
+}
+
+void SetWeightPrefetchOverride(int64_t bytes) {
+  if (bytes < -1) throw std::invalid_argument("prefetch bytes must be >= 0, or -1 for the per-format defaults");
+  prefetch_bytes.store(bytes, std::memory_order_relaxed);
 }
 
 void SetAmxMinTokens(int64_t tokens) {

@@ -1,9 +1,9 @@
 // What the host CPU can run, and which kernel family the routed experts use.
 //
 // The families are ordered: generic (portable C++, always there) < avx2 (AVX2 + FMA + F16C) < avx512
-// (F, BW, VL, DQ, BF16, VNNI) < amx (AMX-TILE, BF16, INT8 on top of avx512). The best family the host
-// supports is chosen once, from CPUID and XCR0; HYBRIDJIT_CPU_KERNEL overrides it at first use and
-// SetCpuKernel at any time (tests). Choosing amx asks the kernel for the AMX tile state with
+// (F, BW, VL, DQ, BF16, VNNI, VBMI: Sapphire Rapids and Zen 4 on) < amx (AMX-TILE, BF16, INT8 on top of
+// avx512). The best family the host supports is chosen once, from CPUID and XCR0; HYBRIDJIT_CPU_KERNEL
+// overrides it at first use and SetCpuKernel at any time (tests). Choosing amx asks the kernel for the AMX tile state with
 // arch_prctl(ARCH_REQ_XCOMP_PERM) first: without that permission the first tile instruction is SIGILL.
 #pragma once
 
@@ -35,5 +35,11 @@ void SetCpuKernel(CpuKernel kernel);
 // its kind of AMX kernel (bench/RESULTS.md).
 int64_t AmxMinTokensOverride();
 void SetAmxMinTokens(int64_t tokens);
+
+// How far ahead (bytes, along each weight row) the AVX-512 kernels prefetch weights, for every format:
+// HYBRIDJIT_PREFETCH_BYTES (read at first use) or SetWeightPrefetchOverride (0: no software prefetch);
+// -1 (the default) leaves each format the distance measured best for it (expert_kernel_avx512.cc).
+int64_t WeightPrefetchOverride();
+void SetWeightPrefetchOverride(int64_t bytes);
 
 }  // namespace hybridjit

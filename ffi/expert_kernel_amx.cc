@@ -21,11 +21,12 @@
 #include <vector>
 
 #include "expert_kernels.h"
+#include "fp8_bf16.h"
 #include "numeric_formats.h"
 
 #define HJ_AMX                                                                                                   \
   __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni," \
-                        "avx2,fma,f16c")))
+                        "avx512vbmi,avx2,fma,f16c")))
 
 namespace hybridjit {
 namespace {
@@ -173,28 +174,12 @@ HJ_AMX __m512 ScaleVector(const float* scale_row, int64_t block_cols, int64_t c)
   return _mm512_load_ps(v);
 }
 
-// bfloat16 bits of m * 2^-9, by FP8 denormal mantissa m.
-const uint16_t* Fp8DenormalTable() {
-  static const std::vector<uint16_t> table = [] {
-    std::vector<uint16_t> t(32, 0);
-    for (int m = 0; m < 8; ++m) t[m] = FloatToBf16Bits(std::ldexp(static_cast<float>(m), -9));
-    return t;
-  }();
-  return table.data();
-}
-
-// 32 FP8 bytes -> 32 exact bfloat16 values (E4M3 fits in bfloat16): rebias the exponent by 120,
-// look up the denormals, keep NaN.
+// 32 FP8 bytes -> 32 exact bfloat16 values, in order (fp8_bf16.h).
 HJ_AMX __m512i Fp8ToBf16(__m256i raw) {
-  const __m512i w16 = _mm512_cvtepi8_epi16(raw);
-  // (w16 << 4) & 0x87f0 keeps S and E.M; adding 120 << 7 rebiases the exponent (no carry into S).
-  __m512i v = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(w16, 4), _mm512_set1_epi16(static_cast<short>(0x87f0))),
-                               _mm512_set1_epi16(120 << 7));
-  const __mmask32 denormal = _mm512_testn_epi16_mask(w16, _mm512_set1_epi16(0x78));
-  const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(w16, _mm512_set1_epi16(0x7f)), _mm512_set1_epi16(0x7f));
-  v = _mm512_mask_permutexvar_epi16(v, denormal, w16, _mm512_loadu_si512(Fp8DenormalTable()));
-  v = _mm512_mask_mov_epi16(v, nan, _mm512_set1_epi16(0x7fc0));
-  return _mm512_ternarylogic_epi32(v, w16, _mm512_set1_epi16(static_cast<short>(0x8000)), 0xf8);  // a | (b & c)
+  __m512i high, low;
+  Fp8ToBf16Bytes(_mm512_castsi256_si512(raw), LoadFp8Tables(), &high, &low);
+  return _mm512_or_si512(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(low)),
+                         _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(high)), 8));
 }
 
 HJ_AMX __m512 Bf16HalfToFloat(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }

@@ -1,15 +1,12 @@
-// AVX-512 kernels (F, BW, VL, DQ, BF16, VNNI): the GEMV of decode, memory-bound by design.
+// AVX-512 kernels (F, BW, VL, DQ, BF16, VNNI, VBMI): the GEMV of decode, memory-bound by design.
 //
 // bf16 and fp8 weights meet bfloat16 activations in vdpbf16ps (float32 accumulators). FP8 E4M3FN is
-// expanded to bfloat16 in registers (OSDI '26 §3.4): sign-extend each byte to 16 bits, shift the
-// exponent and mantissa into bfloat16 position and OR in a rebias of 112, which makes the value the
-// FP8 value times 2^-8 (the 2^8 goes into the block scale). The rebias keeps every FP8 value a normal
-// bfloat16: shifting without it (the value times 2^-120, the bias fixed in the scale) would make FP8
-// denormals and most products bfloat16/float32 denormals, which vdpbf16ps flushes to zero. FP8's own
-// denormals (exponent field 0, zero included) and NaN are not affine in the bits; a row's scale block
-// that holds one is decoded by an exact path (a table lookup for the 8 denormal mantissas, NaN kept),
-// the others (all but ~1% of blocks in real checkpoints) by the 3-instruction fast path. Sums run per scale block, and the block scale is applied once
-// to the block's float32 sums (post-scaling); row tiles never cross a scale row-block.
+// expanded to bfloat16 in registers (OSDI '26 §3.4) by the exact table of fp8_bf16.h, so denormals and
+// NaN need no separate path and the hot loop holds no call (all zmm registers are caller-saved: a call
+// in the loop would keep the accumulators in memory). Sums run per scale block, and the block scale is
+// applied once to the block's float32 sums (post-scaling); row tiles never cross a scale row-block.
+// Weights are prefetched ahead along each row (PrefetchBytes): with 16 cores streaming, the hardware
+// prefetchers alone leave 10-35% of the read bandwidth unused (bench/RESULTS.md).
 //
 // int8 and int4 weights meet int8 activations in vpdpbusd (unsigned x signed bytes): int8 weights with
 // their sign bit flipped (q + 128), int4 nibbles as stored (q + 8); the offset times the group's sum
@@ -18,21 +15,31 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <array>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
 #include "expert_kernels.h"
+#include "fp8_bf16.h"
 #include "numeric_formats.h"
 
-#define HJ_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,avx2,fma,f16c")))
+#define HJ_AVX512 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,avx512vbmi,avx2,fma,f16c")))
 
 namespace hybridjit {
 namespace {
 
 int64_t RoundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 int64_t Blocks(int64_t cols, int64_t block) { return (cols + block - 1) / block; }
+
+// The override if set, else the distance measured best for the format at DeepSeek-V3 expert shapes on a
+// 16-core Emerald Rapids (bench/moe_cpu.py --prefetch): 2 KB for bf16, 512 bytes for the 1-byte and
+// half-byte formats, whose rows are consumed more slowly per byte.
+int64_t PrefetchBytes(WeightFormat format) {
+  const int64_t bytes = WeightPrefetchOverride();
+  if (bytes >= 0) return bytes;
+  return format == WeightFormat::kBf16 ? 2048 : 512;
+}
 
 // The first n (< 64) lanes.
 HJ_AVX512 __mmask64 FirstLanes64(int64_t n) { return n >= 64 ? ~__mmask64{0} : (__mmask64{1} << n) - 1; }
@@ -55,98 +62,72 @@ HJ_AVX512 void LoadFloatRow(const ActivationRows& rows, int64_t i, int64_t cols,
 }
 
 // ---- bf16 / fp8 ----------------------------------------------------------------------------------------
-// Packed activations: per token bfloat16[RoundUp(cols + 32, 32)], zero beyond cols (a 32-element chunk
-// may start anywhere inside the row when scale blocks are not multiples of 32).
+// Weights are read 64 elements a step (64 FP8 bytes, or two vectors of 32 bfloat16) from each scale
+// block's start; a row's last step may be partial (masked loads, zeros beyond). Packed activations: per
+// token and per block (FP8: block_cols; bf16: the whole row), bfloat16[RoundUp(block, 64)], zero beyond
+// the block. FP8 weights come out of Fp8ToBf16Bytes + unpacklo/hi in 128-bit lanes, so their steps hold
+// elements 0-7, 16-23, 32-39, 48-55 in the first vector and 8-15, 24-31, 40-47, 56-63 in the second:
+// FP8 activations are packed in that order.
 
-constexpr int64_t kBf16Chunk = 32;
+constexpr int64_t kStep = 64;
 
-int64_t Bf16TokenElements(int64_t cols) { return RoundUp(cols + kBf16Chunk, kBf16Chunk); }
-
-size_t Bf16PackedBytes(const LayerWeights&, int64_t tokens, int64_t cols) {
-  return tokens * Bf16TokenElements(cols) * sizeof(uint16_t);
+int64_t BlockCols(const LayerWeights& layer, int64_t cols) {
+  return layer.format == WeightFormat::kFp8E4M3Fn ? layer.block_cols : cols;
 }
 
-HJ_AVX512 void Bf16Pack(const LayerWeights&, const ActivationRows& rows, int64_t cols, void* packed) {
-  const int64_t stride = Bf16TokenElements(cols);
+int64_t Bf16TokenElements(const LayerWeights& layer, int64_t cols) {
+  const int64_t block = BlockCols(layer, cols);
+  return Blocks(cols, block) * RoundUp(block, kStep);
+}
+
+size_t Bf16PackedBytes(const LayerWeights& layer, int64_t tokens, int64_t cols) {
+  return tokens * Bf16TokenElements(layer, cols) * sizeof(uint16_t);
+}
+
+// Where element i (< 64) of a step sits in the FP8 weights' order.
+int64_t Fp8StepPosition(int64_t i) { return (i / 8 % 2) * 32 + i / 16 * 8 + i % 8; }
+
+HJ_AVX512 void Bf16Pack(const LayerWeights& layer, const ActivationRows& rows, int64_t cols, void* packed) {
+  const bool fp8 = layer.format == WeightFormat::kFp8E4M3Fn;
+  const int64_t block = BlockCols(layer, cols), block_stride = RoundUp(block, kStep);
+  const int64_t stride = Bf16TokenElements(layer, cols);
+  thread_local std::vector<uint16_t> bits;
+  bits.resize(cols);
   for (int64_t t = 0; t < rows.count; ++t) {
-    auto* out = static_cast<uint16_t*>(packed) + t * stride;
     const void* src = rows.Row(t);
-    for (int64_t c = 0; c < stride; c += 16) {
-      const __mmask16 k = FirstLanes16(std::max<int64_t>(0, cols - c));
-      __m256i bits;
-      if (rows.bf16) {
-        bits = _mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(src) + c);
-      } else {
-        // Round to nearest even, as FloatToBf16Bits.
-        bits = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(k, static_cast<const float*>(src) + c));
-      }
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), bits);
+    if (rows.bf16) {
+      std::memcpy(bits.data(), src, cols * sizeof(uint16_t));
+    } else {
+      for (int64_t c = 0; c < cols; ++c) bits[c] = FloatToBf16Bits(static_cast<const float*>(src)[c]);
+    }
+    auto* out = static_cast<uint16_t*>(packed) + t * stride;
+    std::fill(out, out + stride, uint16_t{0});
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t b = c / block, j = c % block;
+      out[b * block_stride + (fp8 ? j / kStep * kStep + Fp8StepPosition(j % kStep) : j)] = bits[c];
     }
   }
 }
 
-// bfloat16 bits of m * 2^-9 * 2^-8 (FP8 denormal mantissa m, times the 2^-8 of the fast path), by m.
-const std::array<uint16_t, 32>& Fp8DenormalTable() {
-  static const std::array<uint16_t, 32> table = [] {
-    std::array<uint16_t, 32> t{};
-    for (int m = 0; m < 8; ++m) t[m] = FloatToBf16Bits(std::ldexp(static_cast<float>(m), -17));
-    return t;
-  }();
-  return table;
-}
-
-// 32 sign-extended FP8 bytes -> bfloat16 of value * 2^-8, exact for normal values only.
-HJ_AVX512 __m512i Fp8Fast(__m512i w16) {
-  // w16 = SSSSSSSS S.EEEE.MMM; << 4 and mask keeps S at bit 15 and E.M at bits 10..4; 0x3800 sets the
-  // exponent field to 0111EEEE = E + 112.
-  return _mm512_ternarylogic_epi32(_mm512_slli_epi16(w16, 4), _mm512_set1_epi16(static_cast<short>(0x87f0)),
-                                   _mm512_set1_epi16(0x3800), 0xea);  // (a & b) | c
-}
-
-HJ_AVX512 __m512i Fp8Exact(__m512i w16) {
-  __m512i v = Fp8Fast(w16);
-  const __mmask32 denormal = _mm512_testn_epi16_mask(w16, _mm512_set1_epi16(0x78));
-  const __mmask32 nan =
-      _mm512_cmpeq_epi16_mask(_mm512_and_si512(w16, _mm512_set1_epi16(0x7f)), _mm512_set1_epi16(0x7f));
-  // For a denormal the low 5 index bits are 00MMM.
-  const __m512i table = _mm512_loadu_si512(Fp8DenormalTable().data());
-  v = _mm512_mask_permutexvar_epi16(v, denormal, w16, table);
-  v = _mm512_mask_mov_epi16(v, nan, _mm512_set1_epi16(0x7fc0));
-  return _mm512_ternarylogic_epi32(v, w16, _mm512_set1_epi16(static_cast<short>(0x8000)), 0xf8);  // a | (b & c)
-}
-
-// Whether bytes [c0, c1) of an FP8 row hold an exponent field of 0 (denormals and zeros) or NaN
-// (S.1111.111): checked once per row and scale block, 64 bytes an instruction.
-HJ_AVX512 bool HasFp8Special(const unsigned char* row, int64_t c0, int64_t c1) {
-  __mmask64 any = 0;
-  for (int64_t c = c0; c < c1; c += 64) {
-    const __m512i raw = _mm512_maskz_loadu_epi8(FirstLanes64(c1 - c), row + c);
-    const __mmask64 valid = FirstLanes64(c1 - c);
-    any |= _mm512_mask_testn_epi8_mask(valid, raw, _mm512_set1_epi8(0x78)) |
-           _mm512_mask_cmpeq_epi8_mask(valid, _mm512_or_si512(raw, _mm512_set1_epi8(-128)), _mm512_set1_epi8(-1));
-  }
-  return any != 0;
-}
-
-// n (<= 32) weights from column c as bfloat16 (FP8: times 2^-8), lanes past n zero. `exact`: the
-// FP8 block holds denormals or NaN. Not inlined into the fast loop: the compiler would otherwise
-// evaluate both FP8 paths and select.
+// n (<= 64) weights from element c of a row as two vectors of bfloat16, zero past n.
 template <WeightFormat F>
-__attribute__((noinline)) HJ_AVX512 __m512i LoadBf16WeightsSlow(const unsigned char* row, int64_t c, int64_t n) {
+HJ_AVX512 void LoadStep(const unsigned char* row, int64_t c, int64_t n, const Fp8Tables& tables, __m512i* first,
+                        __m512i* second) {
   if constexpr (F == WeightFormat::kBf16) {
-    return _mm512_maskz_loadu_epi16(FirstLanes32(n), row + c * 2);
+    const auto* p = reinterpret_cast<const uint16_t*>(row) + c;
+    if (n == kStep) {
+      *first = _mm512_loadu_si512(p);
+      *second = _mm512_loadu_si512(p + 32);
+    } else {
+      *first = _mm512_maskz_loadu_epi16(FirstLanes32(n), p);
+      *second = _mm512_maskz_loadu_epi16(FirstLanes32(std::max<int64_t>(0, n - 32)), p + 32);
+    }
   } else {
-    return Fp8Exact(_mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(FirstLanes32(n), row + c)));
-  }
-}
-
-template <WeightFormat F>
-HJ_AVX512 __m512i LoadBf16Weights(const unsigned char* row, int64_t c, int64_t n, bool exact) {
-  if (n < kBf16Chunk || exact) return LoadBf16WeightsSlow<F>(row, c, n);
-  if constexpr (F == WeightFormat::kBf16) {
-    return _mm512_loadu_si512(row + c * 2);
-  } else {
-    return Fp8Fast(_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c))));
+    const __m512i bytes = n == kStep ? _mm512_loadu_si512(row + c) : _mm512_maskz_loadu_epi8(FirstLanes64(n), row + c);
+    __m512i high, low;
+    Fp8ToBf16Bytes(bytes, tables, &high, &low);
+    *first = _mm512_unpacklo_epi8(low, high);
+    *second = _mm512_unpackhi_epi8(low, high);
   }
 }
 
@@ -154,11 +135,14 @@ template <WeightFormat F, int R, int TC>
 HJ_AVX512 void Bf16Tile(const LayerWeights& layer, const Projection& w, int64_t row, const uint16_t* x,
                         int64_t x_stride, int64_t t0, float* out, int64_t out_stride) {
   constexpr bool kScaled = F == WeightFormat::kFp8E4M3Fn;
+  constexpr int64_t kBytes = kScaled ? 1 : 2;
+  const int64_t prefetch = PrefetchBytes(F);
   const int64_t cols = w.cols;
   const int64_t row_bytes = layer.RowBytes(cols);
-  const int64_t block = kScaled ? layer.block_cols : cols;
+  const int64_t block = BlockCols(layer, cols), block_stride = RoundUp(block, kStep);
   const int64_t n_blocks = Blocks(cols, block);
   const float* scales = kScaled ? w.scale + (row / layer.block_rows) * n_blocks : nullptr;
+  const Fp8Tables tables = kScaled ? LoadFp8Tables() : Fp8Tables{};
   const unsigned char* rows[R];
   for (int r = 0; r < R; ++r) rows[r] = static_cast<const unsigned char*>(w.data) + (row + r) * row_bytes;
   __m512 total[R][TC];
@@ -166,28 +150,32 @@ HJ_AVX512 void Bf16Tile(const LayerWeights& layer, const Projection& w, int64_t 
     for (int t = 0; t < TC; ++t) total[r][t] = _mm512_setzero_ps();
   }
   for (int64_t b = 0; b < n_blocks; ++b) {
-    const int64_t c1 = std::min(cols, (b + 1) * block);
+    const int64_t c0 = b * block, c1 = std::min(cols, c0 + block);
     __m512 acc[R][TC];
     for (int r = 0; r < R; ++r) {
       for (int t = 0; t < TC; ++t) acc[r][t] = _mm512_setzero_ps();
     }
-    bool exact[R] = {};
-    if constexpr (kScaled) {
-      for (int r = 0; r < R; ++r) exact[r] = HasFp8Special(rows[r], b * block, c1);
-    }
-    for (int64_t c = b * block; c < c1; c += kBf16Chunk) {
-      const int64_t n = std::min(kBf16Chunk, c1 - c);
-      __m512i wv[R];
-      for (int r = 0; r < R; ++r) wv[r] = LoadBf16Weights<F>(rows[r], c, n, exact[r]);
+    for (int64_t c = c0; c < c1; c += kStep) {
+      if (prefetch) {
+        for (int r = 0; r < R; ++r) {
+          _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + c * kBytes + prefetch, _MM_HINT_T0);
+          if constexpr (!kScaled) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + c * kBytes + prefetch + 64, _MM_HINT_T0);
+        }
+      }
+      __m512i first[R], second[R];
+      for (int r = 0; r < R; ++r) LoadStep<F>(rows[r], c, std::min(kStep, c1 - c), tables, &first[r], &second[r]);
+      const int64_t xc = b * block_stride + (c - c0);
       for (int t = 0; t < TC; ++t) {
-        const __m512i xv = _mm512_loadu_si512(x + (t0 + t) * x_stride + c);
-        for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)wv[r], (__m512bh)xv);
+        const uint16_t* xt = x + (t0 + t) * x_stride + xc;
+        const __m512i x_first = _mm512_loadu_si512(xt), x_second = _mm512_loadu_si512(xt + 32);
+        for (int r = 0; r < R; ++r) {
+          acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)first[r], (__m512bh)x_first);
+          acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)second[r], (__m512bh)x_second);
+        }
       }
     }
     if constexpr (kScaled) {
-      float s;
-      std::memcpy(&s, scales + b, sizeof s);
-      const __m512 scale = _mm512_set1_ps(s * 256.0f);
+      const __m512 scale = _mm512_set1_ps(scales[b]);
       for (int r = 0; r < R; ++r) {
         for (int t = 0; t < TC; ++t) total[r][t] = _mm512_fmadd_ps(acc[r][t], scale, total[r][t]);
       }
@@ -232,7 +220,7 @@ template <WeightFormat F>
 HJ_AVX512 void Bf16Gemm(const LayerWeights& layer, const Projection* w, int n_proj, int64_t row0, int64_t rows,
                         const void* packed, int64_t tokens, float* const* out, int64_t out_stride) {
   const auto* x = static_cast<const uint16_t*>(packed);
-  const int64_t xs = Bf16TokenElements(w[0].cols);
+  const int64_t xs = Bf16TokenElements(layer, w[0].cols);
   const int64_t block_rows = F == WeightFormat::kFp8E4M3Fn ? layer.block_rows : w[0].rows;
   for (int p = 0; p < n_proj; ++p) {
     ForTiles(row0, rows, block_rows, tokens, [&](auto R, auto TC, int64_t r, int64_t t) {
@@ -343,6 +331,7 @@ HJ_AVX512 void IntTile(const LayerWeights& layer, const Projection& w, int64_t r
   for (int r = 0; r < R; ++r) rows[r] = static_cast<const unsigned char*>(w.data) + (row + r) * row_bytes;
   const char* tokens[TC];
   for (int t = 0; t < TC; ++t) tokens[t] = packed + (t0 + t) * l.token_bytes;
+  const int64_t prefetch = PrefetchBytes(layer.format);
   const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
   const __m512i sign_bit = _mm512_set1_epi8(-128);
   __m512 total[R][TC];
@@ -360,6 +349,9 @@ HJ_AVX512 void IntTile(const LayerWeights& layer, const Projection& w, int64_t r
       for (int64_t c = c0; c < c1; c += kInt4Chunk) {
         const __mmask64 k = FirstLanes64((std::min(kInt4Chunk, cols - c) + 1) / 2);
         __m512i lo[R], hi[R];
+        if (prefetch) {
+          for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + c / 2 + prefetch, _MM_HINT_T0);
+        }
         for (int r = 0; r < R; ++r) {
           const __m512i v = _mm512_maskz_loadu_epi8(k, rows[r] + c / 2);
           lo[r] = _mm512_and_si512(v, low_nibbles);
@@ -377,6 +369,9 @@ HJ_AVX512 void IntTile(const LayerWeights& layer, const Projection& w, int64_t r
     } else {
       for (int64_t c = c0; c < c1; c += kInt8Chunk) {
         const __mmask64 k = FirstLanes64(cols - c);
+        if (prefetch) {
+          for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + c + prefetch, _MM_HINT_T0);
+        }
         __m512i wv[R];
         // Lanes past the row load as 0 and flip to 128, against activations padded with 0.
         for (int r = 0; r < R; ++r) wv[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(k, rows[r] + c), sign_bit);

@@ -99,6 +99,7 @@ nb::dict KernelInfo() {
   info["numa_nodes"] = pool->nodes();
   info["numa_forced"] = pool->nodes_forced();
   info["amx_min_tokens"] = AmxMinTokensOverride();
+  info["prefetch_bytes"] = WeightPrefetchOverride();
   // Per format (int8/int4 with 128-column groups), the kernel that runs an expert with one token and
   // one with very many; layer_kernel answers for a registered layer and a token count.
   nb::dict formats;
@@ -200,6 +201,8 @@ NB_MODULE(_ffi, m) {
         "Selects the kernel family (generic, avx2, avx512, amx); ValueError if the host lacks it.");
   m.def("set_amx_min_tokens", &SetAmxMinTokens, nb::arg("tokens"),
         "With the amx family, experts with at least this many tokens use AMX, the others AVX-512 (0: per-layer defaults).");
+  m.def("set_prefetch_bytes", &SetWeightPrefetchOverride, nb::arg("bytes"),
+        "How far ahead along each weight row the AVX-512 kernels prefetch (0: off; -1: per-format defaults).");
   m.def("configure_threads", &ConfigureThreads, nb::arg("threads"), nb::arg("numa_nodes"),
         "Replaces the CPU thread pool (0 = the machine's default for either).");
   m.def("memory_bandwidth", &MemoryBandwidthDict, nb::arg("bytes"), nb::arg("repeats"), nb::arg("threads"),

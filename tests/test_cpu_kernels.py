@@ -31,6 +31,7 @@ from hybridjit.ops.routed_experts import (
     routed_experts_host,
     set_amx_min_tokens,
     set_cpu_kernel,
+    set_prefetch_bytes,
 )
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -291,6 +292,27 @@ def test_override_forces_each_family(family):
         assert kernel_info()["kernel"] == family
         assert layer_kernel(layer, 1) == expected
         assert kernel_info()["formats"]["fp8"]["few_tokens"] == expected
+
+
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
+def test_prefetch_distance_changes_no_bit(family):
+    """Software prefetch is only a hint: every distance (and none) gives the same bits, also where prefetches
+    run past a row, a matrix or an expert."""
+    rng = np.random.default_rng(7)
+    for fmt, block in [("bf16", None), ("fp8", (128, 128)), ("int8", (1, 128)), ("int4", (1, 128))]:
+        layer, _, _ = make_layer(rng, fmt, 3, 200, 137, block)
+        x = rng.standard_normal((2, 200)).astype(np.float32)
+        ids, weights = routing(rng, 2, 2, 3)
+        with layer, kernel_family(family):
+            try:
+                results = []
+                for distance in (0, 64, 4096, None):
+                    set_prefetch_bytes(distance)
+                    results.append(routed_experts_host(layer, x, ids, weights))
+            finally:
+                set_prefetch_bytes(None)
+        for y in results[1:]:
+            np.testing.assert_array_equal(y, results[0])
 
 
 def test_f32_weights_use_the_fma_kernel_above_avx2():

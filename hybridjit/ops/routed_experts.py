@@ -268,8 +268,9 @@ def kernel_info() -> dict:
 
     {"kernel": family in use ("generic", "avx2", "avx512" or "amx"), "best": the host's best family,
     "supported": the families the host can run, "threads", "numa_nodes", "numa_forced",
-    "amx_min_tokens" (the override, 0 if none), "formats": {format: {"few_tokens": kernel, "many_tokens":
-    kernel}}} for one token and for very many tokens routed to an expert in one call.
+    "amx_min_tokens" (the override, 0 if none), "prefetch_bytes" (the override, -1 if none), "formats":
+    {format: {"few_tokens": kernel, "many_tokens": kernel}}} for one token and for very many tokens routed to
+    an expert in one call.
     """
     return dict(_ffi.kernel_info())
 
@@ -286,6 +287,13 @@ def set_amx_min_tokens(tokens: int) -> None:
     (HYBRIDJIT_AMX_MIN_TOKENS). 0 (the default) gives each layer the crossover measured for its kind of AMX
     kernel: 8 tokens for bf16 weights, 16 for int8 with one scale per row, 32 for fp8, 64 for grouped int8/int4."""
     _ffi.set_amx_min_tokens(operator.index(tokens))
+
+
+def set_prefetch_bytes(bytes_ahead: int | None) -> None:
+    """How far ahead along each weight row the AVX-512 kernels prefetch weights, for every format
+    (HYBRIDJIT_PREFETCH_BYTES; 0: no software prefetch). None restores the per-format distances measured
+    best on a 16-core Emerald Rapids (bench/moe_cpu.py --prefetch): 2048 bytes for bf16, 512 for the others."""
+    _ffi.set_prefetch_bytes(-1 if bytes_ahead is None else operator.index(bytes_ahead))
 
 
 def configure_threads(threads: int | None = None, numa_nodes: int | None = None) -> None:
