@@ -6,10 +6,11 @@
 // formats are stored in that order. fp8 goes through bfloat16 first: sign-extend the byte, shift
 // E.M into place and OR in a rebias of 112, so the value is the FP8 value times 2^-8 (the 2^8 goes
 // into the block scale) and every FP8 normal stays a normal. FP8's denormals (exponent field 0, zero
-// included) and NaN do not follow that affine rule: a chunk holding one is decoded through the exact
-// table instead. int8 and int4 weights use int8 activations and vpmaddubsw: int8 as |x| * sign(w, x)
-// (no saturation for weights in [-127, 127]), int4 as nibble (q + 8) * x with 8 * sum(x) subtracted
-// per group.
+// included) and NaN do not follow that affine rule; they are rare in real weights (~1e-4 of the codes),
+// so the hot loop decodes them wrongly and a scale block holding one adds the exact difference for
+// those elements alone afterwards (Fp8Corrections). int8 and int4 weights use int8 activations and
+// vpmaddubsw: int8 as |x| * sign(w, x) (no saturation for weights in [-127, 127]), int4 as nibble
+// (q + 8) * x with 8 * sum(x) subtracted per group.
 //
 // Rows are processed R at a time and tokens TC at a time so each weight vector is loaded once for
 // R * TC accumulators; scaled formats sum each scale block separately and apply the scale once.
@@ -90,11 +91,12 @@ struct W16 {
   __m256 lo, hi;
 };
 
+// The 16 elements from c, a whole chunk inside the row.
 template <WeightFormat F>
-HJ_AVX2 W16 LoadWeights(const unsigned char* row, int64_t c, int64_t n);
+HJ_AVX2 W16 LoadChunk(const unsigned char* row, int64_t c);
 
 // n <= 16 elements from c decoded one by one into a zero-padded chunk (in the activations' order for
-// the 16-bit formats). Used at block and row ends, and for FP8 blocks holding denormals or NaN.
+// the 16-bit formats). Used at the row's end.
 template <WeightFormat F>
 __attribute__((target("avx2,fma,f16c"), noinline, cold)) W16 LoadPartial(const unsigned char* row, int64_t c, int64_t n) {
   alignas(32) float v[kFloatChunk] = {};
@@ -115,8 +117,7 @@ __attribute__((target("avx2,fma,f16c"), noinline, cold)) W16 LoadPartial(const u
 }
 
 template <>
-HJ_AVX2 W16 LoadWeights<WeightFormat::kF32>(const unsigned char* row, int64_t c, int64_t n) {
-  if (n < kFloatChunk) return LoadPartial<WeightFormat::kF32>(row, c, n);
+HJ_AVX2 W16 LoadChunk<WeightFormat::kF32>(const unsigned char* row, int64_t c) {
   const auto* p = reinterpret_cast<const float*>(row) + c;
   return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
 }
@@ -128,16 +129,13 @@ HJ_AVX2 W16 Widen(__m256i bits) {
 }
 
 template <>
-HJ_AVX2 W16 LoadWeights<WeightFormat::kBf16>(const unsigned char* row, int64_t c, int64_t n) {
-  if (n < kFloatChunk) return LoadPartial<WeightFormat::kBf16>(row, c, n);
+HJ_AVX2 W16 LoadChunk<WeightFormat::kBf16>(const unsigned char* row, int64_t c) {
   return Widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 2)));
 }
 
-// FP8 value * 2^-8 (the factor goes into the block scale); the caller has checked that the chunk holds
-// no denormal or NaN (HasFp8Special).
+// FP8 value * 2^-8 (the factor goes into the block scale) for normals; Fp8Corrections fixes the rest.
 template <>
-HJ_AVX2 W16 LoadWeights<WeightFormat::kFp8E4M3Fn>(const unsigned char* row, int64_t c, int64_t n) {
-  if (n < kFloatChunk) return LoadPartial<WeightFormat::kFp8E4M3Fn>(row, c, n);
+HJ_AVX2 W16 LoadChunk<WeightFormat::kFp8E4M3Fn>(const unsigned char* row, int64_t c) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c));
   // SSSSSSSS S.EEEE.MMM << 4, masked to S at bit 15 and E.M at bits 10..4, exponent field 0111EEEE.
   const __m256i words = _mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 4);
@@ -145,19 +143,54 @@ HJ_AVX2 W16 LoadWeights<WeightFormat::kFp8E4M3Fn>(const unsigned char* row, int6
                                _mm256_set1_epi16(0x3800)));
 }
 
-// Whether bytes [c0, c1) of an FP8 row hold a denormal (magnitude 0..7, zero included) or NaN (127):
-// (b + 1) & 0x7f <= 8. Checked once per row and scale block, 32 bytes an instruction.
+// What LoadChunk makes of one FP8 byte.
+float Fp8ShiftedValue(uint8_t b) {
+  const auto bits = static_cast<uint16_t>(((static_cast<int8_t>(b) * 16) & 0x87f0) | 0x3800);
+  return Bf16BitsToFloat(bits);
+}
+
+// Where element e of a 16-element chunk sits in the packed activations (order 0-3, 8-11, 4-7, 12-15).
+int64_t PackedPosition(int64_t e) { return 4 * ((e / 4 & 1) * 2 + e / 8) + e % 4; }
+
+// The codes LoadChunk decodes wrongly, 32 bytes at a time: denormals (magnitude 0..7, zero included) and
+// NaN (127), i.e. (b + 1) & 0x7f <= 8.
+HJ_AVX2 __m256i Fp8Special(__m256i b) {
+  const __m256i shifted = _mm256_and_si256(_mm256_add_epi8(b, _mm256_set1_epi8(1)), _mm256_set1_epi8(0x7f));
+  return _mm256_cmpgt_epi8(_mm256_set1_epi8(9), shifted);
+}
+
+HJ_AVX2 __m256i Load32(const unsigned char* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// Bit i set where byte c + i (i < min(32, c1 - c)) is special.
+HJ_AVX2 uint32_t Fp8SpecialBits(const unsigned char* row, int64_t c, int64_t c1) {
+  if (c + 32 <= c1) return static_cast<uint32_t>(_mm256_movemask_epi8(Fp8Special(Load32(row + c))));
+  uint32_t bits = 0;
+  for (int64_t i = 0; c + i < c1; ++i) bits |= uint32_t{((row[c + i] + 1) & 0x7f) <= 8} << i;
+  return bits;
+}
+
+// Whether bytes [c0, c1) of an FP8 row hold a special code. Checked once per row and scale block.
 HJ_AVX2 bool HasFp8Special(const unsigned char* row, int64_t c0, int64_t c1) {
   __m256i any = _mm256_setzero_si256();
   int64_t c = c0;
-  for (; c + 32 <= c1; c += 32) {
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c));
-    const __m256i shifted = _mm256_and_si256(_mm256_add_epi8(b, _mm256_set1_epi8(1)), _mm256_set1_epi8(0x7f));
-    any = _mm256_or_si256(any, _mm256_cmpgt_epi8(_mm256_set1_epi8(9), shifted));
+  for (; c + 32 <= c1; c += 32) any = _mm256_or_si256(any, Fp8Special(Load32(row + c)));
+  return _mm256_movemask_epi8(any) != 0 || (c < c1 && Fp8SpecialBits(row, c, c1) != 0);
+}
+
+// Adds to corr[t] the exact value minus LoadChunk's, times token t's activation, over the special codes
+// of bytes [c0, c1) of an FP8 row (NaN where a weight is NaN).
+template <int TC>
+__attribute__((target("avx2,fma,f16c"), noinline, cold)) void Fp8Corrections(const unsigned char* row, int64_t c0,
+                                                                             int64_t c1, const float* x,
+                                                                             int64_t x_stride, float* corr) {
+  for (int64_t c = c0; c < c1; c += 32) {
+    for (uint32_t bits = Fp8SpecialBits(row, c, c1); bits != 0; bits &= bits - 1) {
+      const int64_t i = c + __builtin_ctz(bits);
+      const float delta = Fp8E4M3FnTable()[row[i]] * (1.0f / 256.0f) - Fp8ShiftedValue(row[i]);
+      const int64_t position = i - i % kFloatChunk + PackedPosition(i % kFloatChunk);
+      for (int t = 0; t < TC; ++t) corr[t] += delta * x[t * x_stride + position];
+    }
   }
-  bool special = _mm256_movemask_epi8(any) != 0;
-  for (; c < c1; ++c) special |= ((row[c] + 1) & 0x7f) <= 8;
-  return special;
 }
 
 // Rows [row, row + R) of one scale row-block, tokens [t0, t0 + TC).
@@ -182,20 +215,28 @@ HJ_AVX2 void FloatTile(const LayerWeights& layer, const Projection& w, int64_t r
     for (int r = 0; r < R; ++r) {
       for (int t = 0; t < TC; ++t) acc[r][t] = _mm256_setzero_ps();
     }
-    bool special[R] = {};
-    if constexpr (kScaled) {
-      for (int r = 0; r < R; ++r) special[r] = HasFp8Special(rows[r], b * block, c1);
+    // One row's weights at a time, used at once: 16 registers leave no room to hold R rows.
+    const auto accumulate = [&](int64_t c, int r, const W16& wv) HJ_AVX2 {
+      for (int t = 0; t < TC; ++t) {
+        const float* xt = x + (t0 + t) * x_stride + c;
+        acc[r][t] = _mm256_fmadd_ps(wv.lo, _mm256_loadu_ps(xt), acc[r][t]);
+        acc[r][t] = _mm256_fmadd_ps(wv.hi, _mm256_loadu_ps(xt + 8), acc[r][t]);
+      }
+    };
+    // Whole chunks, then the row's partial last chunk.
+    const int64_t c0 = b * block, whole_end = c0 + (c1 - c0) / kFloatChunk * kFloatChunk;
+    for (int64_t c = c0; c < whole_end; c += kFloatChunk) {
+      for (int r = 0; r < R; ++r) accumulate(c, r, LoadChunk<F>(rows[r], c));
     }
-    for (int64_t c = b * block; c < c1; c += kFloatChunk) {
-      const int64_t n = std::min(kFloatChunk, c1 - c);
-      // One row's weights at a time, used at once: 16 registers leave no room to hold R rows.
+    if (whole_end < c1) {
+      for (int r = 0; r < R; ++r) accumulate(whole_end, r, LoadPartial<F>(rows[r], whole_end, c1 - whole_end));
+    }
+    if constexpr (kScaled) {
       for (int r = 0; r < R; ++r) {
-        const W16 wv = special[r] ? LoadPartial<F>(rows[r], c, n) : LoadWeights<F>(rows[r], c, n);
-        for (int t = 0; t < TC; ++t) {
-          const float* xt = x + (t0 + t) * x_stride + c;
-          acc[r][t] = _mm256_fmadd_ps(wv.lo, _mm256_loadu_ps(xt), acc[r][t]);
-          acc[r][t] = _mm256_fmadd_ps(wv.hi, _mm256_loadu_ps(xt + 8), acc[r][t]);
-        }
+        if (!HasFp8Special(rows[r], c0, whole_end)) continue;
+        alignas(32) float corr[TC] = {};
+        Fp8Corrections<TC>(rows[r], c0, whole_end, x + t0 * x_stride, x_stride, corr);
+        for (int t = 0; t < TC; ++t) acc[r][t] = _mm256_add_ps(acc[r][t], _mm256_setr_ps(corr[t], 0, 0, 0, 0, 0, 0, 0));
       }
     }
     for (int r = 0; r < R; ++r) {
