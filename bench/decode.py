@@ -12,8 +12,10 @@ with the routed experts on the CPU behind the CUDA hand-off, else all on XLA:CPU
 Split of a step: `expert_ms` is the CPU time in the routed-expert jobs (counted by the hand-off on a GPU;
 measured by running the expert calls alone on the CPU otherwise; `expert_alone_ms` is always the latter),
 `handoff_us` the hand-off mechanism per submit/wait pair (its round trip less the CPU job inside it; GPU
-only), `xla_ms` the rest. The floor is the time to read each step's
-distinct experts once at the memory read bandwidth measured by the same run. Ends with one JSON line.
+only), `xla_ms` the rest; `cpu_busy` is the fraction of the step in which the CPU runs expert jobs
+(KTransformers' "CPU utilisation": the expert pool's cores are either all in a job or idle). The floor is
+the time to read each step's distinct experts once at the memory read bandwidth measured by the same run.
+Ends with one JSON line.
 """
 
 import argparse
@@ -180,6 +182,7 @@ def bench_case(model: engine.Model, batch: int, context: int, steps: int, rng) -
         # expert jobs would take without the GPU around them.
         "expert_alone_ms": round(alone_ms, 3),
         "handoff_us_per_layer": round(handoff, 1),
+        "cpu_busy": round(expert_ms / step, 3),
         "xla_ms": round(step - expert_ms - handoff * moe_layers * len(groups) / 1e3, 3),
         "moe_layers": moe_layers,
         # CUDA handler bodies run per step: one per call without graphs, ~0 when replayed as a graph.
@@ -211,7 +214,7 @@ def main(argv=None):
           + (f", hand-off {_ffi.gpu_handoff_mode()}" if ON_GPU else ""))
     print(f"floors: memory read {floors['read_gbps']:.1f} GB/s, triad {floors['triad_gbps']:.1f} GB/s")
     print(f"{'batch':>5} {'ctx':>6} {'dual':>5} {'defer':>5} {'step ms':>8} {'tok/s':>8} {'experts':>8} {'alone':>8} "
-          f"{'hand-off':>9} {'xla':>8} {'floor':>8} {'ratio':>6}")
+          f"{'hand-off':>9} {'xla':>8} {'cpu busy':>8} {'floor':>8} {'ratio':>6}")
     results = []
     overlaps = {"on": [True], "off": [False], "both": [False, True]}[args.overlap]
     # Overlap applies to batches of 2 or more; deferral is measured at batch 1 (its use case).
@@ -225,7 +228,7 @@ def main(argv=None):
         r["ratio_to_floor"] = round(r["floor_ms"] / r["median_step_ms"], 3)
         line = (f"{batch:5d} {context:6d} {str(overlap):>5} {deferred:5d} {r['median_step_ms']:8.2f} {r['tok_s']:8.2f} "
                 f"{r['expert_ms']:8.2f} {r['expert_alone_ms']:8.2f} {r['handoff_us_per_layer']:7.1f}us "
-                f"{r['xla_ms']:8.2f} {r['floor_ms']:8.2f} {r['ratio_to_floor']:6.2f}")
+                f"{r['xla_ms']:8.2f} {r['cpu_busy']:8.0%} {r['floor_ms']:8.2f} {r['ratio_to_floor']:6.2f}")
         if depth < full_layers:
             # Projection: the whole measured step (dense layers and LM head included) counted per MoE layer and
             # scaled to the full model's MoE layers, so the estimate errs on the slow side.

@@ -109,10 +109,12 @@ HJ_AVX512 void Bf16Pack(const LayerWeights& layer, const ActivationRows& rows, i
   }
 }
 
-// n (<= 64) weights from element c of a row as two vectors of bfloat16, zero past n.
+// n (<= 64) weights from element c of a row as two vectors of bfloat16, zero past n. The hot loop calls
+// it with n = kStep (a constant): the masks and the branch fold away.
 template <WeightFormat F>
-HJ_AVX512 void LoadStep(const unsigned char* row, int64_t c, int64_t n, const Fp8Tables& tables, __m512i* first,
-                        __m512i* second) {
+HJ_AVX512 inline __attribute__((always_inline)) void LoadStep(const unsigned char* row, int64_t c, int64_t n,
+                                                              const Fp8Tables& tables, __m512i* first,
+                                                              __m512i* second) {
   if constexpr (F == WeightFormat::kBf16) {
     const auto* p = reinterpret_cast<const uint16_t*>(row) + c;
     if (n == kStep) {
@@ -155,15 +157,7 @@ HJ_AVX512 void Bf16Tile(const LayerWeights& layer, const Projection& w, int64_t 
     for (int r = 0; r < R; ++r) {
       for (int t = 0; t < TC; ++t) acc[r][t] = _mm512_setzero_ps();
     }
-    for (int64_t c = c0; c < c1; c += kStep) {
-      if (prefetch) {
-        for (int r = 0; r < R; ++r) {
-          _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + c * kBytes + prefetch, _MM_HINT_T0);
-          if constexpr (!kScaled) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + c * kBytes + prefetch + 64, _MM_HINT_T0);
-        }
-      }
-      __m512i first[R], second[R];
-      for (int r = 0; r < R; ++r) LoadStep<F>(rows[r], c, std::min(kStep, c1 - c), tables, &first[r], &second[r]);
+    const auto accumulate = [&](int64_t c, const __m512i* first, const __m512i* second) HJ_AVX512 {
       const int64_t xc = b * block_stride + (c - c0);
       for (int t = 0; t < TC; ++t) {
         const uint16_t* xt = x + (t0 + t) * x_stride + xc;
@@ -173,6 +167,23 @@ HJ_AVX512 void Bf16Tile(const LayerWeights& layer, const Projection& w, int64_t 
           acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)second[r], (__m512bh)x_second);
         }
       }
+    };
+    // Whole steps in a loop with no mask and no branch, then the row's partial last step.
+    const int64_t whole_end = c0 + (c1 - c0) / kStep * kStep;
+    __m512i first[R], second[R];
+    for (int64_t c = c0; c < whole_end; c += kStep) {
+      if (prefetch) {
+        for (int r = 0; r < R; ++r) {
+          _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + c * kBytes + prefetch, _MM_HINT_T0);
+          if constexpr (!kScaled) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + c * kBytes + prefetch + 64, _MM_HINT_T0);
+        }
+      }
+      for (int r = 0; r < R; ++r) LoadStep<F>(rows[r], c, kStep, tables, &first[r], &second[r]);
+      accumulate(c, first, second);
+    }
+    if (whole_end < c1) {
+      for (int r = 0; r < R; ++r) LoadStep<F>(rows[r], whole_end, c1 - whole_end, tables, &first[r], &second[r]);
+      accumulate(whole_end, first, second);
     }
     if constexpr (kScaled) {
       const __m512 scale = _mm512_set1_ps(scales[b]);
