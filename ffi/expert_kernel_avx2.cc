@@ -61,6 +61,10 @@ HJ_AVX2 void LoadFloatRow(const ActivationRows& rows, int64_t i, int64_t cols, f
 
 constexpr int64_t kFloatChunk = 16;
 
+// Where element e of a 16-element chunk sits in the packed activations of bf16 and fp8 (order 0-3, 8-11,
+// 4-7, 12-15: the lanes of vpunpck*wd). The order swaps the middle quarters, so it is its own inverse.
+int64_t PackedPosition(int64_t e) { return 4 * ((e / 4 & 1) * 2 + e / 8) + e % 4; }
+
 int64_t FloatTokenFloats(int64_t cols) { return RoundUp(cols, kFloatChunk); }
 
 size_t FloatPackedBytes(const LayerWeights&, int64_t tokens, int64_t cols) {
@@ -81,7 +85,7 @@ HJ_AVX2 void FloatPack(const LayerWeights& layer, const ActivationRows& rows, in
     LoadFloatRow(rows, t, cols, row.data());
     std::fill(row.begin() + cols, row.end(), 0.0f);
     for (int64_t c = 0; c < stride; c += kFloatChunk) {
-      for (int q = 0; q < 4; ++q) std::memcpy(out + c + 4 * q, row.data() + c + 4 * ((q & 1) * 2 + (q >> 1)), 16);
+      for (int q = 0; q < 4; ++q) std::memcpy(out + c + PackedPosition(4 * q), row.data() + c + 4 * q, 16);
     }
   }
 }
@@ -111,9 +115,12 @@ __attribute__((target("avx2,fma,f16c"), noinline, cold)) W16 LoadPartial(const u
       v[i] = Fp8E4M3FnTable()[row[c + i]] * (1.0f / 256.0f);
     }
   }
-  if constexpr (F == WeightFormat::kF32) return {_mm256_load_ps(v), _mm256_load_ps(v + 8)};
-  return {_mm256_setr_ps(v[0], v[1], v[2], v[3], v[8], v[9], v[10], v[11]),
-          _mm256_setr_ps(v[4], v[5], v[6], v[7], v[12], v[13], v[14], v[15])};
+  if constexpr (F != WeightFormat::kF32) {
+    alignas(32) float packed[kFloatChunk];
+    for (int64_t i = 0; i < kFloatChunk; ++i) packed[PackedPosition(i)] = v[i];
+    std::memcpy(v, packed, sizeof v);
+  }
+  return {_mm256_load_ps(v), _mm256_load_ps(v + 8)};
 }
 
 template <>
@@ -148,9 +155,6 @@ float Fp8ShiftedValue(uint8_t b) {
   const auto bits = static_cast<uint16_t>(((static_cast<int8_t>(b) * 16) & 0x87f0) | 0x3800);
   return Bf16BitsToFloat(bits);
 }
-
-// Where element e of a 16-element chunk sits in the packed activations (order 0-3, 8-11, 4-7, 12-15).
-int64_t PackedPosition(int64_t e) { return 4 * ((e / 4 & 1) * 2 + e / 8) + e % 4; }
 
 // The codes LoadChunk decodes wrongly, 32 bytes at a time: denormals (magnitude 0..7, zero included) and
 // NaN (127), i.e. (b + 1) & 0x7f <= 8.
