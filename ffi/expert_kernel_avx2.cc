@@ -3,12 +3,9 @@
 // f32, bf16 and fp8 weights are widened to float32 in registers and multiplied with float32
 // activations. A 16-bit weight becomes a float32 by interleaving it with zero halves (vpunpck*wd),
 // which orders a 16-element chunk's lanes as 0-3, 8-11 | 4-7, 12-15: the packed activations of these
-// formats are stored in that order. fp8 goes through bfloat16 first: sign-extend the byte, shift
-// E.M into place and OR in a rebias of 112, so the value is the FP8 value times 2^-8 (the 2^8 goes
-// into the block scale) and every FP8 normal stays a normal. FP8's denormals (exponent field 0, zero
-// included) and NaN do not follow that affine rule; they are rare in real weights (~1e-4 of the codes),
-// so the hot loop decodes them wrongly and a scale block holding one adds the exact difference for
-// those elements alone afterwards (Fp8Corrections). int8 and int4 weights use int8 activations and
+// formats are stored in that order. fp8 goes through bfloat16 first, by the shift expansion of
+// fp8_special.h (sign-extend the byte, shift E.M into place, OR in a rebias of 112: the FP8 value times
+// 2^-8 for normals); the special codes the bank listed are corrected after the tiles. int8 and int4 weights use int8 activations and
 // vpmaddubsw: int8 as |x| * sign(w, x) (no saturation for weights in [-127, 127]), int4 as nibble
 // (q + 8) * x with 8 * sum(x) subtracted per group.
 //
@@ -21,6 +18,7 @@
 #include <vector>
 
 #include "expert_kernels.h"
+#include "fp8_special.h"
 #include "numeric_formats.h"
 
 #define HJ_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -112,7 +110,7 @@ __attribute__((target("avx2,fma,f16c"), noinline, cold)) W16 LoadPartial(const u
       std::memcpy(&bits, row + (c + i) * 2, 2);
       v[i] = Bf16BitsToFloat(bits);
     } else {
-      v[i] = Fp8E4M3FnTable()[row[c + i]] * (1.0f / 256.0f);
+      v[i] = Fp8ShiftedValue(row[c + i]);
     }
   }
   if constexpr (F != WeightFormat::kF32) {
@@ -140,7 +138,7 @@ HJ_AVX2 W16 LoadChunk<WeightFormat::kBf16>(const unsigned char* row, int64_t c) 
   return Widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 2)));
 }
 
-// FP8 value * 2^-8 (the factor goes into the block scale) for normals; Fp8Corrections fixes the rest.
+// The shift expansion of fp8_special.h: the FP8 value * 2^-8 (the factor goes into the block scale) for normals.
 template <>
 HJ_AVX2 W16 LoadChunk<WeightFormat::kFp8E4M3Fn>(const unsigned char* row, int64_t c) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c));
@@ -148,53 +146,6 @@ HJ_AVX2 W16 LoadChunk<WeightFormat::kFp8E4M3Fn>(const unsigned char* row, int64_
   const __m256i words = _mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 4);
   return Widen(_mm256_or_si256(_mm256_and_si256(words, _mm256_set1_epi16(static_cast<short>(0x87f0))),
                                _mm256_set1_epi16(0x3800)));
-}
-
-// What LoadChunk makes of one FP8 byte.
-float Fp8ShiftedValue(uint8_t b) {
-  const auto bits = static_cast<uint16_t>(((static_cast<int8_t>(b) * 16) & 0x87f0) | 0x3800);
-  return Bf16BitsToFloat(bits);
-}
-
-// The codes LoadChunk decodes wrongly, 32 bytes at a time: denormals (magnitude 0..7, zero included) and
-// NaN (127), i.e. (b + 1) & 0x7f <= 8.
-HJ_AVX2 __m256i Fp8Special(__m256i b) {
-  const __m256i shifted = _mm256_and_si256(_mm256_add_epi8(b, _mm256_set1_epi8(1)), _mm256_set1_epi8(0x7f));
-  return _mm256_cmpgt_epi8(_mm256_set1_epi8(9), shifted);
-}
-
-HJ_AVX2 __m256i Load32(const unsigned char* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-
-// Bit i set where byte c + i (i < min(32, c1 - c)) is special.
-HJ_AVX2 uint32_t Fp8SpecialBits(const unsigned char* row, int64_t c, int64_t c1) {
-  if (c + 32 <= c1) return static_cast<uint32_t>(_mm256_movemask_epi8(Fp8Special(Load32(row + c))));
-  uint32_t bits = 0;
-  for (int64_t i = 0; c + i < c1; ++i) bits |= uint32_t{((row[c + i] + 1) & 0x7f) <= 8} << i;
-  return bits;
-}
-
-// Whether bytes [c0, c1) of an FP8 row hold a special code. Checked once per row and scale block.
-HJ_AVX2 bool HasFp8Special(const unsigned char* row, int64_t c0, int64_t c1) {
-  __m256i any = _mm256_setzero_si256();
-  int64_t c = c0;
-  for (; c + 32 <= c1; c += 32) any = _mm256_or_si256(any, Fp8Special(Load32(row + c)));
-  return _mm256_movemask_epi8(any) != 0 || (c < c1 && Fp8SpecialBits(row, c, c1) != 0);
-}
-
-// Adds to corr[t] the exact value minus LoadChunk's, times token t's activation, over the special codes
-// of bytes [c0, c1) of an FP8 row (NaN where a weight is NaN).
-template <int TC>
-__attribute__((target("avx2,fma,f16c"), noinline, cold)) void Fp8Corrections(const unsigned char* row, int64_t c0,
-                                                                             int64_t c1, const float* x,
-                                                                             int64_t x_stride, float* corr) {
-  for (int64_t c = c0; c < c1; c += 32) {
-    for (uint32_t bits = Fp8SpecialBits(row, c, c1); bits != 0; bits &= bits - 1) {
-      const int64_t i = c + __builtin_ctz(bits);
-      const float delta = Fp8E4M3FnTable()[row[i]] * (1.0f / 256.0f) - Fp8ShiftedValue(row[i]);
-      const int64_t position = i - i % kFloatChunk + PackedPosition(i % kFloatChunk);
-      for (int t = 0; t < TC; ++t) corr[t] += delta * x[t * x_stride + position];
-    }
-  }
 }
 
 // Rows [row, row + R) of one scale row-block, tokens [t0, t0 + TC).
@@ -234,14 +185,6 @@ HJ_AVX2 void FloatTile(const LayerWeights& layer, const Projection& w, int64_t r
     }
     if (whole_end < c1) {
       for (int r = 0; r < R; ++r) accumulate(whole_end, r, LoadPartial<F>(rows[r], whole_end, c1 - whole_end));
-    }
-    if constexpr (kScaled) {
-      for (int r = 0; r < R; ++r) {
-        if (!HasFp8Special(rows[r], c0, whole_end)) continue;
-        alignas(32) float corr[TC] = {};
-        Fp8Corrections<TC>(rows[r], c0, whole_end, x + t0 * x_stride, x_stride, corr);
-        for (int t = 0; t < TC; ++t) acc[r][t] = _mm256_add_ps(acc[r][t], _mm256_setr_ps(corr[t], 0, 0, 0, 0, 0, 0, 0));
-      }
     }
     for (int r = 0; r < R; ++r) {
       for (int t = 0; t < TC; ++t) {
@@ -303,6 +246,12 @@ HJ_AVX2 void FloatGemm(const LayerWeights& layer, const Projection* w, int n_pro
         [&](int64_t r, int64_t t) { FloatTile<F, 1, 4>(layer, wp, r, x, xs, t, o(r), out_stride); },
         [&](int64_t r, int64_t t) { FloatTile<F, 1, 2>(layer, wp, r, x, xs, t, o(r), out_stride); },
         [&](int64_t r, int64_t t) { FloatTile<F, 1, 1>(layer, wp, r, x, xs, t, o(r), out_stride); });
+    if constexpr (F == WeightFormat::kFp8E4M3Fn) {
+      const auto activation = [&](int64_t t, int64_t c) {
+        return x[t * xs + c - c % kFloatChunk + PackedPosition(c % kFloatChunk)];
+      };
+      AddFp8Corrections(layer, wp, row0, rows, tokens, activation, out[p], out_stride);
+    }
   }
 }
 

@@ -1,10 +1,12 @@
 // AVX-512 kernels (F, BW, VL, DQ, BF16, VNNI, VBMI): the GEMV of decode, memory-bound by design.
 //
 // bf16 and fp8 weights meet bfloat16 activations in vdpbf16ps (float32 accumulators). FP8 E4M3FN is
-// expanded to bfloat16 in registers (OSDI '26 §3.4) by the exact table of fp8_bf16.h, so denormals and
-// NaN need no separate path and the hot loop holds no call (all zmm registers are caller-saved: a call
-// in the loop would keep the accumulators in memory). Sums run per scale block, and the block scale is
-// applied once to the block's float32 sums (post-scaling); row tiles never cross a scale row-block.
+// expanded to bfloat16 in registers (OSDI '26 §3.4) by the shift expansion of fp8_special.h, done on
+// 16-bit lanes without any shuffle: 3 shifts and 2 ternary-logic ops per 64 weights (about 1.8x the rate
+// of an exact VBMI byte table, bench/RESULTS.md). Every FP8 normal becomes a normal bfloat16, so
+// vdpbf16ps's flushing of denormals loses nothing; the special codes (denormals, zeros, NaN) the bank
+// listed are corrected after the tiles. Sums run per scale block, and the block scale is applied once
+// to the block's float32 sums (post-scaling); row tiles never cross a scale row-block.
 // Weights are prefetched ahead along each row (PrefetchBytes): with 16 cores streaming, the hardware
 // prefetchers alone leave 10-35% of the read bandwidth unused (bench/RESULTS.md).
 //
@@ -20,7 +22,7 @@
 #include <vector>
 
 #include "expert_kernels.h"
-#include "fp8_bf16.h"
+#include "fp8_special.h"
 #include "numeric_formats.h"
 
 #define HJ_AVX512 \
@@ -32,13 +34,22 @@ namespace {
 int64_t RoundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 int64_t Blocks(int64_t cols, int64_t block) { return (cols + block - 1) / block; }
 
-// The override if set, else the distance measured best for the format at DeepSeek-V3 expert shapes on a
-// 16-core Emerald Rapids (bench/moe_cpu.py --prefetch): 2 KB for bf16, 512 bytes for the 1-byte and
-// half-byte formats, whose rows are consumed more slowly per byte.
-int64_t PrefetchBytes(WeightFormat format) {
+// The override if set, else the distance measured best at DeepSeek-V3 expert shapes on a 16-core
+// Emerald Rapids (bench/moe_cpu.py --prefetch, bench/RESULTS.md): 2 KB for every format. (For the 1-byte
+// and half-byte formats that holds since the prefetches run on into the next tile; before, when they
+// stopped at the row's end, 512 bytes was best.)
+int64_t PrefetchBytes() {
   const int64_t bytes = WeightPrefetchOverride();
-  if (bytes >= 0) return bytes;
-  return format == WeightFormat::kBf16 ? 2048 : 512;
+  return bytes >= 0 ? bytes : 2048;
+}
+
+// The byte offset from a tile row's start that the step at byte `at` prefetches: `distance` ahead along the
+// row and, past the row's end, on into the same row of the next tile (`next_tile` = (R - 1) rows further),
+// so a tile's first lines are on their way before it starts. Rows of 1-byte weights are short (2 KB in
+// the down projection), so without this each tile would begin with a full memory latency.
+inline int64_t PrefetchOffset(int64_t at, int64_t distance, int64_t row_bytes, int64_t next_tile) {
+  const int64_t ahead = at + distance;
+  return ahead < row_bytes ? ahead : ahead + next_tile;
 }
 
 // The first n (< 64) lanes.
@@ -65,9 +76,8 @@ HJ_AVX512 void LoadFloatRow(const ActivationRows& rows, int64_t i, int64_t cols,
 // Weights are read 64 elements a step (64 FP8 bytes, or two vectors of 32 bfloat16) from each scale
 // block's start; a row's last step may be partial (masked loads, zeros beyond). Packed activations: per
 // token and per block (FP8: block_cols; bf16: the whole row), bfloat16[RoundUp(block, 64)], zero beyond
-// the block. FP8 weights come out of Fp8ToBf16Bytes + unpacklo/hi in 128-bit lanes, so their steps hold
-// elements 0-7, 16-23, 32-39, 48-55 in the first vector and 8-15, 24-31, 40-47, 56-63 in the second:
-// FP8 activations are packed in that order.
+// the block. The FP8 expansion leaves a step's even elements in its first vector and the odd ones in
+// its second (the low and high byte of each 16-bit lane): FP8 activations are packed in that order.
 
 constexpr int64_t kStep = 64;
 
@@ -85,7 +95,13 @@ size_t Bf16PackedBytes(const LayerWeights& layer, int64_t tokens, int64_t cols) 
 }
 
 // Where element i (< 64) of a step sits in the FP8 weights' order.
-int64_t Fp8StepPosition(int64_t i) { return (i / 8 % 2) * 32 + i / 16 * 8 + i % 8; }
+int64_t Fp8StepPosition(int64_t i) { return i % 2 * 32 + i / 2; }
+
+// Where FP8 activation column c of a token sits in its packed row.
+int64_t Fp8PackedPosition(int64_t c, int64_t block, int64_t block_stride) {
+  const int64_t j = c % block;
+  return c / block * block_stride + j / kStep * kStep + Fp8StepPosition(j % kStep);
+}
 
 HJ_AVX512 void Bf16Pack(const LayerWeights& layer, const ActivationRows& rows, int64_t cols, void* packed) {
   const bool fp8 = layer.format == WeightFormat::kFp8E4M3Fn;
@@ -102,10 +118,7 @@ HJ_AVX512 void Bf16Pack(const LayerWeights& layer, const ActivationRows& rows, i
     }
     auto* out = static_cast<uint16_t*>(packed) + t * stride;
     std::fill(out, out + stride, uint16_t{0});
-    for (int64_t c = 0; c < cols; ++c) {
-      const int64_t b = c / block, j = c % block;
-      out[b * block_stride + (fp8 ? j / kStep * kStep + Fp8StepPosition(j % kStep) : j)] = bits[c];
-    }
+    for (int64_t c = 0; c < cols; ++c) out[fp8 ? Fp8PackedPosition(c, block, block_stride) : c] = bits[c];
   }
 }
 
@@ -113,8 +126,7 @@ HJ_AVX512 void Bf16Pack(const LayerWeights& layer, const ActivationRows& rows, i
 // it with n = kStep (a constant): the masks and the branch fold away.
 template <WeightFormat F>
 HJ_AVX512 inline __attribute__((always_inline)) void LoadStep(const unsigned char* row, int64_t c, int64_t n,
-                                                              const Fp8Tables& tables, __m512i* first,
-                                                              __m512i* second) {
+                                                              __m512i* first, __m512i* second) {
   if constexpr (F == WeightFormat::kBf16) {
     const auto* p = reinterpret_cast<const uint16_t*>(row) + c;
     if (n == kStep) {
@@ -126,10 +138,12 @@ HJ_AVX512 inline __attribute__((always_inline)) void LoadStep(const unsigned cha
     }
   } else {
     const __m512i bytes = n == kStep ? _mm512_loadu_si512(row + c) : _mm512_maskz_loadu_epi8(FirstLanes64(n), row + c);
-    __m512i high, low;
-    Fp8ToBf16Bytes(bytes, tables, &high, &low);
-    *first = _mm512_unpacklo_epi8(low, high);
-    *second = _mm512_unpackhi_epi8(low, high);
+    // Each 16-bit lane holds two codes S.EEEE.MMM; an arithmetic shift right by 4 puts a code's E.M at bits
+    // 10..4 under its sign, which the mask keeps at bit 15; the OR writes exponent field 0111EEEE.
+    const __m512i mask = _mm512_set1_epi16(static_cast<short>(0x87f0)), rebias = _mm512_set1_epi16(0x3800);
+    constexpr int kAndOr = 0xea;  // (a & b) | c
+    *first = _mm512_ternarylogic_epi32(_mm512_srai_epi16(_mm512_slli_epi16(bytes, 8), 4), mask, rebias, kAndOr);
+    *second = _mm512_ternarylogic_epi32(_mm512_srai_epi16(bytes, 4), mask, rebias, kAndOr);
   }
 }
 
@@ -138,13 +152,13 @@ HJ_AVX512 void Bf16Tile(const LayerWeights& layer, const Projection& w, int64_t 
                         int64_t x_stride, int64_t t0, float* out, int64_t out_stride) {
   constexpr bool kScaled = F == WeightFormat::kFp8E4M3Fn;
   constexpr int64_t kBytes = kScaled ? 1 : 2;
-  const int64_t prefetch = PrefetchBytes(F);
+  const int64_t prefetch = PrefetchBytes();
   const int64_t cols = w.cols;
   const int64_t row_bytes = layer.RowBytes(cols);
+  const int64_t next_tile = (R - 1) * row_bytes;
   const int64_t block = BlockCols(layer, cols), block_stride = RoundUp(block, kStep);
   const int64_t n_blocks = Blocks(cols, block);
   const float* scales = kScaled ? w.scale + (row / layer.block_rows) * n_blocks : nullptr;
-  const Fp8Tables tables = kScaled ? LoadFp8Tables() : Fp8Tables{};
   const unsigned char* rows[R];
   for (int r = 0; r < R; ++r) rows[r] = static_cast<const unsigned char*>(w.data) + (row + r) * row_bytes;
   __m512 total[R][TC];
@@ -173,20 +187,21 @@ HJ_AVX512 void Bf16Tile(const LayerWeights& layer, const Projection& w, int64_t 
     __m512i first[R], second[R];
     for (int64_t c = c0; c < whole_end; c += kStep) {
       if (prefetch) {
+        const int64_t at = PrefetchOffset(c * kBytes, prefetch, row_bytes, next_tile);
         for (int r = 0; r < R; ++r) {
-          _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + c * kBytes + prefetch, _MM_HINT_T0);
-          if constexpr (!kScaled) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + c * kBytes + prefetch + 64, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + at, _MM_HINT_T0);
+          if constexpr (!kScaled) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + at + 64, _MM_HINT_T0);
         }
       }
-      for (int r = 0; r < R; ++r) LoadStep<F>(rows[r], c, kStep, tables, &first[r], &second[r]);
+      for (int r = 0; r < R; ++r) LoadStep<F>(rows[r], c, kStep, &first[r], &second[r]);
       accumulate(c, first, second);
     }
     if (whole_end < c1) {
-      for (int r = 0; r < R; ++r) LoadStep<F>(rows[r], whole_end, c1 - whole_end, tables, &first[r], &second[r]);
+      for (int r = 0; r < R; ++r) LoadStep<F>(rows[r], whole_end, c1 - whole_end, &first[r], &second[r]);
       accumulate(whole_end, first, second);
     }
     if constexpr (kScaled) {
-      const __m512 scale = _mm512_set1_ps(scales[b]);
+      const __m512 scale = _mm512_set1_ps(scales[b] * 256.0f);  // the 2^8 of the shift expansion
       for (int r = 0; r < R; ++r) {
         for (int t = 0; t < TC; ++t) total[r][t] = _mm512_fmadd_ps(acc[r][t], scale, total[r][t]);
       }
@@ -238,6 +253,13 @@ HJ_AVX512 void Bf16Gemm(const LayerWeights& layer, const Projection* w, int n_pr
       Bf16Tile<F, decltype(R)::value, decltype(TC)::value>(layer, w[p], r, x, xs, t, out[p] + (r - row0) * out_stride,
                                                            out_stride);
     });
+    if constexpr (F == WeightFormat::kFp8E4M3Fn) {
+      const int64_t block = layer.block_cols, block_stride = RoundUp(block, kStep);
+      const auto activation = [&](int64_t t, int64_t c) {
+        return Bf16BitsToFloat(x[t * xs + Fp8PackedPosition(c, block, block_stride)]);
+      };
+      AddFp8Corrections(layer, w[p], row0, rows, tokens, activation, out[p], out_stride);
+    }
   }
 }
 
@@ -342,7 +364,8 @@ HJ_AVX512 void IntTile(const LayerWeights& layer, const Projection& w, int64_t r
   for (int r = 0; r < R; ++r) rows[r] = static_cast<const unsigned char*>(w.data) + (row + r) * row_bytes;
   const char* tokens[TC];
   for (int t = 0; t < TC; ++t) tokens[t] = packed + (t0 + t) * l.token_bytes;
-  const int64_t prefetch = PrefetchBytes(layer.format);
+  const int64_t prefetch = PrefetchBytes();
+  const int64_t next_tile = (R - 1) * row_bytes;
   const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
   const __m512i sign_bit = _mm512_set1_epi8(-128);
   __m512 total[R][TC];
@@ -361,7 +384,8 @@ HJ_AVX512 void IntTile(const LayerWeights& layer, const Projection& w, int64_t r
         const __mmask64 k = FirstLanes64((std::min(kInt4Chunk, cols - c) + 1) / 2);
         __m512i lo[R], hi[R];
         if (prefetch) {
-          for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + c / 2 + prefetch, _MM_HINT_T0);
+          const int64_t at = PrefetchOffset(c / 2, prefetch, row_bytes, next_tile);
+          for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + at, _MM_HINT_T0);
         }
         for (int r = 0; r < R; ++r) {
           const __m512i v = _mm512_maskz_loadu_epi8(k, rows[r] + c / 2);
@@ -381,7 +405,8 @@ HJ_AVX512 void IntTile(const LayerWeights& layer, const Projection& w, int64_t r
       for (int64_t c = c0; c < c1; c += kInt8Chunk) {
         const __mmask64 k = FirstLanes64(cols - c);
         if (prefetch) {
-          for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + c + prefetch, _MM_HINT_T0);
+          const int64_t at = PrefetchOffset(c, prefetch, row_bytes, next_tile);
+          for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + at, _MM_HINT_T0);
         }
         __m512i wv[R];
         // Lanes past the row load as 0 and flip to 128, against activations padded with 0.

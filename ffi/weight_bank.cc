@@ -4,6 +4,9 @@
 #include <stdexcept>
 #include <string>
 
+#include "fp8_special.h"
+#include "thread_pool.h"
+
 namespace hybridjit {
 
 const char* WeightFormatName(WeightFormat format) {
@@ -48,6 +51,35 @@ void CheckLayer(const LayerWeights& layer) {
   }
 }
 
+// One task per projection, spread over the pool's nodes.
+void ListFp8Specials(LayerWeights& layer) {
+  const int64_t n = layer.n_experts();
+  layer.fp8_specials.assign(n, {});
+  ThreadPool& pool = *ThreadPool::Global();
+  Job job;
+  job.tasks.assign(1, std::vector<std::vector<int64_t>>(pool.nodes()));
+  for (int64_t task = 0; task < 3 * n; ++task) job.tasks[0][task % pool.nodes()].push_back(task);
+  job.run = [&](int64_t task) {
+    const ExpertWeights& w = layer.experts[task / 3];
+    Fp8Specials& out = layer.fp8_specials[task / 3];
+    const auto find = [](const void* data, int64_t rows, int64_t cols) {
+      return FindFp8Specials(static_cast<const uint8_t*>(data), rows, cols);
+    };
+    switch (task % 3) {
+      case 0:
+        out.gate = find(w.gate, layer.inter, layer.hidden);
+        break;
+      case 1:
+        out.up = find(w.up, layer.inter, layer.hidden);
+        break;
+      default:
+        out.down = find(w.down, layer.hidden, layer.inter);
+    }
+  };
+  const std::string error = pool.Run(job);
+  if (!error.empty()) throw std::invalid_argument(error);
+}
+
 }  // namespace
 
 int64_t LayerWeights::RowBytes(int64_t cols) const {
@@ -72,6 +104,7 @@ WeightBank& WeightBank::Global() {
 
 int64_t WeightBank::Add(LayerWeights layer) {
   CheckLayer(layer);
+  if (layer.format == WeightFormat::kFp8E4M3Fn) ListFp8Specials(layer);
   auto entry = std::make_shared<LayerLease::Entry>();
   entry->weights = std::move(layer);
   std::lock_guard<std::mutex> guard(mutex_);

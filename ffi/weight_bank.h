@@ -39,6 +39,11 @@ struct ExpertWeights {
   const float* down_scale = nullptr;
 };
 
+// The special codes (fp8_special.h) of one fp8 expert's projections.
+struct Fp8Specials {
+  std::vector<uint32_t> gate, up, down;
+};
+
 struct LayerWeights {
   WeightFormat format = WeightFormat::kF32;
   int64_t hidden = 0;
@@ -46,6 +51,8 @@ struct LayerWeights {
   int64_t block_rows = 0;  // scale block along the output dimension of a projection
   int64_t block_cols = 0;  // ... and along its input dimension
   std::vector<ExpertWeights> experts;
+  // fp8 layers: per expert, filled by WeightBank::Add (which reads every weight once).
+  std::vector<Fp8Specials> fp8_specials;
 
   int64_t n_experts() const { return static_cast<int64_t>(experts.size()); }
   bool scaled() const { return format != WeightFormat::kF32 && format != WeightFormat::kBf16; }
@@ -81,7 +88,8 @@ class WeightBank {
   static WeightBank& Global();
 
   // Validates the description (not the memory behind the pointers) and throws
-  // std::invalid_argument when it is inconsistent.
+  // std::invalid_argument when it is inconsistent. For an fp8 layer, lists every expert's special codes
+  // on the global thread pool: the weights must be in place and stay unchanged while registered.
   int64_t Add(LayerWeights layer);
   // Returns false if the id is not registered. Blocks until every lease on the layer is released.
   bool Remove(int64_t id);

@@ -127,9 +127,13 @@ def random_matrix(rng, fmt, shape, block, pool="all"):
     return stored, scale, dequantize(fmt, stored, scale, block, shape)
 
 
-def make_layer(rng, fmt, n_experts, hidden, inter, block, pool="all"):
+def make_layer(rng, fmt, n_experts, hidden, inter, block, pool="all", edit=None):
+    """(registered layer, float64 weights, the made matrices); `edit(made)` may change the stored weights
+    first (the bank reads them once at registration, so they must not change afterwards)."""
     shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
     made = {p: [random_matrix(rng, fmt, s, block, pool) for _ in range(n_experts)] for p, s in shapes.items()}
+    if edit is not None:
+        edit(made)
     scales = {f"{p}_scale": [m[1] for m in made[p]] for p in shapes} if made["gate"][0][1] is not None else {}
     layer = register_layer(*([m[0] for m in made[p]] for p in shapes), **scales, block=block)
     dense = {p: [m[2] for m in made[p]] for p in shapes}
@@ -272,9 +276,12 @@ def test_fp8_denormals_and_tiny_products_are_kept(family):
 @pytest.mark.parametrize("tokens", [1, 40])
 def test_fp8_nan_reaches_only_the_tokens_of_its_expert(family, tokens):
     rng = np.random.default_rng(3)
-    layer, _, made = make_layer(rng, "fp8", 3, 256, 128, (32, 32))
+
+    def nan_in_expert_2(made):
+        made["gate"][2][0].view(np.uint8)[5, 7] = 0x7F
+
+    layer, _, _ = make_layer(rng, "fp8", 3, 256, 128, (32, 32), edit=nan_in_expert_2)
     with layer, kernel_family(family):
-        made["gate"][2][0].view(np.uint8)[5, 7] = 0x7F  # NaN in expert 2
         x = rng.standard_normal((tokens, 256)).astype(np.float32)
         ids = np.tile(np.array([[0, 1], [2, 0], [1, 0], [1, 2]], np.int32), (tokens, 1))[:tokens]
         y = routed_experts_host(layer, x, ids, np.ones(ids.shape, np.float32))
