@@ -15,6 +15,11 @@ measured by running the expert calls alone on the CPU otherwise; `expert_alone_m
 only), `xla_ms` the rest; `cpu_busy` is the fraction of the step in which the CPU runs expert jobs
 (KTransformers' "CPU utilisation": the expert pool's cores are either all in a job or idle). The floor is
 the time to read each step's distinct experts once at the memory read bandwidth measured by the same run.
+
+Per MoE layer (a geometry with dense layers): the same geometry cut to its dense layers is timed too
+(`base_step_ms`: embedding, dense layers, LM head and sampling), and `moe_layer_ms` = (step - base) / MoE
+layers, everything a MoE layer costs on GPU and CPU; `layer_ratio` = that / (its expert floor + hand-off),
+the target's measure. `projected_by_layer_tok_s` = base + 58 (full depth) such layers, the closer projection.
 Ends with one JSON line.
 """
 
@@ -124,7 +129,7 @@ def random_cache(model: engine.Model, batch: int, length: int, rng) -> list:
     ]
 
 
-def bench_case(model: engine.Model, batch: int, context: int, steps: int, rng) -> dict:
+def median_step_ms(model: engine.Model, batch: int, context: int, steps: int, rng) -> float:
     """Times decode steps as the engine's generation loop runs them (the next step dispatched before this
     step's tokens are read back), over a cache already holding `context` positions."""
     cfg, w = model.config, model.weights
@@ -156,7 +161,13 @@ def bench_case(model: engine.Model, batch: int, context: int, steps: int, rng) -
         current = list(upcoming)
     for c in current:
         np.asarray(c)
-    step = statistics.median(step_ms)
+    return statistics.median(step_ms)
+
+
+def bench_case(model: engine.Model, batch: int, context: int, steps: int, rng) -> dict:
+    cfg, w = model.config, model.weights
+    groups = 2 if model.dual_batch and batch > 1 else 1
+    step = median_step_ms(model, batch, context, steps, rng)
     moe_layers = sum(isinstance(layer.mlp, dsv3.MoE) for layer in w.layers)
     handler_runs = None
     alone_ms = cpu_expert_ms(model, batch, rng)
@@ -172,8 +183,8 @@ def bench_case(model: engine.Model, batch: int, context: int, steps: int, rng) -
     return {
         "batch": batch,
         "context": context,
-        "dual_batch": len(groups) == 2,
-        "n_deferred": schedule.n_deferred,
+        "dual_batch": groups == 2,
+        "n_deferred": model.expert_schedule.n_deferred,
         "median_step_ms": round(step, 3),
         "tok_s": round(batch * 1e3 / step, 2),
         "tpot_ms": round(step, 3),
@@ -183,7 +194,7 @@ def bench_case(model: engine.Model, batch: int, context: int, steps: int, rng) -
         "expert_alone_ms": round(alone_ms, 3),
         "handoff_us_per_layer": round(handoff, 1),
         "cpu_busy": round(expert_ms / step, 3),
-        "xla_ms": round(step - expert_ms - handoff * moe_layers * len(groups) / 1e3, 3),
+        "xla_ms": round(step - expert_ms - handoff * moe_layers * groups / 1e3, 3),
         "moe_layers": moe_layers,
         # CUDA handler bodies run per step: one per call without graphs, ~0 when replayed as a graph.
         "handler_runs_per_step": round(handler_runs / (steps + 1), 2) if handler_runs is not None else None,
@@ -208,13 +219,22 @@ def main(argv=None):
     floors = memory_floors()
     model, name, full = load_model(args, Placement.default(args.dtype), args.format)
     full_layers = full.num_hidden_layers
+    full_moe = sum(full.is_moe_layer(i) for i in range(full_layers))
     rng = np.random.default_rng(0)
     depth = model.config.num_hidden_layers
+    # The geometry cut to its dense layers: everything of a step but the MoE layers (embedding, dense layers,
+    # LM head, sampling), so the MoE layers' own time is the difference.
+    dense = model.config.first_k_dense_replace
+    base = None
+    if args.geometry and 0 < dense < depth:
+        base, _, _ = load_model(argparse.Namespace(**{**vars(args), "layers": dense}), model.placement, args.format)
+    base_ms = {}
     print(f"decode: {name}, {depth} of {full_layers} layers, on {model.placement.device}, kernel {kernel_info()}"
           + (f", hand-off {_ffi.gpu_handoff_mode()}" if ON_GPU else ""))
     print(f"floors: memory read {floors['read_gbps']:.1f} GB/s, triad {floors['triad_gbps']:.1f} GB/s")
     print(f"{'batch':>5} {'ctx':>6} {'dual':>5} {'defer':>5} {'step ms':>8} {'tok/s':>8} {'experts':>8} {'alone':>8} "
-          f"{'hand-off':>9} {'xla':>8} {'cpu busy':>8} {'floor':>8} {'ratio':>6}")
+          f"{'hand-off':>9} {'xla':>8} {'cpu busy':>8} {'floor':>8} {'ratio':>6}"
+          + (f" {'layer ms':>8} {'l.ratio':>6}" if base is not None else ""))
     results = []
     overlaps = {"on": [True], "off": [False], "both": [False, True]}[args.overlap]
     # Overlap applies to batches of 2 or more; deferral is measured at batch 1 (its use case).
@@ -226,16 +246,31 @@ def main(argv=None):
         r = bench_case(model, batch, context, args.steps, rng)
         r["floor_ms"] = round(r["expert_bytes_per_step"] / (floors["read_gbps"] * 1e6), 3)
         r["ratio_to_floor"] = round(r["floor_ms"] / r["median_step_ms"], 3)
+        if base is not None:
+            base.dual_batch = overlap
+            if (batch, context, overlap) not in base_ms:
+                base_ms[batch, context, overlap] = median_step_ms(base, batch, context, args.steps, rng)
+            base_step = base_ms[batch, context, overlap]
+            layer_ms = (r["median_step_ms"] - base_step) / r["moe_layers"]
+            layer_floor = r["floor_ms"] / r["moe_layers"]
+            handoffs_ms = r["handoff_us_per_layer"] * (2 if r["dual_batch"] else 1) / 1e3
+            r["base_step_ms"] = round(base_step, 3)
+            r["moe_layer_ms"] = round(layer_ms, 3)
+            r["layer_ratio"] = round(layer_ms / (layer_floor + handoffs_ms), 3)
+            r["projected_by_layer_tok_s"] = round(batch * 1e3 / (base_step + layer_ms * full_moe), 3)
         line = (f"{batch:5d} {context:6d} {str(overlap):>5} {deferred:5d} {r['median_step_ms']:8.2f} {r['tok_s']:8.2f} "
                 f"{r['expert_ms']:8.2f} {r['expert_alone_ms']:8.2f} {r['handoff_us_per_layer']:7.1f}us "
                 f"{r['xla_ms']:8.2f} {r['cpu_busy']:8.0%} {r['floor_ms']:8.2f} {r['ratio_to_floor']:6.2f}")
+        if base is not None:
+            line += f" {r['moe_layer_ms']:8.3f} {r['layer_ratio']:6.2f}"
         if depth < full_layers:
             # Projection: the whole measured step (dense layers and LM head included) counted per MoE layer and
             # scaled to the full model's MoE layers, so the estimate errs on the slow side.
-            full_moe = sum(full.is_moe_layer(i) for i in range(full_layers))
             projected_ms = r["median_step_ms"] * full_moe / r["moe_layers"]
             r["projected_full_depth_tok_s"] = round(batch * 1e3 / projected_ms, 3)
             line += f"  projected to {full_layers} layers: {r['projected_full_depth_tok_s']} tok/s"
+            if base is not None:
+                line += f" ({r['projected_by_layer_tok_s']} by layer)"
         results.append(r)
         print(line)
     where = {**machine(), "device": str(model.placement.device), "xla_flags": os.environ.get("XLA_FLAGS", "")}
