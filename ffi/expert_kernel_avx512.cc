@@ -7,7 +7,7 @@
 // vdpbf16ps's flushing of denormals loses nothing; the special codes (denormals, zeros, NaN) the bank
 // listed are corrected after the tiles. Sums run per scale block, and the block scale is applied once
 // to the block's float32 sums (post-scaling); row tiles never cross a scale row-block.
-// Weights are prefetched ahead along each row (PrefetchBytes): with 16 cores streaming, the hardware
+// Weights are prefetched ahead along each row (weight_prefetch.h): with 16 cores streaming, the hardware
 // prefetchers alone leave 10-35% of the read bandwidth unused (bench/RESULTS.md).
 //
 // int8 and int4 weights meet int8 activations in vpdpbusd (unsigned x signed bytes): int8 weights with
@@ -24,6 +24,7 @@
 #include "expert_kernels.h"
 #include "fp8_special.h"
 #include "numeric_formats.h"
+#include "weight_prefetch.h"
 
 #define HJ_AVX512 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,avx512vbmi,avx2,fma,f16c")))
@@ -33,24 +34,6 @@ namespace {
 
 int64_t RoundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 int64_t Blocks(int64_t cols, int64_t block) { return (cols + block - 1) / block; }
-
-// The override if set, else the distance measured best at DeepSeek-V3 expert shapes on a 16-core
-// Emerald Rapids (bench/moe_cpu.py --prefetch, bench/RESULTS.md): 2 KB for every format. (For the 1-byte
-// and half-byte formats that holds since the prefetches run on into the next tile; before, when they
-// stopped at the row's end, 512 bytes was best.)
-int64_t PrefetchBytes() {
-  const int64_t bytes = WeightPrefetchOverride();
-  return bytes >= 0 ? bytes : 2048;
-}
-
-// The byte offset from a tile row's start that the step at byte `at` prefetches: `distance` ahead along the
-// row and, past the row's end, on into the same row of the next tile (`next_tile` = (R - 1) rows further),
-// so a tile's first lines are on their way before it starts. Rows of 1-byte weights are short (2 KB in
-// the down projection), so without this each tile would begin with a full memory latency.
-inline int64_t PrefetchOffset(int64_t at, int64_t distance, int64_t row_bytes, int64_t next_tile) {
-  const int64_t ahead = at + distance;
-  return ahead < row_bytes ? ahead : ahead + next_tile;
-}
 
 // The first n (< 64) lanes.
 HJ_AVX512 __mmask64 FirstLanes64(int64_t n) { return n >= 64 ? ~__mmask64{0} : (__mmask64{1} << n) - 1; }
@@ -152,7 +135,7 @@ HJ_AVX512 void Bf16Tile(const LayerWeights& layer, const Projection& w, int64_t 
                         int64_t x_stride, int64_t t0, float* out, int64_t out_stride) {
   constexpr bool kScaled = F == WeightFormat::kFp8E4M3Fn;
   constexpr int64_t kBytes = kScaled ? 1 : 2;
-  const int64_t prefetch = PrefetchBytes();
+  const int64_t prefetch = WeightPrefetchBytes();
   const int64_t cols = w.cols;
   const int64_t row_bytes = layer.RowBytes(cols);
   const int64_t next_tile = (R - 1) * row_bytes;
@@ -364,7 +347,7 @@ HJ_AVX512 void IntTile(const LayerWeights& layer, const Projection& w, int64_t r
   for (int r = 0; r < R; ++r) rows[r] = static_cast<const unsigned char*>(w.data) + (row + r) * row_bytes;
   const char* tokens[TC];
   for (int t = 0; t < TC; ++t) tokens[t] = packed + (t0 + t) * l.token_bytes;
-  const int64_t prefetch = PrefetchBytes();
+  const int64_t prefetch = WeightPrefetchBytes();
   const int64_t next_tile = (R - 1) * row_bytes;
   const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
   const __m512i sign_bit = _mm512_set1_epi8(-128);
