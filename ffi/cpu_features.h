@@ -36,9 +36,9 @@ void SetCpuKernel(CpuKernel kernel);
 int64_t AmxMinTokensOverride();
 void SetAmxMinTokens(int64_t tokens);
 
-// How far ahead (bytes, along each weight row) the AVX-512 kernels prefetch weights, for every format:
+// How far ahead (bytes, along each weight row) the AVX2 and AVX-512 kernels prefetch weights, for every format:
 // HYBRIDJIT_PREFETCH_BYTES (read at first use) or SetWeightPrefetchOverride (0: no software prefetch);
-// -1 (the default) leaves each format the distance measured best for it (expert_kernel_avx512.cc).
+// -1 (the default) leaves the distance measured best (weight_prefetch.h).
 int64_t WeightPrefetchOverride();
 void SetWeightPrefetchOverride(int64_t bytes);
 

@@ -202,7 +202,7 @@ NB_MODULE(_ffi, m) {
   m.def("set_amx_min_tokens", &SetAmxMinTokens, nb::arg("tokens"),
         "With the amx family, experts with at least this many tokens use AMX, the others AVX-512 (0: per-layer defaults).");
   m.def("set_prefetch_bytes", &SetWeightPrefetchOverride, nb::arg("bytes"),
-        "How far ahead along each weight row the AVX-512 kernels prefetch (0: off; -1: the default).");
+        "How far ahead along each weight row the AVX2 and AVX-512 kernels prefetch (0: off; -1: the default).");
   m.def("configure_threads", &ConfigureThreads, nb::arg("threads"), nb::arg("numa_nodes"),
         "Replaces the CPU thread pool (0 = the machine's default for either).");
   m.def("memory_bandwidth", &MemoryBandwidthDict, nb::arg("bytes"), nb::arg("repeats"), nb::arg("threads"),

@@ -290,7 +290,7 @@ def set_amx_min_tokens(tokens: int) -> None:
 
 
 def set_prefetch_bytes(bytes_ahead: int | None) -> None:
-    """How far ahead along each weight row the AVX-512 kernels prefetch weights, for every format
+    """How far ahead along each weight row the AVX2 and AVX-512 kernels prefetch weights, for every format
     (HYBRIDJIT_PREFETCH_BYTES; 0: no software prefetch). None restores the distance measured best on a
     16-core Emerald Rapids (bench/moe_cpu.py --prefetch): 2048 bytes."""
     _ffi.set_prefetch_bytes(-1 if bytes_ahead is None else operator.index(bytes_ahead))
