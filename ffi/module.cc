@@ -75,6 +75,8 @@ int64_t RegisterLayer(const std::string& format, int64_t hidden, int64_t inter, 
       w.down_scale = AsPointer<float>(down_scale[e]);
     }
   }
+  // An fp8 layer's registration reads every weight once (its special codes): seconds for a large layer.
+  nb::gil_scoped_release release;
   return WeightBank::Global().Add(std::move(layer));
 }
 
