@@ -19,7 +19,8 @@ the time to read each step's distinct experts once at the memory read bandwidth 
 Per MoE layer (a geometry with dense layers): the same geometry cut to its dense layers is timed too
 (`base_step_ms`: embedding, dense layers, LM head and sampling), and `moe_layer_ms` = (step - base) / MoE
 layers, everything a MoE layer costs on GPU and CPU; `layer_ratio` = that / (its expert floor + hand-off),
-the target's measure. `projected_by_layer_tok_s` = base + 58 (full depth) such layers, the closer projection.
+the target's measure. With --layers, `projected_by_layer_tok_s` = base + the full model's MoE layers at that
+time each: the closer projection.
 Ends with one JSON line.
 """
 
@@ -225,31 +226,33 @@ def main(argv=None):
     # The geometry cut to its dense layers: everything of a step but the MoE layers (embedding, dense layers,
     # LM head, sampling), so the MoE layers' own time is the difference.
     dense = model.config.first_k_dense_replace
-    base = None
+    overlaps = {"on": [True], "off": [False], "both": [False, True]}[args.overlap]
+    # Overlap applies to batches of 2 or more; deferral is measured at batch 1 (its use case).
+    cases = [(c, b, o, 0) for c in args.context for b in args.batch for o in (overlaps if b > 1 else [False])]
+    cases += [(c, 1, False, d) for c in args.context for d in args.deferred if d > 0]
+    # Timed first, then freed: the base holds its own embedding, dense layers and LM head.
+    base_ms = {}
     if args.geometry and 0 < dense < depth:
         base, _, _ = load_model(argparse.Namespace(**{**vars(args), "layers": dense}), model.placement, args.format)
-    base_ms = {}
+        for context, batch, overlap, _ in cases:
+            base.dual_batch = overlap
+            if (batch, context, overlap) not in base_ms:
+                base_ms[batch, context, overlap] = median_step_ms(base, batch, context, args.steps, rng)
+        del base
     print(f"decode: {name}, {depth} of {full_layers} layers, on {model.placement.device}, kernel {kernel_info()}"
           + (f", hand-off {_ffi.gpu_handoff_mode()}" if ON_GPU else ""))
     print(f"floors: memory read {floors['read_gbps']:.1f} GB/s, triad {floors['triad_gbps']:.1f} GB/s")
     print(f"{'batch':>5} {'ctx':>6} {'dual':>5} {'defer':>5} {'step ms':>8} {'tok/s':>8} {'experts':>8} {'alone':>8} "
           f"{'hand-off':>9} {'xla':>8} {'cpu busy':>8} {'floor':>8} {'ratio':>6}"
-          + (f" {'layer ms':>8} {'l.ratio':>6}" if base is not None else ""))
+          + (f" {'layer ms':>8} {'l.ratio':>6}" if base_ms else ""))
     results = []
-    overlaps = {"on": [True], "off": [False], "both": [False, True]}[args.overlap]
-    # Overlap applies to batches of 2 or more; deferral is measured at batch 1 (its use case).
-    cases = [(c, b, o, 0) for c in args.context for b in args.batch for o in (overlaps if b > 1 else [False])]
-    cases += [(c, 1, False, d) for c in args.context for d in args.deferred if d > 0]
     for context, batch, overlap, deferred in cases:
         model.dual_batch = overlap
         model.expert_schedule = dsv3.ExpertSchedule(n_deferred=deferred)
         r = bench_case(model, batch, context, args.steps, rng)
         r["floor_ms"] = round(r["expert_bytes_per_step"] / (floors["read_gbps"] * 1e6), 3)
         r["ratio_to_floor"] = round(r["floor_ms"] / r["median_step_ms"], 3)
-        if base is not None:
-            base.dual_batch = overlap
-            if (batch, context, overlap) not in base_ms:
-                base_ms[batch, context, overlap] = median_step_ms(base, batch, context, args.steps, rng)
+        if base_ms:
             base_step = base_ms[batch, context, overlap]
             layer_ms = (r["median_step_ms"] - base_step) / r["moe_layers"]
             layer_floor = r["floor_ms"] / r["moe_layers"]
@@ -257,11 +260,10 @@ def main(argv=None):
             r["base_step_ms"] = round(base_step, 3)
             r["moe_layer_ms"] = round(layer_ms, 3)
             r["layer_ratio"] = round(layer_ms / (layer_floor + handoffs_ms), 3)
-            r["projected_by_layer_tok_s"] = round(batch * 1e3 / (base_step + layer_ms * full_moe), 3)
         line = (f"{batch:5d} {context:6d} {str(overlap):>5} {deferred:5d} {r['median_step_ms']:8.2f} {r['tok_s']:8.2f} "
                 f"{r['expert_ms']:8.2f} {r['expert_alone_ms']:8.2f} {r['handoff_us_per_layer']:7.1f}us "
                 f"{r['xla_ms']:8.2f} {r['cpu_busy']:8.0%} {r['floor_ms']:8.2f} {r['ratio_to_floor']:6.2f}")
-        if base is not None:
+        if base_ms:
             line += f" {r['moe_layer_ms']:8.3f} {r['layer_ratio']:6.2f}"
         if depth < full_layers:
             # Projection: the whole measured step (dense layers and LM head included) counted per MoE layer and
@@ -269,7 +271,8 @@ def main(argv=None):
             projected_ms = r["median_step_ms"] * full_moe / r["moe_layers"]
             r["projected_full_depth_tok_s"] = round(batch * 1e3 / projected_ms, 3)
             line += f"  projected to {full_layers} layers: {r['projected_full_depth_tok_s']} tok/s"
-            if base is not None:
+            if base_ms:
+                r["projected_by_layer_tok_s"] = round(batch * 1e3 / (base_step + layer_ms * full_moe), 3)
                 line += f" ({r['projected_by_layer_tok_s']} by layer)"
         results.append(r)
         print(line)

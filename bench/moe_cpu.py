@@ -164,7 +164,7 @@ def bench_hybridjit(args, rng, floors, results):
                     per_call = tokens * top_k / n_experts
                     case = {"impl": "hybridjit", "format": fmt, "phase": phase, "tokens": tokens, "top_k": top_k,
                             "experts": n_experts, "kernel": layer_kernel(layer, max(1, round(per_call))),
-                            "prefetch_bytes": distance}  # None: the kernels' per-format default
+                            "prefetch_bytes": distance}  # None: the kernels' default
                     results.append(figures(case, ms, routes, per_expert, hidden, inter, floors))
                     print(row(results[-1]), flush=True)
         set_prefetch_bytes(None)

@@ -181,7 +181,7 @@ int64_t WeightPrefetchOverride() {
 }
 
 void SetWeightPrefetchOverride(int64_t bytes) {
-  if (bytes < -1) throw std::invalid_argument("prefetch bytes must be >= 0, or -1 for the per-format defaults");
+  if (bytes < -1) throw std::invalid_argument("prefetch bytes must be >= 0, or -1 for the default");
   prefetch_bytes.store(bytes, std::memory_order_relaxed);
 }
 

@@ -5,9 +5,10 @@
 // which orders a 16-element chunk's lanes as 0-3, 8-11 | 4-7, 12-15: the packed activations of these
 // formats are stored in that order. fp8 goes through bfloat16 first, by the shift expansion of
 // fp8_special.h (sign-extend the byte, shift E.M into place, OR in a rebias of 112: the FP8 value times
-// 2^-8 for normals); the special codes the bank listed are corrected after the tiles. int8 and int4 weights use int8 activations and
-// vpmaddubsw: int8 as |x| * sign(w, x) (no saturation for weights in [-127, 127]), int4 as nibble
-// (q + 8) * x with 8 * sum(x) subtracted per group.
+// 2^-8 for normals); the special codes the bank listed are corrected after the tiles. int8 and int4
+// weights use int8 activations and vpmaddubsw: int8 as |x| * sign(w, x) (no saturation for weights in
+// [-127, 127]), int4 as nibble (q + 8) * x with 8 * sum(x) subtracted per group. Weights are prefetched
+// as in the AVX-512 kernels (weight_prefetch.h).
 //
 // Rows are processed R at a time and tokens TC at a time so each weight vector is loaded once for
 // R * TC accumulators; scaled formats sum each scale block separately and apply the scale once.
@@ -157,7 +158,7 @@ HJ_AVX2 void FloatTile(const LayerWeights& layer, const Projection& w, int64_t r
   constexpr int64_t kBytes = F == WeightFormat::kF32 ? 4 : F == WeightFormat::kBf16 ? 2 : 1;
   const int64_t cols = w.cols;
   const int64_t row_bytes = layer.RowBytes(cols);
-  const int64_t prefetch = WeightPrefetchBytes(), next_tile = (R - 1) * row_bytes;
+  const int64_t prefetch = TileDistance(row_bytes), next_tile = (R - 1) * row_bytes;
   const int64_t block = kScaled ? layer.block_cols : cols;
   const int64_t n_blocks = Blocks(cols, block);
   const float* scales = kScaled ? w.scale + (row / layer.block_rows) * n_blocks : nullptr;
@@ -376,7 +377,7 @@ HJ_AVX2 void IntTile(const LayerWeights& layer, const Projection& w, int64_t row
                      const IntLayout& l, int64_t t0, float* out, int64_t out_stride) {
   const int64_t cols = w.cols;
   const int64_t row_bytes = layer.RowBytes(cols);
-  const int64_t prefetch = WeightPrefetchBytes(), next_tile = (R - 1) * row_bytes;
+  const int64_t prefetch = TileDistance(row_bytes), next_tile = (R - 1) * row_bytes;
   const unsigned char* rows[R];
   for (int r = 0; r < R; ++r) rows[r] = static_cast<const unsigned char*>(w.data) + (row + r) * row_bytes;
   const char* tokens[TC];

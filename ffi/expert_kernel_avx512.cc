@@ -135,10 +135,9 @@ HJ_AVX512 void Bf16Tile(const LayerWeights& layer, const Projection& w, int64_t 
                         int64_t x_stride, int64_t t0, float* out, int64_t out_stride) {
   constexpr bool kScaled = F == WeightFormat::kFp8E4M3Fn;
   constexpr int64_t kBytes = kScaled ? 1 : 2;
-  const int64_t prefetch = WeightPrefetchBytes();
   const int64_t cols = w.cols;
   const int64_t row_bytes = layer.RowBytes(cols);
-  const int64_t next_tile = (R - 1) * row_bytes;
+  const int64_t prefetch = TileDistance(row_bytes), next_tile = (R - 1) * row_bytes;
   const int64_t block = BlockCols(layer, cols), block_stride = RoundUp(block, kStep);
   const int64_t n_blocks = Blocks(cols, block);
   const float* scales = kScaled ? w.scale + (row / layer.block_rows) * n_blocks : nullptr;
@@ -237,7 +236,7 @@ HJ_AVX512 void Bf16Gemm(const LayerWeights& layer, const Projection* w, int n_pr
                                                            out_stride);
     });
     if constexpr (F == WeightFormat::kFp8E4M3Fn) {
-      const int64_t block = layer.block_cols, block_stride = RoundUp(block, kStep);
+      const int64_t block = BlockCols(layer, w[p].cols), block_stride = RoundUp(block, kStep);
       const auto activation = [&](int64_t t, int64_t c) {
         return Bf16BitsToFloat(x[t * xs + Fp8PackedPosition(c, block, block_stride)]);
       };
@@ -347,8 +346,7 @@ HJ_AVX512 void IntTile(const LayerWeights& layer, const Projection& w, int64_t r
   for (int r = 0; r < R; ++r) rows[r] = static_cast<const unsigned char*>(w.data) + (row + r) * row_bytes;
   const char* tokens[TC];
   for (int t = 0; t < TC; ++t) tokens[t] = packed + (t0 + t) * l.token_bytes;
-  const int64_t prefetch = WeightPrefetchBytes();
-  const int64_t next_tile = (R - 1) * row_bytes;
+  const int64_t prefetch = TileDistance(row_bytes), next_tile = (R - 1) * row_bytes;
   const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
   const __m512i sign_bit = _mm512_set1_epi8(-128);
   __m512 total[R][TC];

@@ -43,7 +43,8 @@ struct Projection {
   const float* scale = nullptr;  // the layer's block grid, null for f32/bf16
   int64_t rows = 0;
   int64_t cols = 0;
-  // fp8: the special codes (fp8_special.h), flat indices in ascending order.
+  // fp8: the special codes (fp8_special.h), flat indices in ascending order. The AVX2 and AVX-512 kernels
+  // need them (without, their results are wrong wherever a special code sits); generic and AMX ignore them.
   const uint32_t* fp8_specials = nullptr;
   int64_t n_fp8_specials = 0;
 };

@@ -1,4 +1,6 @@
-// FP8 E4M3FN -> bfloat16 in AVX-512 registers, by table: exact for every code. bfloat16 holds E4M3's
+// FP8 E4M3FN -> bfloat16 in AVX-512 registers, by table: exact for every code. The AMX kernels use it to
+// dequantize FP8 weights into their bfloat16 strips, where the cost is amortized over many tokens (the
+// GEMV kernels use the faster shift expansion of fp8_special.h instead). bfloat16 holds E4M3's
 // 3 mantissa bits and its whole exponent range, so FP8 denormals become normal bfloat16 values (which
 // vdpbf16ps does not flush) and NaN stays NaN; no code needs a slow path. The 7-bit magnitude of each
 // byte indexes two 128-entry byte tables, the high and the low byte of the bfloat16 bits, through

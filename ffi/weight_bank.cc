@@ -1,6 +1,8 @@
 #include "weight_bank.h"
 
 #include <algorithm>
+#include <memory>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -41,6 +43,10 @@ void CheckLayer(const LayerWeights& layer) {
     throw std::invalid_argument("int8/int4 scale groups must be one row by a multiple of " +
                                 std::to_string(kIntGroupQuantum) + " columns");
   }
+  if (layer.format == WeightFormat::kFp8E4M3Fn && layer.hidden * layer.inter > int64_t{UINT32_MAX}) {
+    throw std::invalid_argument("fp8 projections of " + std::to_string(layer.inter) + " x " +
+                                std::to_string(layer.hidden) + " elements are too large for the 32-bit special-code index");
+  }
   for (size_t e = 0; e < layer.experts.size(); ++e) {
     const ExpertWeights& w = layer.experts[e];
     const bool has_weights = w.gate && w.up && w.down;
@@ -55,10 +61,11 @@ void CheckLayer(const LayerWeights& layer) {
 void ListFp8Specials(LayerWeights& layer) {
   const int64_t n = layer.n_experts();
   layer.fp8_specials.assign(n, {});
-  ThreadPool& pool = *ThreadPool::Global();
+  // Held for the whole scan: a concurrent ConfigureGlobal must not free the pool under it.
+  const std::shared_ptr<ThreadPool> pool = ThreadPool::Global();
   Job job;
-  job.tasks.assign(1, std::vector<std::vector<int64_t>>(pool.nodes()));
-  for (int64_t task = 0; task < 3 * n; ++task) job.tasks[0][task % pool.nodes()].push_back(task);
+  job.tasks.assign(1, std::vector<std::vector<int64_t>>(pool->nodes()));
+  for (int64_t task = 0; task < 3 * n; ++task) job.tasks[0][task % pool->nodes()].push_back(task);
   job.run = [&](int64_t task) {
     const ExpertWeights& w = layer.experts[task / 3];
     Fp8Specials& out = layer.fp8_specials[task / 3];
@@ -76,8 +83,8 @@ void ListFp8Specials(LayerWeights& layer) {
         out.down = find(w.down, layer.hidden, layer.inter);
     }
   };
-  const std::string error = pool.Run(job);
-  if (!error.empty()) throw std::invalid_argument(error);
+  const std::string error = pool->Run(job);
+  if (!error.empty()) throw std::runtime_error("listing the fp8 special codes: " + error);
 }
 
 }  // namespace

@@ -112,7 +112,9 @@ def register_layer(
 
     - float32, bfloat16: plain weights, no scales.
     - float8_e4m3fn: scales are float32 [ceil(out / block[0]), ceil(in / block[1])] multipliers (the
-      checkpoint's ``weight_scale_inv``: w = fp8 * scale); block defaults to (128, 128).
+      checkpoint's ``weight_scale_inv``: w = fp8 * scale); block defaults to (128, 128). Registration reads
+      every weight once, to list the codes the SIMD kernels correct separately (denormals, zeros, NaN), so
+      fp8 weights must not change while the layer is registered (the other formats may).
     - int8: w = q * scale per group of block[1] input columns of one row: block = (1, G) with G a
       multiple of 128 (default (1, 128)); scales float32 [out, ceil(in / G)]. G >= in is one scale per
       row.
