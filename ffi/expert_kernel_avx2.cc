@@ -158,7 +158,7 @@ HJ_AVX2 void FloatTile(const LayerWeights& layer, const Projection& w, int64_t r
   constexpr int64_t kBytes = F == WeightFormat::kF32 ? 4 : F == WeightFormat::kBf16 ? 2 : 1;
   const int64_t cols = w.cols;
   const int64_t row_bytes = layer.RowBytes(cols);
-  const int64_t prefetch = TileDistance(row_bytes), next_tile = (R - 1) * row_bytes;
+  const TilePrefetch prefetch(row_bytes, R);
   const int64_t block = kScaled ? layer.block_cols : cols;
   const int64_t n_blocks = Blocks(cols, block);
   const float* scales = kScaled ? w.scale + (row / layer.block_rows) * n_blocks : nullptr;
@@ -185,8 +185,8 @@ HJ_AVX2 void FloatTile(const LayerWeights& layer, const Projection& w, int64_t r
     // Whole chunks, then the row's partial last chunk.
     const int64_t c0 = b * block, whole_end = c0 + (c1 - c0) / kFloatChunk * kFloatChunk;
     for (int64_t c = c0; c < whole_end; c += kFloatChunk) {
-      if (prefetch) {
-        const int64_t at = PrefetchOffset(c * kBytes, prefetch, row_bytes, next_tile);
+      if (prefetch.enabled()) {
+        const int64_t at = prefetch.Offset(c * kBytes);
         for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + at, _MM_HINT_T0);
       }
       for (int r = 0; r < R; ++r) accumulate(c, r, LoadChunk<F>(rows[r], c));
@@ -377,7 +377,7 @@ HJ_AVX2 void IntTile(const LayerWeights& layer, const Projection& w, int64_t row
                      const IntLayout& l, int64_t t0, float* out, int64_t out_stride) {
   const int64_t cols = w.cols;
   const int64_t row_bytes = layer.RowBytes(cols);
-  const int64_t prefetch = TileDistance(row_bytes), next_tile = (R - 1) * row_bytes;
+  const TilePrefetch prefetch(row_bytes, R);
   const unsigned char* rows[R];
   for (int r = 0; r < R; ++r) rows[r] = static_cast<const unsigned char*>(w.data) + (row + r) * row_bytes;
   const char* tokens[TC];
@@ -400,8 +400,8 @@ HJ_AVX2 void IntTile(const LayerWeights& layer, const Projection& w, int64_t row
     if constexpr (kInt4) {
       for (int64_t c = c0; c < c1; c += kInt4Chunk) {
         const int64_t n_bytes = (std::min(kInt4Chunk, cols - c) + 1) / 2;
-        if (prefetch) {
-          const int64_t at = PrefetchOffset(c / 2, prefetch, row_bytes, next_tile);
+        if (prefetch.enabled()) {
+          const int64_t at = prefetch.Offset(c / 2);
           for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + at, _MM_HINT_T0);
         }
         __m256i lo[R], hi[R];
@@ -422,8 +422,8 @@ HJ_AVX2 void IntTile(const LayerWeights& layer, const Projection& w, int64_t row
       }
     } else {
       for (int64_t c = c0; c < c1; c += kInt8Chunk) {
-        if (prefetch) {
-          const int64_t at = PrefetchOffset(c, prefetch, row_bytes, next_tile);
+        if (prefetch.enabled()) {
+          const int64_t at = prefetch.Offset(c);
           for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + at, _MM_HINT_T0);
         }
         __m256i wv[R];

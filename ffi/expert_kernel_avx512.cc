@@ -137,7 +137,7 @@ HJ_AVX512 void Bf16Tile(const LayerWeights& layer, const Projection& w, int64_t 
   constexpr int64_t kBytes = kScaled ? 1 : 2;
   const int64_t cols = w.cols;
   const int64_t row_bytes = layer.RowBytes(cols);
-  const int64_t prefetch = TileDistance(row_bytes), next_tile = (R - 1) * row_bytes;
+  const TilePrefetch prefetch(row_bytes, R);
   const int64_t block = BlockCols(layer, cols), block_stride = RoundUp(block, kStep);
   const int64_t n_blocks = Blocks(cols, block);
   const float* scales = kScaled ? w.scale + (row / layer.block_rows) * n_blocks : nullptr;
@@ -168,8 +168,8 @@ HJ_AVX512 void Bf16Tile(const LayerWeights& layer, const Projection& w, int64_t 
     const int64_t whole_end = c0 + (c1 - c0) / kStep * kStep;
     __m512i first[R], second[R];
     for (int64_t c = c0; c < whole_end; c += kStep) {
-      if (prefetch) {
-        const int64_t at = PrefetchOffset(c * kBytes, prefetch, row_bytes, next_tile);
+      if (prefetch.enabled()) {
+        const int64_t at = prefetch.Offset(c * kBytes);
         for (int r = 0; r < R; ++r) {
           _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + at, _MM_HINT_T0);
           if constexpr (!kScaled) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + at + 64, _MM_HINT_T0);
@@ -346,7 +346,7 @@ HJ_AVX512 void IntTile(const LayerWeights& layer, const Projection& w, int64_t r
   for (int r = 0; r < R; ++r) rows[r] = static_cast<const unsigned char*>(w.data) + (row + r) * row_bytes;
   const char* tokens[TC];
   for (int t = 0; t < TC; ++t) tokens[t] = packed + (t0 + t) * l.token_bytes;
-  const int64_t prefetch = TileDistance(row_bytes), next_tile = (R - 1) * row_bytes;
+  const TilePrefetch prefetch(row_bytes, R);
   const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
   const __m512i sign_bit = _mm512_set1_epi8(-128);
   __m512 total[R][TC];
@@ -364,8 +364,8 @@ HJ_AVX512 void IntTile(const LayerWeights& layer, const Projection& w, int64_t r
       for (int64_t c = c0; c < c1; c += kInt4Chunk) {
         const __mmask64 k = FirstLanes64((std::min(kInt4Chunk, cols - c) + 1) / 2);
         __m512i lo[R], hi[R];
-        if (prefetch) {
-          const int64_t at = PrefetchOffset(c / 2, prefetch, row_bytes, next_tile);
+        if (prefetch.enabled()) {
+          const int64_t at = prefetch.Offset(c / 2);
           for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + at, _MM_HINT_T0);
         }
         for (int r = 0; r < R; ++r) {
@@ -385,8 +385,8 @@ HJ_AVX512 void IntTile(const LayerWeights& layer, const Projection& w, int64_t r
     } else {
       for (int64_t c = c0; c < c1; c += kInt8Chunk) {
         const __mmask64 k = FirstLanes64(cols - c);
-        if (prefetch) {
-          const int64_t at = PrefetchOffset(c, prefetch, row_bytes, next_tile);
+        if (prefetch.enabled()) {
+          const int64_t at = prefetch.Offset(c);
           for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + at, _MM_HINT_T0);
         }
         __m512i wv[R];

@@ -1,7 +1,6 @@
 // Software prefetch of weight rows ahead of the SIMD GEMV tiles (the AVX2 and AVX-512 kernels).
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 
 #include "cpu_features.h"
@@ -17,18 +16,27 @@ inline int64_t WeightPrefetchBytes() {
   return bytes >= 0 ? bytes : 2048;
 }
 
-// The byte offset from a tile row's start that the step at byte `at` prefetches: `distance` ahead along the
-// row and, past the row's end, on into the same row of the next tile (`next_tile` = (R - 1) rows further),
-// so a tile's first lines are on their way before it starts. Rows of 1-byte weights are short (2 KB in
-// the down projection), so without this each tile would begin with a full memory latency. `distance` must
-// not exceed row_bytes (TileDistance), or the offset would land in the row after the next tile's.
-inline int64_t PrefetchOffset(int64_t at, int64_t distance, int64_t row_bytes, int64_t next_tile) {
-  const int64_t ahead = at + distance;
-  return ahead < row_bytes ? ahead : ahead + next_tile;
-}
+// Where each step of a tile row prefetches: `distance` bytes ahead in the stream that the row's position
+// in its tile follows from tile to tile, i.e. along the row and, past its end, on into the same row of the
+// following tiles (a tile's R rows are consecutive, so the next tile's same row starts R rows further).
+// So a tile's first lines are on their way before it starts: rows of 1-byte weights are short (2 KB in the
+// down projection, 1 KB for int4), and without this each tile would begin with a full memory latency.
+class TilePrefetch {
+ public:
+  TilePrefetch(int64_t row_bytes, int rows_per_tile) : row_bytes_(row_bytes), next_tile_((rows_per_tile - 1) * row_bytes) {
+    const int64_t distance = WeightPrefetchBytes();
+    remainder_ = distance % row_bytes;
+    lead_ = distance + distance / row_bytes * next_tile_;
+  }
 
-// The prefetch distance for a tile of rows of `row_bytes`: at most one row ahead (int4 rows of V3's down
-// projection are 1 KB), which then reaches the whole next tile.
-inline int64_t TileDistance(int64_t row_bytes) { return std::min(WeightPrefetchBytes(), row_bytes); }
+  bool enabled() const { return lead_ > 0; }
+
+  // The byte offset from the row's start to prefetch at the step that reads byte `at` (< row_bytes): no
+  // division in the loop, since at + (distance % row_bytes) crosses at most one row end.
+  int64_t Offset(int64_t at) const { return at + lead_ + (at + remainder_ >= row_bytes_ ? next_tile_ : 0); }
+
+ private:
+  int64_t row_bytes_, next_tile_, remainder_, lead_;
+};
 
 }  // namespace hybridjit
