@@ -130,11 +130,16 @@ def random_cache(model: engine.Model, batch: int, length: int, rng) -> list:
     ]
 
 
+def micro_batches(model: engine.Model, batch: int) -> list[int]:
+    """The sizes of the micro-batches a step of `batch` sequences runs: two with dual-batch overlap."""
+    return [batch - batch // 2, batch // 2] if model.dual_batch and batch > 1 else [batch]
+
+
 def median_step_ms(model: engine.Model, batch: int, context: int, steps: int, rng) -> float:
     """Times decode steps as the engine's generation loop runs them (the next step dispatched before this
     step's tokens are read back), over a cache already holding `context` positions."""
     cfg, w = model.config, model.weights
-    groups = [batch - batch // 2, batch // 2] if model.dual_batch and batch > 1 else [batch]
+    groups = micro_batches(model, batch)
     caches = [random_cache(model, g, context + steps + 4, rng) for g in groups]
     current = [jnp.asarray(rng.integers(2, cfg.vocab_size, g), jnp.int32) for g in groups]
     params = engine.SamplingParams().device_args()
@@ -167,7 +172,7 @@ def median_step_ms(model: engine.Model, batch: int, context: int, steps: int, rn
 
 def bench_case(model: engine.Model, batch: int, context: int, steps: int, rng) -> dict:
     cfg, w = model.config, model.weights
-    groups = 2 if model.dual_batch and batch > 1 else 1
+    groups = len(micro_batches(model, batch))
     step = median_step_ms(model, batch, context, steps, rng)
     moe_layers = sum(isinstance(layer.mlp, dsv3.MoE) for layer in w.layers)
     handler_runs = None

@@ -1,10 +1,11 @@
 // What the host CPU can run, and which kernel family the routed experts use.
 //
 // The families are ordered: generic (portable C++, always there) < avx2 (AVX2 + FMA + F16C) < avx512
-// (F, BW, VL, DQ, BF16, VNNI, VBMI: Sapphire Rapids and Zen 4 on) < amx (AMX-TILE, BF16, INT8 on top of
-// avx512). The best family the host supports is chosen once, from CPUID and XCR0; HYBRIDJIT_CPU_KERNEL
-// overrides it at first use and SetCpuKernel at any time (tests). Choosing amx asks the kernel for the AMX tile state with
-// arch_prctl(ARCH_REQ_XCOMP_PERM) first: without that permission the first tile instruction is SIGILL.
+// (F, BW, VL, DQ, BF16, VNNI, VBMI: Sapphire Rapids and Zen 4 on; VBMI for the AMX kernels' FP8 table) <
+// amx (AMX-TILE, BF16, INT8 on top of avx512). The best family the host supports is chosen once, from
+// CPUID and XCR0; HYBRIDJIT_CPU_KERNEL overrides it at first use and SetCpuKernel at any time (tests).
+// Choosing amx asks the kernel for the AMX tile state with arch_prctl(ARCH_REQ_XCOMP_PERM) first: without
+// that permission the first tile instruction is SIGILL.
 #pragma once
 
 #include <cstdint>

@@ -185,10 +185,7 @@ HJ_AVX2 void FloatTile(const LayerWeights& layer, const Projection& w, int64_t r
     // Whole chunks, then the row's partial last chunk.
     const int64_t c0 = b * block, whole_end = c0 + (c1 - c0) / kFloatChunk * kFloatChunk;
     for (int64_t c = c0; c < whole_end; c += kFloatChunk) {
-      if (prefetch.enabled()) {
-        const int64_t at = prefetch.Offset(c * kBytes);
-        for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + at, _MM_HINT_T0);
-      }
+      prefetch.Rows(rows, c * kBytes);
       for (int r = 0; r < R; ++r) accumulate(c, r, LoadChunk<F>(rows[r], c));
     }
     if (whole_end < c1) {
@@ -400,10 +397,7 @@ HJ_AVX2 void IntTile(const LayerWeights& layer, const Projection& w, int64_t row
     if constexpr (kInt4) {
       for (int64_t c = c0; c < c1; c += kInt4Chunk) {
         const int64_t n_bytes = (std::min(kInt4Chunk, cols - c) + 1) / 2;
-        if (prefetch.enabled()) {
-          const int64_t at = prefetch.Offset(c / 2);
-          for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + at, _MM_HINT_T0);
-        }
+        prefetch.Rows(rows, c / 2);
         __m256i lo[R], hi[R];
         for (int r = 0; r < R; ++r) {
           const __m256i v = LoadBytes32(rows[r] + c / 2, n_bytes);
@@ -422,10 +416,7 @@ HJ_AVX2 void IntTile(const LayerWeights& layer, const Projection& w, int64_t row
       }
     } else {
       for (int64_t c = c0; c < c1; c += kInt8Chunk) {
-        if (prefetch.enabled()) {
-          const int64_t at = prefetch.Offset(c);
-          for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + at, _MM_HINT_T0);
-        }
+        prefetch.Rows(rows, c);
         __m256i wv[R];
         for (int r = 0; r < R; ++r) wv[r] = LoadBytes32(rows[r] + c, std::min(kInt8Chunk, cols - c));
         for (int t = 0; t < TC; ++t) {

@@ -1,4 +1,4 @@
-// AVX-512 kernels (F, BW, VL, DQ, BF16, VNNI, VBMI): the GEMV of decode, memory-bound by design.
+// AVX-512 kernels (F, BW, VL, DQ, BF16, VNNI): the GEMV of decode, memory-bound by design.
 //
 // bf16 and fp8 weights meet bfloat16 activations in vdpbf16ps (float32 accumulators). FP8 E4M3FN is
 // expanded to bfloat16 in registers (OSDI '26 §3.4) by the shift expansion of fp8_special.h, done on
@@ -26,8 +26,7 @@
 #include "numeric_formats.h"
 #include "weight_prefetch.h"
 
-#define HJ_AVX512 \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,avx512vbmi,avx2,fma,f16c")))
+#define HJ_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,avx2,fma,f16c")))
 
 namespace hybridjit {
 namespace {
@@ -80,10 +79,12 @@ size_t Bf16PackedBytes(const LayerWeights& layer, int64_t tokens, int64_t cols) 
 // Where element i (< 64) of a step sits in the FP8 weights' order.
 int64_t Fp8StepPosition(int64_t i) { return i % 2 * 32 + i / 2; }
 
+// Where element j of a scale block sits in the block's packed activations.
+int64_t Fp8BlockPosition(int64_t j) { return j / kStep * kStep + Fp8StepPosition(j % kStep); }
+
 // Where FP8 activation column c of a token sits in its packed row.
 int64_t Fp8PackedPosition(int64_t c, int64_t block, int64_t block_stride) {
-  const int64_t j = c % block;
-  return c / block * block_stride + j / kStep * kStep + Fp8StepPosition(j % kStep);
+  return c / block * block_stride + Fp8BlockPosition(c % block);
 }
 
 HJ_AVX512 void Bf16Pack(const LayerWeights& layer, const ActivationRows& rows, int64_t cols, void* packed) {
@@ -101,7 +102,11 @@ HJ_AVX512 void Bf16Pack(const LayerWeights& layer, const ActivationRows& rows, i
     }
     auto* out = static_cast<uint16_t*>(packed) + t * stride;
     std::fill(out, out + stride, uint16_t{0});
-    for (int64_t c = 0; c < cols; ++c) out[fp8 ? Fp8PackedPosition(c, block, block_stride) : c] = bits[c];
+    // Block by block, so the per-element position needs no division by the block size.
+    for (int64_t c0 = 0; c0 < cols; c0 += block, out += block_stride) {
+      const int64_t n = std::min(block, cols - c0);
+      for (int64_t j = 0; j < n; ++j) out[fp8 ? Fp8BlockPosition(j) : j] = bits[c0 + j];
+    }
   }
 }
 
@@ -168,13 +173,7 @@ HJ_AVX512 void Bf16Tile(const LayerWeights& layer, const Projection& w, int64_t 
     const int64_t whole_end = c0 + (c1 - c0) / kStep * kStep;
     __m512i first[R], second[R];
     for (int64_t c = c0; c < whole_end; c += kStep) {
-      if (prefetch.enabled()) {
-        const int64_t at = prefetch.Offset(c * kBytes);
-        for (int r = 0; r < R; ++r) {
-          _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + at, _MM_HINT_T0);
-          if constexpr (!kScaled) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + at + 64, _MM_HINT_T0);
-        }
-      }
+      prefetch.Rows(rows, c * kBytes, kBytes);  // a step reads kBytes lines of each row
       for (int r = 0; r < R; ++r) LoadStep<F>(rows[r], c, kStep, &first[r], &second[r]);
       accumulate(c, first, second);
     }
@@ -364,10 +363,7 @@ HJ_AVX512 void IntTile(const LayerWeights& layer, const Projection& w, int64_t r
       for (int64_t c = c0; c < c1; c += kInt4Chunk) {
         const __mmask64 k = FirstLanes64((std::min(kInt4Chunk, cols - c) + 1) / 2);
         __m512i lo[R], hi[R];
-        if (prefetch.enabled()) {
-          const int64_t at = prefetch.Offset(c / 2);
-          for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + at, _MM_HINT_T0);
-        }
+        prefetch.Rows(rows, c / 2);
         for (int r = 0; r < R; ++r) {
           const __m512i v = _mm512_maskz_loadu_epi8(k, rows[r] + c / 2);
           lo[r] = _mm512_and_si512(v, low_nibbles);
@@ -385,10 +381,7 @@ HJ_AVX512 void IntTile(const LayerWeights& layer, const Projection& w, int64_t r
     } else {
       for (int64_t c = c0; c < c1; c += kInt8Chunk) {
         const __mmask64 k = FirstLanes64(cols - c);
-        if (prefetch.enabled()) {
-          const int64_t at = prefetch.Offset(c);
-          for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + at, _MM_HINT_T0);
-        }
+        prefetch.Rows(rows, c);
         __m512i wv[R];
         // Lanes past the row load as 0 and flip to 128, against activations padded with 0.
         for (int r = 0; r < R; ++r) wv[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(k, rows[r] + c), sign_bit);

@@ -49,6 +49,30 @@ struct Projection {
   int64_t n_fp8_specials = 0;
 };
 
+// Projection `which` of expert `expert` of a registered layer, with its fp8 special codes once the bank
+// has listed them.
+inline Projection ExpertProjection(const LayerWeights& layer, int64_t expert, Matrix which) {
+  const ExpertWeights& w = layer.experts[expert];
+  Projection p;
+  switch (which) {
+    case Matrix::kGate:
+      p = {w.gate, w.gate_scale, layer.inter, layer.hidden};
+      break;
+    case Matrix::kUp:
+      p = {w.up, w.up_scale, layer.inter, layer.hidden};
+      break;
+    case Matrix::kDown:
+      p = {w.down, w.down_scale, layer.hidden, layer.inter};
+      break;
+  }
+  if (!layer.fp8_specials.empty()) {
+    const std::vector<uint32_t>& specials = layer.fp8_specials[expert][static_cast<int>(which)];
+    p.fp8_specials = specials.data();
+    p.n_fp8_specials = static_cast<int64_t>(specials.size());
+  }
+  return p;
+}
+
 struct GemmKernel {
   const char* name;
   // Output buffers hold rows and tokens padded up to a multiple of this (AMX writes whole tiles).

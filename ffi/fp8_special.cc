@@ -1,8 +1,5 @@
 #include "fp8_special.h"
 
-#include <stdexcept>
-#include <string>
-
 namespace hybridjit {
 namespace {
 
@@ -19,10 +16,6 @@ bool AnySpecial(const uint8_t* codes) {
 
 std::vector<uint32_t> FindFp8Specials(const uint8_t* weights, int64_t rows, int64_t cols) {
   const int64_t n = rows * cols;
-  if (n > int64_t{UINT32_MAX}) {
-    throw std::invalid_argument("an fp8 projection of " + std::to_string(rows) + " x " + std::to_string(cols) +
-                                " elements is too large for the 32-bit special-code index");
-  }
   std::vector<uint32_t> found;
   for (int64_t c = 0; c < n; c += kChunk) {
     const int64_t end = std::min(n, c + kChunk);

@@ -32,7 +32,7 @@ inline float Fp8ShiftedValue(uint8_t code) {
 }
 
 // The flat indices (row * cols + col), ascending, of the special codes of a row-major [rows, cols] FP8
-// matrix. Throws std::invalid_argument if rows * cols does not fit the 32-bit index.
+// matrix; rows * cols must fit the 32-bit index (WeightBank::Add checks it for every layer).
 std::vector<uint32_t> FindFp8Specials(const uint8_t* weights, int64_t rows, int64_t cols);
 
 // For rows [row0, row0 + rows) of an FP8 projection whose tile outputs (scales applied) are in

@@ -114,27 +114,6 @@ class Buffer {
 size_t Aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 int64_t RoundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
-enum Which { kGate, kUp, kDown };
-
-Projection ExpertProjection(const LayerWeights& layer, int64_t expert, Which which) {
-  const ExpertWeights& w = layer.experts[expert];
-  static const Fp8Specials kNone;
-  const Fp8Specials& s = layer.fp8_specials.empty() ? kNone : layer.fp8_specials[expert];
-  const auto make = [](const void* data, const float* scale, int64_t rows, int64_t cols,
-                       const std::vector<uint32_t>& specials) {
-    return Projection{data, scale, rows, cols, specials.data(), static_cast<int64_t>(specials.size())};
-  };
-  switch (which) {
-    case kGate:
-      return make(w.gate, w.gate_scale, layer.inter, layer.hidden, s.gate);
-    case kUp:
-      return make(w.up, w.up_scale, layer.inter, layer.hidden, s.up);
-    case kDown:
-      break;
-  }
-  return make(w.down, w.down_scale, layer.hidden, layer.inter, s.down);
-}
-
 struct ExpertPlan {
   int64_t expert = 0;
   int64_t first = 0;  // routes [first, first + count) of the sorted route arrays
@@ -385,7 +364,8 @@ class MoeJob {
     const int64_t block = RoundUp(rows, pad) * stride;
     float* scratch = Scratch(3 * block);
     float* out[2] = {scratch, scratch + block};
-    const Projection proj[2] = {ExpertProjection(layer_, p.expert, kGate), ExpertProjection(layer_, p.expert, kUp)};
+    const Projection proj[2] = {ExpertProjection(layer_, p.expert, Matrix::kGate),
+                                ExpertProjection(layer_, p.expert, Matrix::kUp)};
     p.kernel->gemm(layer_, proj, 2, task.begin, rows, arena_ + p.packed_in, p.count, out, stride);
     float* fused = scratch + 2 * block;
     SiluMul(out[0], out[1], rows * stride, fused);
@@ -404,7 +384,7 @@ class MoeJob {
     const int64_t rows = task.end - task.begin;
     const int64_t stride = RoundUp(p.count, p.kernel->pad);
     float* out = Scratch(RoundUp(rows, p.kernel->pad) * stride);
-    const Projection proj = ExpertProjection(layer_, p.expert, kDown);
+    const Projection proj = ExpertProjection(layer_, p.expert, Matrix::kDown);
     p.kernel->gemm(layer_, &proj, 1, task.begin, rows, arena_ + p.packed_act, p.count, &out, stride);
     // Each row slice sums the experts in plan order, whatever order their tasks finish in: the same
     // inputs always give the same bits (greedy decoding is deterministic). Release passes the turn on.

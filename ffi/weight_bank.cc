@@ -1,11 +1,12 @@
 #include "weight_bank.h"
 
 #include <algorithm>
-#include <memory>
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 
+#include "expert_kernels.h"
 #include "fp8_special.h"
 #include "thread_pool.h"
 
@@ -67,21 +68,8 @@ void ListFp8Specials(LayerWeights& layer) {
   job.tasks.assign(1, std::vector<std::vector<int64_t>>(pool->nodes()));
   for (int64_t task = 0; task < 3 * n; ++task) job.tasks[0][task % pool->nodes()].push_back(task);
   job.run = [&](int64_t task) {
-    const ExpertWeights& w = layer.experts[task / 3];
-    Fp8Specials& out = layer.fp8_specials[task / 3];
-    const auto find = [](const void* data, int64_t rows, int64_t cols) {
-      return FindFp8Specials(static_cast<const uint8_t*>(data), rows, cols);
-    };
-    switch (task % 3) {
-      case 0:
-        out.gate = find(w.gate, layer.inter, layer.hidden);
-        break;
-      case 1:
-        out.up = find(w.up, layer.inter, layer.hidden);
-        break;
-      default:
-        out.down = find(w.down, layer.hidden, layer.inter);
-    }
+    const Projection p = ExpertProjection(layer, task / 3, static_cast<Matrix>(task % 3));
+    layer.fp8_specials[task / 3][task % 3] = FindFp8Specials(static_cast<const uint8_t*>(p.data), p.rows, p.cols);
   };
   const std::string error = pool->Run(job);
   if (!error.empty()) throw std::runtime_error("listing the fp8 special codes: " + error);

@@ -5,6 +5,7 @@
 // removed. A custom call names its layer by the integer id handed out here.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -39,10 +40,11 @@ struct ExpertWeights {
   const float* down_scale = nullptr;
 };
 
-// The special codes (fp8_special.h) of one fp8 expert's projections.
-struct Fp8Specials {
-  std::vector<uint32_t> gate, up, down;
-};
+// The three projections of an expert, in the order of ExpertWeights.
+enum class Matrix { kGate, kUp, kDown };
+
+// The special codes (fp8_special.h) of one fp8 expert's projections, indexed by Matrix.
+using Fp8Specials = std::array<std::vector<uint32_t>, 3>;
 
 struct LayerWeights {
   WeightFormat format = WeightFormat::kF32;

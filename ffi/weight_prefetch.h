@@ -1,6 +1,8 @@
 // Software prefetch of weight rows ahead of the SIMD GEMV tiles (the AVX2 and AVX-512 kernels).
 #pragma once
 
+#include <xmmintrin.h>
+
 #include <cstdint>
 
 #include "cpu_features.h"
@@ -29,11 +31,19 @@ class TilePrefetch {
     lead_ = distance + distance / row_bytes * next_tile_;
   }
 
-  bool enabled() const { return lead_ > 0; }
-
   // The byte offset from the row's start to prefetch at the step that reads byte `at` (< row_bytes): no
   // division in the loop, since at + (distance % row_bytes) crosses at most one row end.
   int64_t Offset(int64_t at) const { return at + lead_ + (at + remainder_ >= row_bytes_ ? next_tile_ : 0); }
+
+  // Prefetches `lines` cache lines of each of the tile's rows for the step that reads byte `at`.
+  template <int R>
+  void Rows(const unsigned char* const (&rows)[R], int64_t at, int lines = 1) const {
+    if (lead_ == 0) return;
+    const int64_t offset = Offset(at);
+    for (int r = 0; r < R; ++r) {
+      for (int l = 0; l < lines; ++l) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + offset + 64 * l, _MM_HINT_T0);
+    }
+  }
 
  private:
   int64_t row_bytes_, next_tile_, remainder_, lead_;
