@@ -14,7 +14,8 @@ measured by running the expert calls alone on the CPU otherwise; `expert_alone_m
 `handoff_us` the hand-off mechanism per submit/wait pair (its round trip less the CPU job inside it; GPU
 only), `xla_ms` the rest; `cpu_busy` is the fraction of the step in which the CPU runs expert jobs
 (KTransformers' "CPU utilisation": the expert pool's cores are either all in a job or idle). The floor is
-the time to read each step's distinct experts once at the memory read bandwidth measured by the same run.
+the time to read each step's distinct experts once at the memory read bandwidth measured by the same run,
+right before and after the case (`floor_gbps`; bench/floors.py's ReadFloor says why not once per run).
 
 Per MoE layer (a geometry with dense layers): the same geometry cut to its dense layers is timed too
 (`base_step_ms`: embedding, dense layers, LM head and sampling), and `moe_layer_ms` = (step - base) / MoE
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench_model import add_model_arguments, load_model
-from floors import machine, memory_floors
+from floors import ReadFloor, floors_line, machine, memory_floors
 from hybridjit import _ffi, engine
 from hybridjit.config import ModelConfig
 from hybridjit.models import deepseek_v3 as dsv3
@@ -246,16 +247,24 @@ def main(argv=None):
         del base
     print(f"decode: {name}, {depth} of {full_layers} layers, on {model.placement.device}, kernel {kernel_info()}"
           + (f", hand-off {_ffi.gpu_handoff_mode()}" if ON_GPU else ""))
-    print(f"floors: memory read {floors['read_gbps']:.1f} GB/s, triad {floors['triad_gbps']:.1f} GB/s")
+    print(floors_line(floors))
     print(f"{'batch':>5} {'ctx':>6} {'dual':>5} {'defer':>5} {'step ms':>8} {'tok/s':>8} {'experts':>8} {'alone':>8} "
           f"{'hand-off':>9} {'xla':>8} {'cpu busy':>8} {'floor':>8} {'ratio':>6}"
           + (f" {'layer ms':>8} {'l.ratio':>6}" if base_ms else ""))
     results = []
+    floor = ReadFloor(floors)
     for context, batch, overlap, deferred in cases:
         model.dual_batch = overlap
         model.expert_schedule = dsv3.ExpertSchedule(n_deferred=deferred)
+        # The case's read floor: passes right before and right after it (other tenants move this machine's
+        # memory bandwidth from minute to minute; the floors measured at the start only pick the pattern).
+        for _ in range(3):
+            floor.sample()
         r = bench_case(model, batch, context, args.steps, rng)
-        r["floor_ms"] = round(r["expert_bytes_per_step"] / (floors["read_gbps"] * 1e6), 3)
+        for _ in range(3):
+            floor.sample()
+        r["floor_gbps"] = round(floor.take(), 1)
+        r["floor_ms"] = round(r["expert_bytes_per_step"] / (r["floor_gbps"] * 1e6), 3)
         r["ratio_to_floor"] = round(r["floor_ms"] / r["median_step_ms"], 3)
         if base_ms:
             base_step = base_ms[batch, context, overlap]

@@ -8,14 +8,56 @@ a = b + s * c (STREAM's convention: three arrays' bytes per pass, no write-alloc
 
 import os
 import platform
+import statistics
 
 from hybridjit import _ffi
 
 
 def memory_floors(threads: int | None = None, bytes_per_array: int = 1 << 30, repeats: int = 5) -> dict:
-    """{"read_gbps", "triad_gbps", "threads", "bytes_per_array"}: best of `repeats` passes over float32 arrays
-    of `bytes_per_array` (far larger than any cache), on `threads` threads (default: the kernels' pool)."""
+    """{"read_gbps", "read_pattern", "read_by_pattern_gbps", "triad_gbps", "threads", "bytes_per_array"}: best
+    of `repeats` passes over float32 arrays of `bytes_per_array` (far larger than any cache), on `threads`
+    threads (default: the kernels' pool). The read floor is the best of several read patterns (plain, software
+    prefetch, several streams per thread), so that no kernel beats its floor by reading more cleverly."""
     return dict(_ffi.memory_bandwidth(bytes_per_array, repeats, threads or 0))
+
+
+class ReadFloor:
+    """The read floor taken next to a benchmark's cases, one pass at a time, in the best pattern of `floors`.
+
+    These machines share memory bandwidth with other tenants: two processes on one machine measured read floors
+    of 154 and 199 GB/s minutes apart (bench/RESULTS.md), so a case is judged against passes taken between and
+    around its own timed runs, not against a floor measured once at the start."""
+
+    def __init__(self, floors: dict, bytes_per_pass: int = 1 << 29):
+        self.pattern = floors["read_pattern"]
+        self._reader = _ffi.MemoryReader(bytes_per_pass, floors["threads"])
+        self._passes: list[float] = []
+
+    def sample(self) -> None:
+        """One read pass, kept for the current case."""
+        self._passes.append(self._reader.read_gbps(self.pattern))
+
+    def take(self) -> float:
+        """The median GB/s of the passes sampled since the last take."""
+        passes, self._passes = self._passes, []
+        if not passes:
+            raise RuntimeError("ReadFloor.take() before any sample()")
+        return statistics.median(passes)
+
+
+def floors_line(floors: dict) -> str:
+    patterns = ", ".join(f"{name} {gbps:.1f}" for name, gbps in floors["read_by_pattern_gbps"].items())
+    return (f"floors: memory read {floors['read_gbps']:.1f} GB/s ({patterns}), triad {floors['triad_gbps']:.1f} GB/s "
+            f"({floors['threads']} threads)")
+
+
+def transparent_huge_pages() -> str:
+    """The kernel's transparent-huge-page mode (always / madvise / never), or "unknown"."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return next(word[1:-1] for word in f.read().split() if word.startswith("["))
+    except (OSError, StopIteration):
+        return "unknown"
 
 
 def machine() -> dict:
@@ -33,4 +75,5 @@ def machine() -> dict:
         "kernel": info["kernel"],
         "threads": info["threads"],
         "numa_nodes": info["numa_nodes"],
+        "transparent_huge_pages": transparent_huge_pages(),
     }

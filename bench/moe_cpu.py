@@ -11,8 +11,11 @@ and reports the median latency, TFLOP/s (2 * 3 * hidden * inter multiply-adds pe
 effective GB/s of weight bytes read (the distinct experts a call touches, weights and scales as stored).
 Decode layers hold enough experts (a few GB) that a call's experts are not in cache from the previous call;
 prefill holds 32 (the issue's setting: 2048 tokens x top-8 / 32 = 512 tokens per expert). The floors are
-measured in the same process: memory read (streaming sum) and triad bandwidth over all cores; each decode
-figure is also given as a fraction of the read bandwidth (ratio_to_floor).
+measured in the same process: memory read (a streaming sum, best of several read patterns) and triad
+bandwidth over all cores. Each decode figure is also given as a fraction of the read bandwidth
+(ratio_to_floor) taken next to it: one read pass in the best pattern before every timed call, the case's
+floor being their median (the lent machines share memory bandwidth with other tenants, so a floor taken
+once per process can be 25% off the one a case saw).
 
 Formats: fp8 (E4M3FN, 128x128 block scales), bf16, int8 and int4 (one float32 scale per 128 input columns of
 a row), int8_row (one scale per row: AMX keeps int8 tiles). Baselines in the same process: NumPy (float32
@@ -22,6 +25,7 @@ against AMX by tokens per expert (the basis of HYBRIDJIT_AMX_MIN_TOKENS). Ends w
 
 import argparse
 import json
+import mmap
 import statistics
 import sys
 import time
@@ -29,7 +33,7 @@ import time
 import ml_dtypes
 import numpy as np
 
-from floors import machine, memory_floors
+from floors import ReadFloor, floors_line, machine, memory_floors
 from hybridjit.ops.routed_experts import (
     kernel_info,
     layer_kernel,
@@ -76,14 +80,36 @@ def make_projection(rng, fmt: str, n: int, rows: int, cols: int):
     return list(weights), None if scales is None else list(scales)
 
 
-def make_layer(rng, fmt, n_experts, hidden, inter):
+def on_huge_pages(arrays: list[np.ndarray]) -> list[np.ndarray]:
+    """The arrays copied into one anonymous mapping advised into transparent huge pages."""
+    stacked = np.stack(arrays)
+    buffer = mmap.mmap(-1, max(1, stacked.nbytes))
+    buffer.madvise(mmap.MADV_HUGEPAGE)
+    out = np.frombuffer(buffer, stacked.dtype, stacked.size).reshape(stacked.shape)
+    out[...] = stacked
+    return list(out)
+
+
+def make_layer(rng, fmt, n_experts, hidden, inter, memory="numpy"):
+    """A registered layer of random experts, held in `memory`: numpy (the allocator's pages), huge (advised
+    into huge pages) or pinned (hybridjit.pinned_experts: pinned host memory of the first JAX device, as
+    hybrid decode holds experts)."""
     gate, gate_s = make_projection(rng, fmt, n_experts, inter, hidden)
     up, up_s = make_projection(rng, fmt, n_experts, inter, hidden)
     down, down_s = make_projection(rng, fmt, n_experts, hidden, inter)
-    if fmt == "bf16":
-        return register_layer(gate, up, down)
-    block = {"fp8": (128, 128), "int8_row": (1, 128 * -(-max(hidden, inter) // 128))}.get(fmt, (1, GROUP))
-    return register_layer(gate, up, down, gate_s, up_s, down_s, block=block)
+    scales = {} if fmt == "bf16" else {
+        "gate_scale": gate_s, "up_scale": up_s, "down_scale": down_s,
+        "block": {"fp8": (128, 128), "int8_row": (1, 128 * -(-max(hidden, inter) // 128))}.get(fmt, (1, GROUP)),
+    }
+    if memory == "pinned":
+        import jax
+
+        from hybridjit.pinned_experts import register_pinned
+
+        return register_pinned(gate, up, down, **scales, device=jax.devices()[0])
+    if memory == "huge":
+        gate, up, down = on_huge_pages(gate), on_huge_pages(up), on_huge_pages(down)
+    return register_layer(gate, up, down, **scales)
 
 
 def expert_bytes(fmt, hidden, inter) -> int:
@@ -109,18 +135,26 @@ def routings(rng, calls, tokens, top_k, n_experts):
     return out
 
 
-def median_ms(run, routes, warmup=2):
+def operator_call(layer, x):
+    """run(ids, weights) for median_ms: the operator on `x` with that routing."""
+    return lambda ids, weights: routed_experts_host(layer, x, ids, weights)
+
+
+def median_ms(run, routes, floor: ReadFloor, warmup=2):
+    """Median ms of run() over the routes after `warmup` calls, with a read-floor pass before every timed call
+    (the case's floor, taken at the same moment; and no call finds the previous call's experts in cache)."""
     for ids, weights in routes[:warmup]:
         run(ids, weights)
     times = []
     for ids, weights in routes[warmup:]:
+        floor.sample()
         start = time.perf_counter()
         run(ids, weights)
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
 
 
-def figures(case, ms, routes, bytes_per_expert, hidden, inter, floors):
+def figures(case, ms, routes, bytes_per_expert, hidden, inter, floor: ReadFloor):
     tokens, top_k = routes[0][0].shape
     touched = statistics.mean(len(np.unique(ids)) for ids, _ in routes)
     gbps = touched * bytes_per_expert / (ms * 1e6)
@@ -130,8 +164,10 @@ def figures(case, ms, routes, bytes_per_expert, hidden, inter, floors):
         tflops=round(2 * 3 * hidden * inter * tokens * top_k / (ms * 1e9), 3),
         experts_touched=round(touched, 1),
     )
+    floor_gbps = floor.take()
     if case["phase"] == "decode":
-        case["ratio_to_floor"] = round(gbps / floors["read_gbps"], 3)
+        case["floor_gbps"] = round(floor_gbps, 1)
+        case["ratio_to_floor"] = round(gbps / floor_gbps, 3)
     return case
 
 
@@ -142,7 +178,7 @@ def decode_experts(bytes_per_expert, quick, top_k):
     return int(min(256, max(4 * top_k, 4e9 // bytes_per_expert)))
 
 
-def bench_hybridjit(args, rng, floors, results):
+def bench_hybridjit(args, rng, floor, results):
     hidden, inter, top_k = args.hidden, args.inter, args.top_k
     for fmt in args.formats:
         per_expert = expert_bytes(fmt, hidden, inter)
@@ -152,21 +188,22 @@ def bench_hybridjit(args, rng, floors, results):
             if not tokens_list:
                 continue
             n_experts = decode_experts(per_expert, args.quick, top_k) if phase == "decode" else args.prefill_experts
-            with make_layer(rng, fmt, n_experts, hidden, inter) as layer:
-                distances = args.prefetch if phase == "decode" and args.prefetch else [None]
-                for tokens, distance in ((t, d) for t in tokens_list for d in distances):
-                    if distance is not None:
-                        set_prefetch_bytes(distance)
-                    calls = args.repeats if phase == "decode" else max(3, args.repeats // 6)
-                    routes = routings(rng, calls + 2, tokens, top_k, n_experts)
-                    x = rng.standard_normal((tokens, hidden)).astype(ml_dtypes.bfloat16)
-                    ms = median_ms(lambda ids, w, x=x, layer=layer: routed_experts_host(layer, x, ids, w), routes)
-                    per_call = tokens * top_k / n_experts
-                    case = {"impl": "hybridjit", "format": fmt, "phase": phase, "tokens": tokens, "top_k": top_k,
-                            "experts": n_experts, "kernel": layer_kernel(layer, max(1, round(per_call))),
-                            "prefetch_bytes": distance}  # None: the kernels' default
-                    results.append(figures(case, ms, routes, per_expert, hidden, inter, floors))
-                    print(row(results[-1]), flush=True)
+            for memory in args.memory:
+                with make_layer(rng, fmt, n_experts, hidden, inter, memory) as layer:
+                    distances = args.prefetch if phase == "decode" and args.prefetch else [None]
+                    for tokens, distance in ((t, d) for t in tokens_list for d in distances):
+                        if distance is not None:
+                            set_prefetch_bytes(distance)
+                        calls = args.repeats if phase == "decode" else max(3, args.repeats // 6)
+                        routes = routings(rng, calls + 2, tokens, top_k, n_experts)
+                        x = rng.standard_normal((tokens, hidden)).astype(ml_dtypes.bfloat16)
+                        ms = median_ms(operator_call(layer, x), routes, floor)
+                        per_call = tokens * top_k / n_experts
+                        case = {"impl": "hybridjit", "format": fmt, "phase": phase, "tokens": tokens, "top_k": top_k,
+                                "experts": n_experts, "kernel": layer_kernel(layer, max(1, round(per_call))),
+                                "prefetch_bytes": distance, "memory": memory}  # prefetch None: the default
+                        results.append(figures(case, ms, routes, per_expert, hidden, inter, floor))
+                        print(row(results[-1]), flush=True)
         set_prefetch_bytes(None)
 
 
@@ -186,7 +223,7 @@ def moe_reference_impl(matmul, silu, zeros, gate, up, down, x, ids, weights):
     return y
 
 
-def bench_numpy(args, rng, floors, results):
+def bench_numpy(args, rng, floor, results):
     hidden, inter, top_k = args.hidden, args.inter, args.top_k
     per_expert = 3 * hidden * inter * 4
     for phase, tokens_list in (("decode", args.decode), ("prefill", args.prefill)):
@@ -203,12 +240,12 @@ def bench_numpy(args, rng, floors, results):
                 moe_reference_impl(np.matmul, lambda v: v / (1 + np.exp(-v)), np.zeros, gate, up, down, x, ids, w)
 
             case = {"impl": "numpy", "format": "f32", "phase": phase, "tokens": tokens, "top_k": top_k, "experts": n}
-            results.append(figures(case, median_ms(run, routes), routes, per_expert, hidden, inter, floors))
+            results.append(figures(case, median_ms(run, routes, floor), routes, per_expert, hidden, inter, floor))
             print(row(results[-1]), flush=True)
         del gate, up, down
 
 
-def bench_torch(args, rng, floors, results):
+def bench_torch(args, rng, floor, results):
     try:
         import torch
     except ImportError:
@@ -245,12 +282,12 @@ def bench_torch(args, rng, floors, results):
                     return y
 
             case = {"impl": "torch", "format": "bf16", "phase": phase, "tokens": tokens, "top_k": top_k, "experts": n}
-            results.append(figures(case, median_ms(run, routes), routes, per_expert, hidden, inter, floors))
+            results.append(figures(case, median_ms(run, routes, floor), routes, per_expert, hidden, inter, floor))
             print(row(results[-1]), flush=True)
         del gate, up, down
 
 
-def bench_crossover(args, rng, floors, results):
+def bench_crossover(args, rng, floor, results):
     """Tokens per expert where AMX overtakes AVX-512: 8 experts, every token routed to all of them."""
     if "amx" not in kernel_info()["supported"]:
         print("no AMX on this host: no crossover")
@@ -266,19 +303,20 @@ def bench_crossover(args, rng, floors, results):
                 for family in ("avx512", "amx"):
                     set_cpu_kernel(family)
                     set_amx_min_tokens(1)
-                    ms = median_ms(lambda ids, w, x=x, layer=layer: routed_experts_host(layer, x, ids, w), routes)
+                    ms = median_ms(operator_call(layer, x), routes, floor)
                     case = {"impl": "hybridjit", "format": fmt, "phase": "crossover", "tokens": tokens, "top_k": 8,
                             "experts": 8, "kernel": layer_kernel(layer, tokens)}
-                    results.append(figures(case, ms, routes, expert_bytes(fmt, hidden, inter), hidden, inter, floors))
+                    results.append(figures(case, ms, routes, expert_bytes(fmt, hidden, inter), hidden, inter, floor))
                     print(row(results[-1]), flush=True)
     set_cpu_kernel(info["kernel"])
     set_amx_min_tokens(info["amx_min_tokens"])
 
 
 def row(r) -> str:
-    ratio = f"{r['ratio_to_floor']:>6.1%}" if "ratio_to_floor" in r else " " * 6
+    ratio = f"{r['ratio_to_floor']:>6.1%} of {r['floor_gbps']:5.1f}" if "ratio_to_floor" in r else " " * 15
     return (
-        f"{r['impl']:>9} {r['format']:>8} {r['phase']:>9} {r['tokens']:>5} tok  {r.get('kernel', ''):>9} "
+        f"{r['impl']:>9} {r['format']:>8} {r.get('memory', ''):>6} {r['phase']:>9} {r['tokens']:>5} tok  "
+        f"{r.get('kernel', ''):>9} "
         f"{r['median_ms']:>10.3f} ms {r['gbps']:>8.1f} GB/s {ratio} {r['tflops']:>8.3f} TFLOP/s"
     )
 
@@ -297,6 +335,9 @@ def main():
     parser.add_argument("--crossover", action="store_true")
     parser.add_argument("--prefetch", nargs="+", type=int, default=[],
                         help="run the decode cases once per software-prefetch distance (bytes; 0: off)")
+    parser.add_argument("--memory", nargs="+", choices=("numpy", "huge", "pinned"), default=["numpy"],
+                        help="where the experts are held: numpy arrays, numpy arrays advised into huge pages, or "
+                             "pinned host memory of the first JAX device (as hybrid decode holds them); one run each")
     parser.add_argument("--quick", action="store_true", help="decode only, top-k + 4 experts per layer, few repeats")
     args = parser.parse_args()
     if args.quick:
@@ -304,15 +345,15 @@ def main():
     rng = np.random.default_rng(0)
     floors = memory_floors(bytes_per_array=(1 << 28) if args.quick else (1 << 30), repeats=3 if args.quick else 5)
     print(f"machine: {machine()}")
-    print(f"floors: memory read {floors['read_gbps']:.1f} GB/s, triad {floors['triad_gbps']:.1f} GB/s "
-          f"({floors['threads']} threads)")
+    print(floors_line(floors))
     results = []
-    bench_hybridjit(args, rng, floors, results)
+    floor = ReadFloor(floors, floors["bytes_per_array"] // 2)
+    bench_hybridjit(args, rng, floor, results)
     if args.baselines:
-        bench_numpy(args, rng, floors, results)
-        bench_torch(args, rng, floors, results)
+        bench_numpy(args, rng, floor, results)
+        bench_torch(args, rng, floor, results)
     if args.crossover:
-        bench_crossover(args, rng, floors, results)
+        bench_crossover(args, rng, floor, results)
     shape = {"hidden": args.hidden, "inter": args.inter, "top_k": args.top_k, "command": " ".join(sys.argv)}
     print(json.dumps({"bench": "moe_cpu", "machine": {**machine(), **shape}, "floors": floors, "results": results}))
 

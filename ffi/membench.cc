@@ -1,9 +1,10 @@
 #include "membench.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
-#include <memory>
 #include <new>
 #include <stdexcept>
 #include <vector>
@@ -13,14 +14,25 @@
 namespace hybridjit {
 namespace {
 
-// Wide loads matter here: a 16-byte loop can leave bandwidth unused on a core.
-__attribute__((target_clones("avx512f", "avx2", "default"))) float Sum(const float* a, int64_t n) {
+// Sums `streams` equal sub-ranges of a[0, n) side by side, 64 floats (4 cache lines) of each per step,
+// prefetching `prefetch` floats ahead in each (0: none). Wide loads matter: a 16-byte loop can leave
+// bandwidth unused on a core.
+__attribute__((target_clones("avx512f", "avx2", "default"))) float Sum(const float* a, int64_t n, int streams,
+                                                                      int64_t prefetch) {
   constexpr int kLanes = 64;
   float lanes[kLanes] = {};
-  for (int64_t i = 0; i + kLanes <= n; i += kLanes) {
-    for (int l = 0; l < kLanes; ++l) lanes[l] += a[i + l];
+  const int64_t len = n / streams / kLanes * kLanes;
+  for (int64_t i = 0; i < len; i += kLanes) {
+    for (int s = 0; s < streams; ++s) {
+      const float* p = a + s * len + i;
+      if (prefetch > 0) {
+        for (int line = 0; line < kLanes; line += 16) __builtin_prefetch(p + prefetch + line);
+      }
+      for (int l = 0; l < kLanes; ++l) lanes[l] += p[l];
+    }
   }
   float s = 0;
+  for (int64_t i = streams * len; i < n; ++i) s += a[i];
   for (float v : lanes) s += v;
   return s;
 }
@@ -30,19 +42,28 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void Triad(float* a
   for (int64_t i = 0; i < n; ++i) a[i] = b[i] + s * c[i];
 }
 
+// On 2 MB boundaries and advised into huge pages (where transparent huge pages are "madvise" only), so
+// the floor is not held down by TLB misses. Advice only: without THP the pages stay small.
+float* Allocate(int64_t n) {
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t bytes = (n * sizeof(float) + kHuge - 1) / kHuge * kHuge;
+  auto* p = static_cast<float*>(std::aligned_alloc(kHuge, bytes));
+  if (!p) throw std::bad_alloc();
+  madvise(p, bytes, MADV_HUGEPAGE);
+  return p;
+}
+
 struct FreeDeleter {
   void operator()(float* p) const { std::free(p); }
 };
 
-std::unique_ptr<float, FreeDeleter> Allocate(int64_t n) {
-  auto* p = static_cast<float*>(std::aligned_alloc(4096, (n * sizeof(float) + 4095) / 4096 * 4096));
-  if (!p) throw std::bad_alloc();
-  return std::unique_ptr<float, FreeDeleter>(p);
+std::shared_ptr<ThreadPool> PoolOf(int threads) {
+  return threads > 0 ? std::make_shared<ThreadPool>(threads, 0) : ThreadPool::Global();
 }
 
-// Times `body(chunk, begin, end)` over [0, n) split into chunks taken by the pool's threads; best of repeats.
+// Seconds of one run of `body(chunk, begin, end)` over [0, n) split into chunks taken by the pool's threads.
 template <typename Body>
-double BestSeconds(ThreadPool& pool, int64_t n, int repeats, Body body) {
+double PassSeconds(ThreadPool& pool, int64_t n, Body body) {
   const int64_t chunks = pool.threads() * 8;
   Job job;
   job.tasks.assign(1, std::vector<std::vector<int64_t>>(pool.nodes()));
@@ -51,49 +72,81 @@ double BestSeconds(ThreadPool& pool, int64_t n, int repeats, Body body) {
   job.run = [&](int64_t c) {
     body(c, c * n / chunks / 64 * 64, (c + 1 == chunks) ? n : (c + 1) * n / chunks / 64 * 64);
   };
-  double best = 1e30;
-  for (int r = 0; r < repeats; ++r) {
-    const auto start = std::chrono::steady_clock::now();
-    const std::string error = pool.Run(job);
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (!error.empty()) throw std::runtime_error(error);
-    best = std::min(best, seconds);
+  const auto start = std::chrono::steady_clock::now();
+  const std::string error = pool.Run(job);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (!error.empty()) throw std::runtime_error(error);
+  return seconds;
+}
+
+// First touch by the pool's threads, so pages land where the threads that read them run.
+void Fill(ThreadPool& pool, float* a, int64_t n, float value) {
+  PassSeconds(pool, n, [&](int64_t, int64_t begin, int64_t end) { std::fill(a + begin, a + end, value); });
+}
+
+const ReadPattern& PatternNamed(const std::string& name) {
+  for (const ReadPattern& p : kReadPatterns) {
+    if (name == p.name) return p;
   }
-  return best;
+  std::string known;
+  for (const ReadPattern& p : kReadPatterns) known += std::string(known.empty() ? "" : ", ") + p.name;
+  throw std::invalid_argument("unknown read pattern '" + name + "' (known: " + known + ")");
 }
 
 }  // namespace
 
-MemoryBandwidth MeasureMemoryBandwidth(int64_t bytes, int repeats, int threads) {
-  if (bytes < 4096 || repeats < 1) throw std::invalid_argument("bytes must be >= 4096 and repeats >= 1");
-  std::shared_ptr<ThreadPool> pool = threads > 0 ? std::make_shared<ThreadPool>(threads, 0) : ThreadPool::Global();
+MemoryReader::MemoryReader(int64_t bytes, int threads) : pool_(PoolOf(threads)) {
+  if (bytes < 4096) throw std::invalid_argument("bytes must be >= 4096");
   const int64_t n = bytes / sizeof(float);
-  auto a = Allocate(n), b = Allocate(n), c = Allocate(n);
-  float* pa = a.get();
-  float* pb = b.get();
-  float* pc = c.get();
-  // First touch by the pool's threads, so pages land where the threads that read them run.
-  BestSeconds(*pool, n, 1, [&](int64_t, int64_t begin, int64_t end) {
-    std::fill(pa + begin, pa + end, 1.0f);
-    std::fill(pb + begin, pb + end, 2.0f);
-    std::fill(pc + begin, pc + end, 0.5f);
+  bytes_ = n * static_cast<int64_t>(sizeof(float));
+  data_ = Allocate(n);
+  Fill(*pool_, data_, n, 1.0f);
+}
+
+MemoryReader::~MemoryReader() { std::free(data_); }
+
+int MemoryReader::threads() const { return pool_->threads(); }
+
+double MemoryReader::ReadGbps(const std::string& name) {
+  const ReadPattern& pattern = PatternNamed(name);
+  const int64_t n = bytes_ / sizeof(float);
+  std::vector<float> sums(pool_->threads() * 8);
+  const double seconds = PassSeconds(*pool_, n, [&](int64_t chunk, int64_t begin, int64_t end) {
+    sums[chunk] = Sum(data_ + begin, end - begin, pattern.streams, pattern.prefetch_bytes / sizeof(float));
   });
-  std::vector<float> sink(pool->threads() * 8);  // one per chunk: the sums must not be optimised away
+  for (float s : sums) sink_ += s;
+  return static_cast<double>(bytes_) / seconds / 1e9;
+}
+
+MemoryBandwidth MeasureMemoryBandwidth(int64_t bytes, int repeats, int threads) {
+  if (repeats < 1) throw std::invalid_argument("repeats must be >= 1");
   MemoryBandwidth result;
-  result.threads = pool->threads();
-  result.bytes = n * static_cast<int64_t>(sizeof(float));
-  const double read = BestSeconds(*pool, n, repeats, [&](int64_t chunk, int64_t begin, int64_t end) {
-    sink[chunk] += Sum(pa + begin, end - begin);
-  });
-  result.read_gbps = static_cast<double>(result.bytes) / read / 1e9;
-  const double triad = BestSeconds(*pool, n, repeats, [&](int64_t, int64_t begin, int64_t end) {
-    Triad(pa + begin, pb + begin, pc + begin, 3.0f, end - begin);
-  });
-  result.triad_gbps = 3.0 * static_cast<double>(result.bytes) / triad / 1e9;
-  float total = 0;
-  for (float v : sink) total += v;
-  volatile float keep = total;
-  (void)keep;
+  {
+    MemoryReader reader(bytes, threads);
+    result.threads = reader.threads();
+    result.bytes = reader.bytes();
+    for (size_t i = 0; i < std::size(kReadPatterns); ++i) {
+      double& gbps = result.read_by_pattern_gbps[i];
+      for (int r = 0; r < repeats; ++r) gbps = std::max(gbps, reader.ReadGbps(kReadPatterns[i].name));
+      if (gbps > result.read_gbps) {
+        result.read_gbps = gbps;
+        result.read_pattern = kReadPatterns[i].name;
+      }
+    }
+  }
+  std::shared_ptr<ThreadPool> pool = PoolOf(threads);
+  const int64_t n = result.bytes / sizeof(float);
+  std::unique_ptr<float, FreeDeleter> a(Allocate(n)), b(Allocate(n)), c(Allocate(n));
+  Fill(*pool, a.get(), n, 1.0f);
+  Fill(*pool, b.get(), n, 2.0f);
+  Fill(*pool, c.get(), n, 0.5f);
+  double best = 1e30;
+  for (int r = 0; r < repeats; ++r) {
+    best = std::min(best, PassSeconds(*pool, n, [&](int64_t, int64_t begin, int64_t end) {
+      Triad(a.get() + begin, b.get() + begin, c.get() + begin, 3.0f, end - begin);
+    }));
+  }
+  result.triad_gbps = 3.0 * static_cast<double>(result.bytes) / best / 1e9;
   return result;
 }
 

@@ -175,6 +175,10 @@ nb::dict MemoryBandwidthDict(int64_t bytes, int repeats, int threads) {
   }
   nb::dict out;
   out["read_gbps"] = m.read_gbps;
+  out["read_pattern"] = m.read_pattern;
+  nb::dict by_pattern;
+  for (size_t i = 0; i < std::size(kReadPatterns); ++i) by_pattern[kReadPatterns[i].name] = m.read_by_pattern_gbps[i];
+  out["read_by_pattern_gbps"] = by_pattern;
   out["triad_gbps"] = m.triad_gbps;
   out["threads"] = m.threads;
   out["bytes_per_array"] = m.bytes;
@@ -208,7 +212,15 @@ NB_MODULE(_ffi, m) {
   m.def("configure_threads", &ConfigureThreads, nb::arg("threads"), nb::arg("numa_nodes"),
         "Replaces the CPU thread pool (0 = the machine's default for either).");
   m.def("memory_bandwidth", &MemoryBandwidthDict, nb::arg("bytes"), nb::arg("repeats"), nb::arg("threads"),
-        "Read-sum and STREAM-triad bandwidth (GB/s) over arrays of `bytes`, best of `repeats`.");
+        "Read-sum (best of several read patterns) and STREAM-triad bandwidth (GB/s) over arrays of `bytes`, "
+        "best of `repeats`.");
+  nb::class_<MemoryReader>(m, "MemoryReader",
+                           "A resident array read in one pass per call: the read floor, taken next to each case.")
+      .def(nb::init<int64_t, int>(), nb::arg("bytes"), nb::arg("threads"))
+      .def("read_gbps", [](MemoryReader& r, const std::string& pattern) {
+        nb::gil_scoped_release release;
+        return r.ReadGbps(pattern);
+      }, nb::arg("pattern"), "One read pass in a pattern of memory_bandwidth's read_by_pattern_gbps; GB/s.");
   m.def("routed_experts_cpu", [] { return nb::capsule(reinterpret_cast<void*>(&HybridjitRoutedExpertsCpu)); },
         "FFI handler capsule for platform 'cpu'.");
   m.def("routed_experts_submit_cpu",

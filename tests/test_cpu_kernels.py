@@ -482,6 +482,15 @@ def test_memory_bandwidth_is_measured():
     m = _ffi.memory_bandwidth(1 << 22, 2, 2)
     assert m["threads"] == 2 and m["bytes_per_array"] == 1 << 22
     assert m["read_gbps"] > 0.1 and m["triad_gbps"] > 0.1
+    # The read floor is its best pattern's, and every pattern ran.
+    assert m["read_gbps"] == max(m["read_by_pattern_gbps"].values()) == m["read_by_pattern_gbps"][m["read_pattern"]]
+    assert min(m["read_by_pattern_gbps"].values()) > 0.1
+    reader = _ffi.MemoryReader(1 << 20, 2)
+    assert all(reader.read_gbps(pattern) > 0.1 for pattern in m["read_by_pattern_gbps"])
+    with pytest.raises(ValueError, match="unknown read pattern 'fast'"):
+        reader.read_gbps("fast")
+    with pytest.raises(ValueError, match="bytes must be >= 4096"):
+        _ffi.MemoryReader(100, 2)
 
 
 # --- int8 / int4 checkpoints ---------------------------------------------------------------------------------
