@@ -41,7 +41,7 @@ from hybridjit import _ffi, engine
 from hybridjit.config import ModelConfig
 from hybridjit.models import deepseek_v3 as dsv3
 from hybridjit.ops.async_experts import submit_routed_experts, wait_routed_experts
-from hybridjit.ops.routed_experts import kernel_info, register_layer, routed_experts
+from hybridjit.ops.routed_experts import configure_threads, kernel_info, register_layer, routed_experts
 from hybridjit.placement import Placement
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -221,6 +221,8 @@ def main(argv=None):
                         help="dual-batch attention-MoE overlap for batches of 2 or more")
     parser.add_argument("--deferred", type=int, nargs="+", default=[],
                         help="also run batch 1 with Expert Deferral of these many experts")
+    parser.add_argument("--threads", type=int, nargs="+", default=[],
+                        help="run the cases once per CPU expert pool size (default: the pool as configured)")
     args = parser.parse_args(argv)
 
     floors = memory_floors()
@@ -248,12 +250,15 @@ def main(argv=None):
     print(f"decode: {name}, {depth} of {full_layers} layers, on {model.placement.device}, kernel {kernel_info()}"
           + (f", hand-off {_ffi.gpu_handoff_mode()}" if ON_GPU else ""))
     print(floors_line(floors))
-    print(f"{'batch':>5} {'ctx':>6} {'dual':>5} {'defer':>5} {'step ms':>8} {'tok/s':>8} {'experts':>8} {'alone':>8} "
-          f"{'hand-off':>9} {'xla':>8} {'cpu busy':>8} {'floor':>8} {'ratio':>6}"
+    print(f"{'thr':>3} {'batch':>5} {'ctx':>6} {'dual':>5} {'defer':>5} {'step ms':>8} {'tok/s':>8} {'experts':>8} "
+          f"{'alone':>8} {'hand-off':>9} {'xla':>8} {'cpu busy':>8} {'floor':>8} {'ratio':>6}"
           + (f" {'layer ms':>8} {'l.ratio':>6}" if base_ms else ""))
     results = []
     floor = ReadFloor(floors)
-    for context, batch, overlap, deferred in cases:
+    pool_sizes = args.threads or [kernel_info()["threads"]]
+    for threads, (context, batch, overlap, deferred) in ((t, c) for t in pool_sizes for c in cases):
+        if threads != kernel_info()["threads"]:
+            configure_threads(threads)
         model.dual_batch = overlap
         model.expert_schedule = dsv3.ExpertSchedule(n_deferred=deferred)
         # The case's read floor: passes right before and right after it (other tenants move this machine's
@@ -264,6 +269,7 @@ def main(argv=None):
         for _ in range(3):
             floor.sample()
         r["floor_gbps"] = round(floor.take(), 1)
+        r["threads"] = kernel_info()["threads"]
         r["floor_ms"] = round(r["expert_bytes_per_step"] / (r["floor_gbps"] * 1e6), 3)
         r["ratio_to_floor"] = round(r["floor_ms"] / r["median_step_ms"], 3)
         if base_ms:
@@ -274,9 +280,10 @@ def main(argv=None):
             r["base_step_ms"] = round(base_step, 3)
             r["moe_layer_ms"] = round(layer_ms, 3)
             r["layer_ratio"] = round(layer_ms / (layer_floor + handoffs_ms), 3)
-        line = (f"{batch:5d} {context:6d} {str(overlap):>5} {deferred:5d} {r['median_step_ms']:8.2f} {r['tok_s']:8.2f} "
-                f"{r['expert_ms']:8.2f} {r['expert_alone_ms']:8.2f} {r['handoff_us_per_layer']:7.1f}us "
-                f"{r['xla_ms']:8.2f} {r['cpu_busy']:8.0%} {r['floor_ms']:8.2f} {r['ratio_to_floor']:6.2f}")
+        line = (f"{r['threads']:3d} {batch:5d} {context:6d} {str(overlap):>5} {deferred:5d} {r['median_step_ms']:8.2f} "
+                f"{r['tok_s']:8.2f} {r['expert_ms']:8.2f} {r['expert_alone_ms']:8.2f} "
+                f"{r['handoff_us_per_layer']:7.1f}us {r['xla_ms']:8.2f} {r['cpu_busy']:8.0%} {r['floor_ms']:8.2f} "
+                f"{r['ratio_to_floor']:6.2f}")
         if base_ms:
             line += f" {r['moe_layer_ms']:8.3f} {r['layer_ratio']:6.2f}"
         if depth < full_layers:
