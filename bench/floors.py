@@ -22,7 +22,8 @@ def memory_floors(threads: int | None = None, bytes_per_array: int = 1 << 30, re
 
 
 class ReadFloor:
-    """The read floor taken next to a benchmark's cases, one pass at a time, in the best pattern of `floors`.
+    """The read floor taken next to a benchmark's cases, one pass at a time, in the best pattern of `floors`, on
+    the kernels' own pool (as it is at each pass).
 
     These machines share memory bandwidth with other tenants: two processes on one machine measured read floors
     of 154 and 199 GB/s minutes apart (bench/RESULTS.md), so a case is judged against passes taken between and
@@ -30,7 +31,7 @@ class ReadFloor:
 
     def __init__(self, floors: dict, bytes_per_pass: int = 1 << 29):
         self.pattern = floors["read_pattern"]
-        self._reader = _ffi.MemoryReader(bytes_per_pass, floors["threads"])
+        self._reader = _ffi.MemoryReader(bytes_per_pass, 0)
         self._passes: list[float] = []
 
     def sample(self) -> None:

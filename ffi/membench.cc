@@ -44,21 +44,13 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void Triad(float* a
 
 // On 2 MB boundaries and advised into huge pages (where transparent huge pages are "madvise" only), so
 // the floor is not held down by TLB misses. Advice only: without THP the pages stay small.
-float* Allocate(int64_t n) {
+std::unique_ptr<float, decltype(&std::free)> Allocate(int64_t n) {
   constexpr size_t kHuge = size_t{2} << 20;
   const size_t bytes = (n * sizeof(float) + kHuge - 1) / kHuge * kHuge;
   auto* p = static_cast<float*>(std::aligned_alloc(kHuge, bytes));
   if (!p) throw std::bad_alloc();
   madvise(p, bytes, MADV_HUGEPAGE);
-  return p;
-}
-
-struct FreeDeleter {
-  void operator()(float* p) const { std::free(p); }
-};
-
-std::shared_ptr<ThreadPool> PoolOf(int threads) {
-  return threads > 0 ? std::make_shared<ThreadPool>(threads, 0) : ThreadPool::Global();
+  return {p, &std::free};
 }
 
 // Seconds of one run of `body(chunk, begin, end)` over [0, n) split into chunks taken by the pool's threads.
@@ -95,24 +87,26 @@ const ReadPattern& PatternNamed(const std::string& name) {
 
 }  // namespace
 
-MemoryReader::MemoryReader(int64_t bytes, int threads) : pool_(PoolOf(threads)) {
+MemoryReader::MemoryReader(int64_t bytes, int threads)
+    : own_pool_(threads > 0 ? std::make_shared<ThreadPool>(threads, 0) : nullptr) {
   if (bytes < 4096) throw std::invalid_argument("bytes must be >= 4096");
   const int64_t n = bytes / sizeof(float);
   bytes_ = n * static_cast<int64_t>(sizeof(float));
   data_ = Allocate(n);
-  Fill(*pool_, data_, n, 1.0f);
+  Fill(*Pool(), data_.get(), n, 1.0f);
 }
 
-MemoryReader::~MemoryReader() { std::free(data_); }
+std::shared_ptr<ThreadPool> MemoryReader::Pool() const { return own_pool_ ? own_pool_ : ThreadPool::Global(); }
 
-int MemoryReader::threads() const { return pool_->threads(); }
+int MemoryReader::threads() const { return Pool()->threads(); }
 
 double MemoryReader::ReadGbps(const std::string& name) {
   const ReadPattern& pattern = PatternNamed(name);
   const int64_t n = bytes_ / sizeof(float);
-  std::vector<float> sums(pool_->threads() * 8);
-  const double seconds = PassSeconds(*pool_, n, [&](int64_t chunk, int64_t begin, int64_t end) {
-    sums[chunk] = Sum(data_ + begin, end - begin, pattern.streams, pattern.prefetch_bytes / sizeof(float));
+  const std::shared_ptr<ThreadPool> pool = Pool();
+  std::vector<float> sums(pool->threads() * 8);
+  const double seconds = PassSeconds(*pool, n, [&](int64_t chunk, int64_t begin, int64_t end) {
+    sums[chunk] = Sum(data_.get() + begin, end - begin, pattern.streams, pattern.prefetch_bytes / sizeof(float));
   });
   for (float s : sums) sink_ += s;
   return static_cast<double>(bytes_) / seconds / 1e9;
@@ -134,9 +128,9 @@ MemoryBandwidth MeasureMemoryBandwidth(int64_t bytes, int repeats, int threads) 
       }
     }
   }
-  std::shared_ptr<ThreadPool> pool = PoolOf(threads);
+  std::shared_ptr<ThreadPool> pool = threads > 0 ? std::make_shared<ThreadPool>(threads, 0) : ThreadPool::Global();
   const int64_t n = result.bytes / sizeof(float);
-  std::unique_ptr<float, FreeDeleter> a(Allocate(n)), b(Allocate(n)), c(Allocate(n));
+  auto a = Allocate(n), b = Allocate(n), c = Allocate(n);
   Fill(*pool, a.get(), n, 1.0f);
   Fill(*pool, b.get(), n, 2.0f);
   Fill(*pool, c.get(), n, 0.5f);

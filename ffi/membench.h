@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <iterator>
 #include <memory>
 #include <string>
@@ -26,11 +27,10 @@ inline constexpr ReadPattern kReadPatterns[] = {
 // a floor taken minutes apart from a case can differ from the one the case saw by 25% (bench/RESULTS.md).
 class MemoryReader {
  public:
-  // `threads`: a pool of its own with that many threads, 0: the global pool.
+  // `threads`: a pool of its own with that many threads; 0: the global pool as it is at each pass, so the
+  // passes run on the very threads of the kernels they are compared with (a second pool would spin on the
+  // same cores for a while after each pass, into the next timed call).
   MemoryReader(int64_t bytes, int threads);
-  ~MemoryReader();
-  MemoryReader(const MemoryReader&) = delete;
-  MemoryReader& operator=(const MemoryReader&) = delete;
 
   int64_t bytes() const { return bytes_; }
   int threads() const;
@@ -38,9 +38,11 @@ class MemoryReader {
   double ReadGbps(const std::string& pattern);
 
  private:
-  std::shared_ptr<ThreadPool> pool_;
+  std::shared_ptr<ThreadPool> Pool() const;
+
+  std::shared_ptr<ThreadPool> own_pool_;  // null: the global pool
   int64_t bytes_;
-  float* data_;
+  std::unique_ptr<float, decltype(&std::free)> data_{nullptr, &std::free};
   float sink_ = 0;  // the sums land here, so they are not optimised away
 };
 
