@@ -123,6 +123,23 @@ def cpu_expert_tflops(model: engine.Model, tokens: int, repeats=3) -> float:
     return 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * tokens * cfg.num_experts_per_tok / best / 1e12
 
 
+def attention_core_seconds(cfg: ModelConfig, attention, length: int, device, repeats=3) -> float:
+    """The prefill's attention core alone (stream_prefill's choice for this prompt) on random queries, keys and
+    values of one prompt: best of `repeats`."""
+    h, n, p, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    shapes = [(1, length, h, n), (1, length, h, p), (1, length, h, n), (1, length, p), (1, length, h, v)]
+    keys = jax.random.split(jax.random.key(length), len(shapes))
+    args = [jax.device_put(jax.random.normal(k, s, jnp.bfloat16), device) for k, s in zip(keys, shapes, strict=True)]
+    core = jax.jit(lambda *a: attention(*a, cfg.softmax_scale))
+    core(*args).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        core(*args).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 # --------------------------------------------------------------------------------------------- cases
 
 
@@ -144,7 +161,14 @@ def stream_case(model: engine.Model, full: ModelConfig, length: int, floors: dic
     moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
     done = [0.0, *stats.layer_done_s]
     per_layer = [done[i + 1] - done[i] for i in range(cfg.num_hidden_layers)]
-    steady = statistics.median(per_layer[i] for i in (moe[1:] or moe))
+    steady_layers = moe[1:] or moe
+    steady = statistics.median(per_layer[i] for i in steady_layers)
+    # Where a steady MoE layer's time goes, and the rates of its two big phases (their FLOPs by layer_flops).
+    phases = {p: statistics.median(stats.layer_phase_s[i].get(p, 0.0) for i in steady_layers)
+              for p in stats.layer_phase_s[moe[0]]}
+    part = sp.layer_flops(cfg, 1, length)
+    front_flops = part["projections"] + part["attention core"] + part["router+shared"]
+    core_s = attention_core_seconds(cfg, stats.plan.attention, length, device)
     layer_bytes = pinned_layer(model.weights.layers[moe[0]].mlp.expert_layer).nbytes
     full_moe = sum(full.is_moe_layer(i) for i in range(full.num_hidden_layers))
     projected = ttft + (full.num_hidden_layers - cfg.num_hidden_layers) * steady
@@ -158,6 +182,11 @@ def stream_case(model: engine.Model, full: ModelConfig, length: int, floors: dic
         "block_gib": round(stats.plan.block_bytes / GIB, 3),
         "attention": type(stats.plan.attention).__name__,
         "ttft_ms": round(1e3 * ttft, 1), "moe_layer_ms": round(1e3 * steady, 1),
+        "moe_layer_phases_ms": {p: round(1e3 * t, 1) for p, t in phases.items()},
+        "front_tflops": round(front_flops / phases["attention+router+shared"] / 1e12, 1),
+        "experts_tflops": round(part["routed"] / phases["experts"] / 1e12, 1),
+        "attention_core_alone_ms": round(1e3 * core_s, 1),
+        "attention_core_alone_tflops": round(part["attention core"] / core_s / 1e12, 1),
         "projected_full_depth_ttft_s": round(projected, 3),
         "h2d_gbps": round(h2d, 2), "h2d_ratio": round(h2d / floors["h2d_gbps"], 3),
         "overall_h2d_gbps": round(stats.streamed_bytes / ttft / 1e9, 2),
@@ -228,6 +257,9 @@ def main(argv=None):
             print(f"{path:>6} {length:6d} {r['ring_depth']:5d} {r['ttft_ms']:9.1f} {r['moe_layer_ms']:8.1f} "
                   f"{r['projected_full_depth_ttft_s']:12.2f} {r['h2d_gbps']:8.1f} {r['h2d_ratio']:7.2f} "
                   f"{r['tflops']:7.1f} {r['floor_full_depth_s']:8.2f} {r['ratio_to_floor']:6.2f}", flush=True)
+            print(f"{'':>13} MoE layer phases ms {r['moe_layer_phases_ms']}; front {r['front_tflops']} TFLOP/s, "
+                  f"experts {r['experts_tflops']} TFLOP/s; attention core alone {r['attention_core_alone_ms']} ms "
+                  f"= {r['attention_core_alone_tflops']} TFLOP/s", flush=True)
         else:
             r = hybrid_case(model, full, length)
             print(f"{path:>6} {length:6d} {'-':>5} {r['ttft_ms']:9.1f} {'-':>8} "

@@ -249,6 +249,7 @@ class _Ring:
         self.peak_bytes = 0  # the most bytes of device buffers the ring ever held (measured: live buffers)
         self.peak_in_use = None  # the device's bytes in use right after each block's allocation, at most
         self.streamed_bytes = 0
+        self.phase_seconds: collections.Counter = collections.Counter()  # wall time per phase since last cleared
 
     def load(self) -> None:
         """Issues the copies of the next blocks into every free slot."""
@@ -272,11 +273,15 @@ class _Ring:
             a.delete()
         self._free += 1
 
-    def run(self, executable, *args):
+    def run(self, phase: str, executable, *args):
         """Dispatches one executable after issuing every copy there is room for, and waits for it: the next
-        copies then find the compute queue empty and start at once."""
+        copies then find the compute queue empty and start at once. Its wall time, waits for its blocks'
+        copies included, is added to phase_seconds[phase]."""
         self.load()
-        return jax.block_until_ready(executable(*args))
+        start = time.perf_counter()
+        out = jax.block_until_ready(executable(*args))
+        self.phase_seconds[phase] += time.perf_counter() - start
+        return out
 
     def _measure(self, arrays):
         self._resident = [r for r in self._resident if not r[0].is_deleted()] + [arrays]
@@ -291,13 +296,16 @@ class _Ring:
 class StreamStats:
     """What one stream-loaded prefill did: its plan, the bytes it streamed, the ring's measured peak, the most
     device memory in use when a block had just been allocated (None where the device does not say), and when
-    each layer's output was ready, in seconds from the start."""
+    each layer's output was ready, in seconds from the start, and where each layer's time went: the wall time of
+    its executables by phase ("attention+mlp" for a dense layer; "attention+router+shared", "dispatch",
+    "experts" (waits for the blocks' copies included) and "combine" for a MoE layer)."""
 
     plan: RingPlan | None = None
     streamed_bytes: int = 0
     peak_ring_bytes: int = 0
     peak_device_bytes: int | None = None
     layer_done_s: list[float] = dataclasses.field(default_factory=list)
+    layer_phase_s: list[dict[str, float]] = dataclasses.field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------------------ prefill
@@ -334,14 +342,16 @@ def stream_prefill(
     stats.plan = plan
     start = time.perf_counter()
     ring = _Ring([b for layer in pinned.values() for b in layer.blocks], plan.depth, device)
-    x = ring.run(lambda: weights.embed[tokens])
+    x = ring.run("embed", lambda: weights.embed[tokens])
     cache = list(cache)
     for i, layer in enumerate(weights.layers):
+        ring.phase_seconds.clear()
         if i in pinned:
             x, cache[i] = _moe_layer(cfg, plan, layer, pinned[i], x, cache[i], ring, dtype)
         else:
-            x, cache[i] = ring.run(_dense_layer, cfg, plan.attention, layer, x, cache[i])
+            x, cache[i] = ring.run("attention+mlp", _dense_layer, cfg, plan.attention, layer, x, cache[i])
         stats.layer_done_s.append(time.perf_counter() - start)
+        stats.layer_phase_s.append(dict(ring.phase_seconds))
     logits = _last_logits(cfg, weights.norm, weights.lm_head, x, lengths)
     stats.streamed_bytes, stats.peak_ring_bytes, stats.peak_device_bytes = (
         ring.streamed_bytes, ring.peak_bytes, ring.peak_in_use
@@ -368,19 +378,21 @@ def _pinned_layers(weights: dsv3.Weights) -> dict[int, PinnedExperts]:
 def _moe_layer(cfg, plan: RingPlan, layer: dsv3.Layer, experts: PinnedExperts, x, cache, ring: _Ring, dtype):
     # The expert-bank layer id is static pytree metadata: drop it so that every MoE layer shares executables.
     layer = dataclasses.replace(layer, mlp=dataclasses.replace(layer.mlp, expert_layer=None))
-    x, tokens, ids, weights, shared, counts, cache = ring.run(_moe_front, cfg, plan.attention, layer, x, cache)
+    x, tokens, ids, weights, shared, counts, cache = ring.run(
+        "attention+router+shared", _moe_front, cfg, plan.attention, layer, x, cache
+    )
     # The routing decides how many slots per expert (dropless), on the host: the one readback of a layer.
     capacity = _capacity(int(np.max(np.asarray(counts))))
     block_sizes = tuple(b.size for b in experts.blocks)
-    rows, slot_weights, out = ring.run(_dispatch, capacity, block_sizes, tokens, ids, weights)
+    rows, slot_weights, out = ring.run("dispatch", _dispatch, capacity, block_sizes, tokens, ids, weights)
     for block, block_rows, block_slot_weights in zip(experts.blocks, rows, slot_weights, strict=True):
         arrays = ring.take(block)
         out = ring.run(
-            _expert_block, experts.quant_block, jnp.dtype(dtype), tokens, block_rows, block_slot_weights, out,
-            arrays[:3], arrays[3:] or None,
+            "experts", _expert_block, experts.quant_block, jnp.dtype(dtype), tokens, block_rows, block_slot_weights,
+            out, arrays[:3], arrays[3:] or None,
         )
         ring.unload(arrays)
-    return ring.run(_moe_combine, x, out, shared), cache
+    return ring.run("combine", _moe_combine, x, out, shared), cache
 
 
 # ------------------------------------------------------------------------------------- path choice
@@ -396,23 +408,35 @@ class PrefillRates:
     cpu_expert_tflops: float = 3.8  # the CPU expert kernels on one layer, 4096 tokens routed uniformly
 
 
-def prefill_flops(cfg: ModelConfig, batch: int, length: int) -> dict[str, float]:
-    """FLOPs (2 per multiply-add) of one prefill: {"routed": routed experts, "other": everything else}, with
-    causal attention counted over its lower triangle and the LM head on the last tokens only."""
+def layer_flops(cfg: ModelConfig, batch: int, length: int) -> dict[str, float]:
+    """FLOPs (2 per multiply-add) of one layer's prefill by part: "projections" (MLA's), "attention core"
+    (causal: counted over its lower triangle), "dense mlp" (of a dense layer), "router+shared" and "routed"
+    (of a MoE layer)."""
     n, d, h = batch * length, cfg.hidden_size, cfg.num_attention_heads
     qk, v, r, p, f = cfg.qk_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.moe_intermediate_size
     q_proj = d * cfg.q_lora_rank + cfg.q_lora_rank * h * qk if cfg.q_lora_rank else d * h * qk
-    per_token = q_proj + d * (r + p) + r * h * (cfg.qk_nope_head_dim + v) + h * v * d
-    core = batch * h * length * (length + 1) // 2 * (qk + v)
+    return {
+        "projections": 2.0 * n * (q_proj + d * (r + p) + r * h * (cfg.qk_nope_head_dim + v) + h * v * d),
+        "attention core": 2.0 * batch * h * length * (length + 1) // 2 * (qk + v),
+        "dense mlp": 2.0 * n * 3 * d * cfg.intermediate_size,
+        "router+shared": 2.0 * n * (3 * d * f * cfg.n_shared_experts + d * cfg.n_routed_experts),
+        "routed": 2.0 * n * cfg.num_experts_per_tok * 3 * d * f,
+    }
+
+
+def prefill_flops(cfg: ModelConfig, batch: int, length: int) -> dict[str, float]:
+    """FLOPs of one prefill: {"routed": routed experts, "other": everything else}, by layer_flops, with the LM
+    head on the last tokens only."""
+    part = layer_flops(cfg, batch, length)
     layers = cfg.num_hidden_layers
     moe = sum(cfg.is_moe_layer(i) for i in range(layers))
     other = (
-        layers * (n * per_token + core)
-        + (layers - moe) * n * 3 * d * cfg.intermediate_size
-        + moe * n * (3 * d * f * cfg.n_shared_experts + d * cfg.n_routed_experts)
-        + batch * d * cfg.vocab_size
+        layers * (part["projections"] + part["attention core"])
+        + (layers - moe) * part["dense mlp"]
+        + moe * part["router+shared"]
+        + 2.0 * batch * cfg.hidden_size * cfg.vocab_size
     )
-    return {"routed": 2.0 * moe * n * cfg.num_experts_per_tok * 3 * d * f, "other": 2.0 * other}
+    return {"routed": moe * part["routed"], "other": other}
 
 
 def expert_bytes(cfg: ModelConfig) -> int:

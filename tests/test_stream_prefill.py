@@ -135,6 +135,21 @@ def test_matches_plain_prefill_at_every_ring_depth(model, tokens, reference, fmt
     assert 0 < stats.peak_ring_bytes <= stats.plan.ring_bytes
 
 
+def test_stats_account_each_layer_by_phase(model, tokens):
+    """Every layer's phases are its executables' wall times: the right phases per layer kind, each positive, and
+    together no more than the layer took."""
+    _, _, stats = streamed(model, tokens, depth=2, attention_chunk=CHUNK)
+    cfg = model.config
+    assert len(stats.layer_phase_s) == len(stats.layer_done_s) == cfg.num_hidden_layers
+    layer_s = np.diff([0.0, *stats.layer_done_s])
+    for i, phases in enumerate(stats.layer_phase_s):
+        kinds = {"attention+router+shared", "dispatch", "experts", "combine"} if cfg.is_moe_layer(i) else {
+            "attention+mlp"}
+        assert set(phases) == kinds, i
+        assert all(t > 0 for t in phases.values())
+        assert sum(phases.values()) <= layer_s[i]
+
+
 def test_hybrid_path_reads_the_same_pinned_experts(model, tokens, reference):
     logits, cache = plain_prefill(model, tokens)
     ref_logits, ref_cache = reference
