@@ -14,10 +14,12 @@ Floors, measured by the same run: pinned host-to-device bandwidth (one 2 GiB cop
 GEMM (8192^3, best of 10 back-to-back), and the CPU expert kernels' rate (one routed-expert layer on a batch of
 --cpu-tokens tokens routed uniformly). The floor of a prompt is max(bytes streamed / H2D bandwidth, FLOPs /
 GEMM rate) at full depth, FLOPs as stream_prefill.prefill_flops counts them (causal attention: lower
-triangle). The hybrid prefill (the engine's jitted prefill, routed experts on the CPU) is measured at
---hybrid-tokens (it holds [t, t] attention scores, so only short prompts fit) and projected to full depth by
-its time per MoE layer; at other lengths it is modelled (stream_prefill.prefill_seconds with the measured
-rates). Ends with one JSON line.
+triangle). Each stream case also reports where a steady MoE layer's time went (stream_prefill's phases), the
+expert GEMMs' slot occupancy, the attention core alone on random inputs, and a second floor that grants the
+attention core the rate it reaches alone (everything else at the GEMM rate). The hybrid prefill (the engine's
+jitted prefill, routed experts on the CPU) is measured at --hybrid-tokens (it holds [t, t] attention scores,
+so only short prompts fit) and projected to full depth by its time per MoE layer; at other lengths it is
+modelled (stream_prefill.prefill_seconds with the measured rates). Ends with one JSON line.
 """
 
 import argparse
@@ -173,8 +175,13 @@ def stream_case(model: engine.Model, full: ModelConfig, length: int, floors: dic
     full_moe = sum(full.is_moe_layer(i) for i in range(full.num_hidden_layers))
     projected = ttft + (full.num_hidden_layers - cfg.num_hidden_layers) * steady
     transfer_s = full_moe * layer_bytes / (floors["h2d_gbps"] * 1e9)
-    compute_s = sum(sp.prefill_flops(full, 1, length).values()) / (floors["gemm_tflops"] * 1e12)
+    gemm = floors["gemm_tflops"] * 1e12
+    compute_s = sum(sp.prefill_flops(full, 1, length).values()) / gemm
     floor = max(transfer_s, compute_s)
+    # The same floor with the attention core at the rate it reaches alone, everything else at the GEMM rate:
+    # how far the rest of the step is from its floor once the attention kernel's own speed is granted.
+    core_flops = full.num_hidden_layers * sp.layer_flops(full, 1, length)["attention core"]
+    kernel_floor = max(transfer_s, compute_s + core_flops * (core_s / part["attention core"] - 1 / gemm))
     h2d = layer_bytes / steady / 1e9
     memory = device.memory_stats()
     return {
@@ -192,6 +199,9 @@ def stream_case(model: engine.Model, full: ModelConfig, length: int, floors: dic
         "overall_h2d_gbps": round(stats.streamed_bytes / ttft / 1e9, 2),
         "tflops": round(sum(sp.prefill_flops(cfg, 1, length).values()) / ttft / 1e12, 1),
         "floor_full_depth_s": round(floor, 3), "ratio_to_floor": round(projected / floor, 3),
+        "floor_with_measured_attention_s": round(kernel_floor, 3),
+        "ratio_to_floor_with_measured_attention": round(projected / kernel_floor, 3),
+        "slot_occupancy": round(stats.routed_pairs / stats.expert_slots, 3),
         "bound": "transfer" if transfer_s >= compute_s else "compute",
         "peak_ring_gib": round(stats.peak_ring_bytes / GIB, 3),
         "activation_estimate_gib": round(stats.plan.activation_bytes / GIB, 3),
@@ -258,8 +268,10 @@ def main(argv=None):
                   f"{r['projected_full_depth_ttft_s']:12.2f} {r['h2d_gbps']:8.1f} {r['h2d_ratio']:7.2f} "
                   f"{r['tflops']:7.1f} {r['floor_full_depth_s']:8.2f} {r['ratio_to_floor']:6.2f}", flush=True)
             print(f"{'':>13} MoE layer phases ms {r['moe_layer_phases_ms']}; front {r['front_tflops']} TFLOP/s, "
-                  f"experts {r['experts_tflops']} TFLOP/s; attention core alone {r['attention_core_alone_ms']} ms "
-                  f"= {r['attention_core_alone_tflops']} TFLOP/s", flush=True)
+                  f"experts {r['experts_tflops']} TFLOP/s at slot occupancy {r['slot_occupancy']}; attention core "
+                  f"alone {r['attention_core_alone_ms']} ms = {r['attention_core_alone_tflops']} TFLOP/s; floor "
+                  f"with that attention {r['floor_with_measured_attention_s']} s, ratio "
+                  f"{r['ratio_to_floor_with_measured_attention']}", flush=True)
         else:
             r = hybrid_case(model, full, length)
             print(f"{path:>6} {length:6d} {'-':>5} {r['ttft_ms']:9.1f} {'-':>8} "

@@ -193,13 +193,14 @@ def _moe_front(cfg, attention, layer, x, cache):
 
 
 @partial(jax.jit, static_argnums=(0, 1))
-def _dispatch(capacity, block_sizes, tokens, ids, weights):
-    """The routed pairs grouped by expert, split per block, and the zero sum of the routed experts. Split here
-    so that no block's executable needs an argument from the host: a host-to-device copy would queue behind
-    the block copies on the transfer stream and hold the GPU up."""
-    rows, slot_weights = dsv3.group_by_expert(ids, weights, sum(block_sizes), capacity)
-    bounds = np.cumsum(block_sizes)[:-1]
-    return jnp.split(rows, bounds), jnp.split(slot_weights, bounds), jnp.zeros(tokens.shape, jnp.float32)
+def _dispatch(capacities, block_sizes, tokens, ids, weights):
+    """The routed pairs grouped by expert for each block, with that block's capacity, and the zero sum of the
+    routed experts. All here so that no block's executable needs an argument from the host: a host-to-device
+    copy would queue behind the block copies on the transfer stream and hold the GPU up."""
+    firsts = np.cumsum((0, *block_sizes[:-1]))
+    grouped = [dsv3.group_by_expert(ids, weights, size, capacity, int(first))
+               for size, capacity, first in zip(block_sizes, capacities, firsts, strict=True)]
+    return [rows for rows, _ in grouped], [w for _, w in grouped], jnp.zeros(tokens.shape, jnp.float32)
 
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnames="out")
@@ -228,8 +229,8 @@ def _last_logits(cfg, norm, lm_head, x, lengths):
 
 
 def _capacity(max_count: int) -> int:
-    """Slots per expert for the largest expert's token count: rounded up to an eighth of its power of two, so
-    padding stays under 12.5% and a handful of shapes (executables) serve every prompt."""
+    """Slots per expert of a block for the largest token count among its experts: rounded up to an eighth of
+    its power of two, so padding stays under 12.5% and a handful of shapes (executables) serve every prompt."""
     step = 1 << max(0, max_count.bit_length() - 4)
     return max(1, -(-max_count // step) * step)
 
@@ -298,7 +299,8 @@ class StreamStats:
     device memory in use when a block had just been allocated (None where the device does not say), and when
     each layer's output was ready, in seconds from the start, and where each layer's time went: the wall time of
     its executables by phase ("attention+mlp" for a dense layer; "attention+router+shared", "dispatch",
-    "experts" (waits for the blocks' copies included) and "combine" for a MoE layer)."""
+    "experts" (waits for the blocks' copies included) and "combine" for a MoE layer). Each block's capacity
+    covers its busiest expert: routed_pairs / expert_slots says how full the expert GEMMs were."""
 
     plan: RingPlan | None = None
     streamed_bytes: int = 0
@@ -306,6 +308,8 @@ class StreamStats:
     peak_device_bytes: int | None = None
     layer_done_s: list[float] = dataclasses.field(default_factory=list)
     layer_phase_s: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    routed_pairs: int = 0  # token-expert pairs over all MoE layers (padding tokens included)
+    expert_slots: int = 0  # the slots the expert GEMMs ran over them: pairs / slots is their occupancy
 
 
 # ------------------------------------------------------------------------------------------ prefill
@@ -347,7 +351,9 @@ def stream_prefill(
     for i, layer in enumerate(weights.layers):
         ring.phase_seconds.clear()
         if i in pinned:
-            x, cache[i] = _moe_layer(cfg, plan, layer, pinned[i], x, cache[i], ring, dtype)
+            x, cache[i], slots = _moe_layer(cfg, plan, layer, pinned[i], x, cache[i], ring, dtype)
+            stats.expert_slots += slots
+            stats.routed_pairs += tokens.size * cfg.num_experts_per_tok
         else:
             x, cache[i] = ring.run("attention+mlp", _dense_layer, cfg, plan.attention, layer, x, cache[i])
         stats.layer_done_s.append(time.perf_counter() - start)
@@ -381,10 +387,12 @@ def _moe_layer(cfg, plan: RingPlan, layer: dsv3.Layer, experts: PinnedExperts, x
     x, tokens, ids, weights, shared, counts, cache = ring.run(
         "attention+router+shared", _moe_front, cfg, plan.attention, layer, x, cache
     )
-    # The routing decides how many slots per expert (dropless), on the host: the one readback of a layer.
-    capacity = _capacity(int(np.max(np.asarray(counts))))
+    # The routing decides how many slots each block's experts get (dropless), on the host: the one readback of
+    # a layer. Per block, so that one busy expert pads only its own block's GEMMs.
+    counts = np.asarray(counts)
     block_sizes = tuple(b.size for b in experts.blocks)
-    rows, slot_weights, out = ring.run("dispatch", _dispatch, capacity, block_sizes, tokens, ids, weights)
+    capacities = tuple(_capacity(int(c.max())) for c in np.split(counts, np.cumsum(block_sizes)[:-1]))
+    rows, slot_weights, out = ring.run("dispatch", _dispatch, capacities, block_sizes, tokens, ids, weights)
     for block, block_rows, block_slot_weights in zip(experts.blocks, rows, slot_weights, strict=True):
         arrays = ring.take(block)
         out = ring.run(
@@ -392,7 +400,8 @@ def _moe_layer(cfg, plan: RingPlan, layer: dsv3.Layer, experts: PinnedExperts, x
             out, arrays[:3], arrays[3:] or None,
         )
         ring.unload(arrays)
-    return ring.run("combine", _moe_combine, x, out, shared), cache
+    slots = sum(size * capacity for size, capacity in zip(block_sizes, capacities, strict=True))
+    return ring.run("combine", _moe_combine, x, out, shared), cache, slots
 
 
 # ------------------------------------------------------------------------------------- path choice

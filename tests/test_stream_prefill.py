@@ -148,6 +148,27 @@ def test_stats_account_each_layer_by_phase(model, tokens):
         assert set(phases) == kinds, i
         assert all(t > 0 for t in phases.values())
         assert sum(phases.values()) <= layer_s[i]
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    assert stats.routed_pairs == moe_layers * tokens.size * cfg.num_experts_per_tok
+    assert stats.routed_pairs <= stats.expert_slots
+
+
+@pytest.mark.parametrize("capacity", [1, 3, 64])
+def test_grouping_by_block_places_each_pair_once(capacity):
+    """group_by_expert over a block of experts: each of the block's pairs sits in its expert's row in token
+    order, up to the capacity (the rest dropped); other experts' pairs and empty slots are nowhere."""
+    rng = np.random.default_rng(capacity)
+    t, k, n, first, size = 40, 4, 16, 4, 8
+    ids = np.stack([rng.choice(n, k, replace=False) for _ in range(t)]).astype(np.int32)
+    weights = rng.random((t, k)).astype(np.float32)
+    rows, slot_weights = map(np.asarray, dsv3.group_by_expert(ids, weights, size, capacity, first))
+    assert rows.shape == slot_weights.shape == (size, capacity)
+    for e in range(size):
+        token, j = np.nonzero(ids == first + e)  # in token order
+        kept = min(len(token), capacity)
+        np.testing.assert_array_equal(rows[e, :kept], token[:kept])
+        np.testing.assert_array_equal(slot_weights[e, :kept], weights[token[:kept], j[:kept]])
+        assert (rows[e, kept:] == t).all() and (slot_weights[e, kept:] == 0).all()
 
 
 def test_hybrid_path_reads_the_same_pinned_experts(model, tokens, reference):
