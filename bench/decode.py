@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench_model import add_model_arguments, load_model
-from floors import ReadFloor, floors_line, machine, memory_floors
+from floors import ReadFloor, floors_line, machine, memory_floors, vmstat
 from hybridjit import _ffi, engine
 from hybridjit.config import ModelConfig
 from hybridjit.models import deepseek_v3 as dsv3
@@ -263,12 +263,15 @@ def main(argv=None):
         model.expert_schedule = dsv3.ExpertSchedule(n_deferred=deferred)
         # The case's read floor: passes right before and right after it (other tenants move this machine's
         # memory bandwidth from minute to minute; the floors measured at the start only pick the pattern).
+        before = vmstat()
         for _ in range(3):
             floor.sample()
         r = bench_case(model, batch, context, args.steps, rng)
         for _ in range(3):
             floor.sample()
         r["floor_gbps"] = round(floor.take(), 1)
+        # What the kernel's memory management did during the case (migration and compaction take bandwidth).
+        r["vmstat"] = {name: count - before[name] for name, count in vmstat().items()}
         r["threads"] = kernel_info()["threads"]
         r["floor_ms"] = round(r["expert_bytes_per_step"] / (r["floor_gbps"] * 1e6), 3)
         r["ratio_to_floor"] = round(r["floor_ms"] / r["median_step_ms"], 3)

@@ -61,6 +61,23 @@ def transparent_huge_pages() -> str:
         return "unknown"
 
 
+# Kernel memory-management activity that competes with a benchmark for memory bandwidth and cores: page
+# migration and compaction (kcompactd, or direct in a faulting thread), huge pages made or collapsed.
+VMSTAT_COUNTERS = ("pgmigrate_success", "compact_stall", "compact_daemon_wake", "thp_fault_alloc",
+                   "thp_collapse_alloc", "pgmajfault")
+
+
+def vmstat() -> dict[str, int]:
+    """The VMSTAT_COUNTERS of /proc/vmstat now (empty where there is none): subtract two to see what the kernel
+    did in between."""
+    try:
+        with open("/proc/vmstat") as f:
+            pairs = (line.split() for line in f)
+            return {name: int(value) for name, value in pairs if name in VMSTAT_COUNTERS}
+    except OSError:
+        return {}
+
+
 def machine() -> dict:
     """What the figures were measured on: CPU model, cores the process may use, and the kernels chosen."""
     model = platform.processor() or platform.machine()

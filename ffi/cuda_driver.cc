@@ -44,6 +44,9 @@ const Driver* Load(std::string* error) {
                   Resolve(get_proc, "cuMemcpyDtoHAsync", &driver.MemcpyDtoHAsync, error) &&
                   Resolve(get_proc, "cuMemcpyHtoDAsync", &driver.MemcpyHtoDAsync, error) &&
                   Resolve(get_proc, "cuStreamWriteValue32", &driver.StreamWriteValue32, error) &&
+                  Resolve(get_proc, "cuStreamWriteValue64", &driver.StreamWriteValue64, error) &&
+                  Resolve(get_proc, "cuCtxGetDevice", &driver.CtxGetDevice, error) &&
+                  Resolve(get_proc, "cuDeviceGetAttribute", &driver.DeviceGetAttribute, error) &&
                   Resolve(get_proc, "cuStreamWaitValue32", &driver.StreamWaitValue32, error) &&
                   Resolve(get_proc, "cuLaunchHostFunc", &driver.LaunchHostFunc, error);
   return ok ? &driver : nullptr;

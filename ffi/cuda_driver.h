@@ -18,6 +18,9 @@ struct Driver {
   decltype(&::cuMemcpyDtoHAsync) MemcpyDtoHAsync;
   decltype(&::cuMemcpyHtoDAsync) MemcpyHtoDAsync;
   decltype(&::cuStreamWriteValue32) StreamWriteValue32;
+  decltype(&::cuStreamWriteValue64) StreamWriteValue64;
+  decltype(&::cuCtxGetDevice) CtxGetDevice;
+  decltype(&::cuDeviceGetAttribute) DeviceGetAttribute;
   decltype(&::cuStreamWaitValue32) StreamWaitValue32;
   decltype(&::cuLaunchHostFunc) LaunchHostFunc;
 };

@@ -5,9 +5,11 @@
 // once, when the graph is recorded, and the recorded nodes run at every replay.
 //
 // Two hand-off mechanisms (HYBRIDJIT_GPU_HANDOFF):
-//   doorbell (default): the stream writes the job's layer id into a pinned word that a CPU worker polls
-//     (cuStreamWriteValue32), and waits on a second word the worker sets when the result is staged
-//     (cuStreamWaitValue32). The stream stays free between submit and wait for other GPU work.
+//   doorbell (default): the stream writes the job's layer id into a pinned word that a CPU worker polls,
+//     and waits on a second word the worker sets when the result is staged (cuStreamWaitValue32). The
+//     two words share one aligned 64-bit word, so a single cuStreamWriteValue64 rings the doorbell and
+//     clears the done word of the previous job (two 32-bit writes where the device lacks 64-bit stream
+//     memory operations). The stream stays free between submit and wait for other GPU work.
 //   hostfunc: the job runs inside a cuLaunchHostFunc callback. Slower per hand-off, and the stream is
 //     blocked while it runs, but it needs no stream memory operations.
 // A failing job still releases the stream (the worker always signals); its error is kept for
@@ -62,11 +64,14 @@ struct SlotKey {
 
 struct Slot {
   SlotKey key;
-  // Written by the stream (the layer id of a job), reset to 0 by the worker when it takes the job.
+  // The low half of one aligned 64-bit word: written by the stream (the layer id of a job), reset to 0
+  // by the worker when it takes the job.
   uint32_t* doorbell = nullptr;
-  // Set to 1 by the worker when the result is staged, reset to 0 by the stream after its wait.
+  // The high half: set to 1 by the worker when the result is staged, cleared by the stream together with
+  // the next job's doorbell (before the worker can see that job, so never after its result).
   uint32_t* done = nullptr;
   CUdeviceptr doorbell_device = 0, done_device = 0;
+  bool write64 = false;  // the device takes 64-bit stream memory operations
   unsigned char* x = nullptr;
   int32_t* ids = nullptr;
   float* weights = nullptr;
@@ -111,13 +116,22 @@ class Handoff {
     slot->key = key;
     slot->activation_bytes = static_cast<size_t>(key.tokens * key.hidden) * (key.bf16 ? 2 : 4);
     slot->routing_bytes = static_cast<size_t>(key.tokens * key.top_k) * 4;
-    // Control words first, each in its own cache line, then the staging buffers.
+    // Control words first, in a cache line of their own, then the staging buffers.
     const size_t bytes = 128 + 2 * slot->activation_bytes + 2 * slot->routing_bytes;
     void* host = nullptr;
     std::string error = cuda::Describe(cu, cu.CtxPushCurrent(key.context), "cuCtxPushCurrent");
     if (error.empty()) {
       error = cuda::Describe(
           cu, cu.MemHostAlloc(&host, bytes, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP), "cuMemHostAlloc");
+      CUdevice device;
+      int write64 = 0;
+      if (error.empty()) error = cuda::Describe(cu, cu.CtxGetDevice(&device), "cuCtxGetDevice");
+      if (error.empty()) {
+        error = cuda::Describe(
+            cu, cu.DeviceGetAttribute(&write64, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, device),
+            "cuDeviceGetAttribute");
+      }
+      slot->write64 = write64 != 0;
       CUcontext popped;
       cu.CtxPopCurrent(&popped);
     }
@@ -125,7 +139,7 @@ class Handoff {
     std::memset(host, 0, 128);
     auto* base = static_cast<unsigned char*>(host);
     slot->doorbell = reinterpret_cast<uint32_t*>(base);
-    slot->done = reinterpret_cast<uint32_t*>(base + 64);
+    slot->done = reinterpret_cast<uint32_t*>(base + 4);
     slot->x = base + 128;
     slot->y = slot->x + slot->activation_bytes;
     slot->ids = reinterpret_cast<int32_t*>(slot->y + slot->activation_bytes);
@@ -135,7 +149,7 @@ class Handoff {
         !e.empty()) {
       return ffi::Error::Internal("hybridjit GPU hand-off: " + e);
     }
-    slot->done_device = slot->doorbell_device + 64;
+    slot->done_device = slot->doorbell_device + 4;
     Slot* result = slot.get();
     slots_.emplace(key, std::move(slot));
     generation_.fetch_add(1, std::memory_order_release);
@@ -270,6 +284,11 @@ ffi::Error EnqueueSubmit(const cuda::Driver& cu, CUstream stream, Slot& slot, in
     return Check(cu, cu.LaunchHostFunc(stream, RunHostFuncJob, Handoff::Global().HostJob(&slot, layer_id)),
                  "cuLaunchHostFunc");
   }
+  if (slot.write64) {  // little-endian: the layer id into the doorbell, 0 into done
+    return Check(cu, cu.StreamWriteValue64(stream, slot.doorbell_device, static_cast<cuuint64_t>(layer_id), 0),
+                 "cuStreamWriteValue64");
+  }
+  HYBRIDJIT_RETURN_IF_ERROR(Check(cu, cu.StreamWriteValue32(stream, slot.done_device, 0, 0), "cuStreamWriteValue32"));
   return Check(cu, cu.StreamWriteValue32(stream, slot.doorbell_device, static_cast<cuuint32_t>(layer_id), 0),
                "cuStreamWriteValue32");
 }
@@ -280,7 +299,6 @@ ffi::Error EnqueueWait(const cuda::Driver& cu, CUstream stream, Slot& slot, ffi:
   if (HandoffMode() == Mode::kDoorbell) {
     HYBRIDJIT_RETURN_IF_ERROR(
         Check(cu, cu.StreamWaitValue32(stream, slot.done_device, 1, CU_STREAM_WAIT_VALUE_EQ), "cuStreamWaitValue32"));
-    HYBRIDJIT_RETURN_IF_ERROR(Check(cu, cu.StreamWriteValue32(stream, slot.done_device, 0, 0), "cuStreamWriteValue32"));
   }
   return Check(cu,
                cu.MemcpyHtoDAsync(reinterpret_cast<CUdeviceptr>(result.untyped_data()), slot.y,
