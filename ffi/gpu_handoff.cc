@@ -15,6 +15,8 @@
 // A failing job still releases the stream (the worker always signals); its error is kept for
 // take_gpu_error() and surfaces as a Python exception after the step.
 #include <cuda.h>
+#include <pthread.h>
+#include <sched.h>
 
 #include <atomic>
 #include <chrono>
@@ -33,6 +35,7 @@
 #include "gpu_handoff.h"
 #include "routed_experts_async.h"
 #include "routed_experts_handler.h"
+#include "thread_pool.h"
 #include "weight_bank.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -194,11 +197,17 @@ class Handoff {
 
  private:
   // The worker: polls every slot's doorbell; spins while jobs come often (decode steps), sleeps
-  // briefly once idle so an idle process does not hold a core.
+  // briefly once idle so an idle process does not hold a core. It takes part in each job as the
+  // expert pool's submitting thread, so it pins itself to the CPU the pool's workers leave free:
+  // left to the OS, it shared a worker's CPU for seconds after the first jobs, and those jobs ran
+  // ~30% slower (bench/RESULTS.md, the first case of a process).
   void Poll() {
     std::vector<Slot*> slots;
     uint64_t seen = ~uint64_t{0};
     auto last_job = std::chrono::steady_clock::now();
+    std::weak_ptr<ThreadPool> pinned_for;  // the pool whose free CPU this thread is pinned to
+    cpu_set_t unpinned;                    // this thread's CPUs before it pinned itself
+    pthread_getaffinity_np(pthread_self(), sizeof unpinned, &unpinned);
     for (;;) {
       if (const uint64_t generation = generation_.load(std::memory_order_acquire); generation != seen) {
         std::lock_guard<std::mutex> lock(mu_);
@@ -211,6 +220,14 @@ class Handoff {
         const uint32_t layer_id = __atomic_load_n(slot->doorbell, __ATOMIC_ACQUIRE);
         if (layer_id == 0) continue;
         __atomic_store_n(slot->doorbell, 0u, __ATOMIC_RELAXED);
+        if (std::shared_ptr<ThreadPool> pool = ThreadPool::Global(); pool != pinned_for.lock()) {
+          if (pool->submitter_cpu() >= 0) {
+            PinCurrentThread(pool->submitter_cpu());
+          } else {  // every CPU has a worker: no place is better than another
+            pthread_setaffinity_np(pthread_self(), sizeof unpinned, &unpinned);
+          }
+          pinned_for = pool;
+        }
         Run(*slot, layer_id);
         __atomic_store_n(slot->done, 1u, __ATOMIC_RELEASE);
         worked = true;

@@ -99,6 +99,7 @@ nb::dict KernelInfo() {
   info["supported"] = supported;
   info["threads"] = pool->threads();
   info["numa_nodes"] = pool->nodes();
+  info["submitter_cpu"] = pool->submitter_cpu();
   info["numa_forced"] = pool->nodes_forced();
   info["amx_min_tokens"] = AmxMinTokensOverride();
   info["prefetch_bytes"] = WeightPrefetchOverride();

@@ -133,8 +133,9 @@ ThreadPool::ThreadPool(int threads, int numa_nodes) {
       order.push_back(c);
     }
   }
-  // Slot 0 is the submitting thread's: it is not pinned (it belongs to the caller), and the OS moves
-  // it to the one CPU the workers leave free.
+  // Slot 0 is the submitting thread's: it belongs to the caller, so the pool does not pin it; the OS
+  // moves it to the one CPU the workers leave free (after a while: a thread of our own pins itself).
+  if (threads_ <= static_cast<int>(order.size())) submitter_cpu_ = order[0];
   for (int t = 1; t < threads_; ++t) {
     const int cpu = order[t % order.size()];
     workers_.emplace_back(&ThreadPool::Worker, this, cpu, cpu_node_[cpu]);
@@ -163,11 +164,15 @@ ThreadPool::RunState* ThreadPool::FindOpen() {
   return nullptr;
 }
 
-void ThreadPool::Worker(int cpu, int node) {
+void PinCurrentThread(int cpu) {
   cpu_set_t set;
   CPU_ZERO(&set);
   CPU_SET(cpu, &set);
   pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+}
+
+void ThreadPool::Worker(int cpu, int node) {
+  PinCurrentThread(cpu);
   _mm_setcsr(kDefaultMxcsr);
   for (;;) {
     // A decode step submits a job every few hundred microseconds: spin a little before sleeping so

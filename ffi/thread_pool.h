@@ -29,6 +29,9 @@ struct Job {
   std::vector<std::vector<std::vector<int64_t>>> tasks;  // [phase][node] -> task ids in order
 };
 
+// Pins the calling thread to one CPU.
+void PinCurrentThread(int cpu);
+
 // Busy-waits for `done` (a dependency between tasks), yielding the CPU after a short spin so that an
 // oversubscribed machine still makes progress.
 template <typename Done>
@@ -54,6 +57,9 @@ class ThreadPool {
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int threads() const { return threads_; }
+  // The CPU the workers leave free for the submitting thread, or -1 when every CPU has a worker. A
+  // submitting thread that the process owns (the GPU hand-off's worker) pins itself there.
+  int submitter_cpu() const { return submitter_cpu_; }
   int nodes() const { return static_cast<int>(node_cpus_.size()); }
   bool nodes_forced() const { return nodes_forced_; }
 
@@ -77,6 +83,7 @@ class ThreadPool {
   int NodeOfCurrentCpu() const;
 
   int threads_ = 1;
+  int submitter_cpu_ = -1;
   bool nodes_forced_ = false;
   std::vector<std::vector<int>> node_cpus_;
   std::vector<int> cpu_node_;  // by CPU number; -1 for CPUs outside the mask

@@ -15,6 +15,7 @@ import threading
 import zlib
 from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 
 import jax
 import ml_dtypes
@@ -406,6 +407,37 @@ def test_forced_numa_nodes_slice_every_expert():
     finally:
         configure_threads(info["threads"], info["numa_nodes"] if info["numa_forced"] else 0)
         layer.close()
+
+
+def _single_cpu_threads() -> list[int]:
+    """The CPU of each thread of this process pinned to exactly one (from /proc: no timing involved)."""
+    pinned = []
+    for status in Path("/proc/self/task").glob("*/status"):
+        allowed = next(line.split()[1] for line in status.read_text().splitlines()
+                       if line.startswith("Cpus_allowed_list"))
+        if allowed.isdigit():
+            pinned.append(int(allowed))
+    return pinned
+
+
+def test_pool_workers_leave_the_submitter_cpu_free():
+    """threads - 1 workers pinned one per CPU, none on submitter_cpu (where the GPU hand-off's worker pins
+    itself); a pool with more threads than CPUs has no free CPU."""
+    info = kernel_info()
+    cpus = len(os.sched_getaffinity(0))
+    if cpus < 2:
+        pytest.skip("on one CPU every thread is pinned to it")
+    try:
+        configure_threads(cpus, 0)
+        free = kernel_info()["submitter_cpu"]
+        assert free in os.sched_getaffinity(0)
+        workers = _single_cpu_threads()
+        assert free not in workers
+        assert set(os.sched_getaffinity(0)) - {free} <= set(workers)
+        configure_threads(cpus + 1, 0)
+        assert kernel_info()["submitter_cpu"] == -1
+    finally:
+        configure_threads(info["threads"], info["numa_nodes"] if info["numa_forced"] else 0)
 
 
 def test_skewed_prefill_load():
