@@ -1,4 +1,5 @@
-// AMX ceilings for the prefill GEMM's tile loop (ffi/expert_kernel_amx.cc, SweepStrip): 2 x 2 C tiles,
+// AMX ceilings for the prefill GEMM's tile loop (ffi/expert_kernel_amx.cc, SweepStrip; its multiply step,
+// ffi/amx_tile_multiply.h, is the kernel's own): 2 x 2 C tiles,
 // two A (weight) and two B (activation) tiles loaded per k-step, four tile multiplies. Each variant runs
 // on every CPU of the process at once, one pinned thread per CPU:
 //   peak     the four multiplies alone, A and B never reloaded: the instruction rate;
@@ -28,6 +29,8 @@
 #include <thread>
 #include <vector>
 
+#include "../ffi/amx_tile_multiply.h"
+
 namespace {
 
 constexpr int kTile = 1024;  // bytes: 16 rows x 64
@@ -50,21 +53,6 @@ void ConfigureTiles() {
   _tile_loadconfig(&config);
 }
 
-template <bool kInt8>
-inline void Multiply4() {
-  if constexpr (kInt8) {
-    _tile_dpbssd(0, 4, 6);
-    _tile_dpbssd(1, 4, 7);
-    _tile_dpbssd(2, 5, 6);
-    _tile_dpbssd(3, 5, 7);
-  } else {
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-  }
-}
-
 // Per thread: buffers of the sweep's size; returns the tile multiplies it ran.
 struct Buffers {
   std::vector<char> strip = std::vector<char>(kRowTiles * kKSteps * kTile + 64, 1);
@@ -77,7 +65,7 @@ struct Buffers {
 
 template <bool kInt8>
 int64_t Peak(int64_t rounds) {
-  for (int64_t i = 0; i < rounds * kKSteps; ++i) Multiply4<kInt8>();
+  for (int64_t i = 0; i < rounds * kKSteps; ++i) hybridjit::MultiplyTiles2x2<kInt8>();
   return rounds * kKSteps * 4;
 }
 
@@ -89,7 +77,7 @@ int64_t L1(const Buffers& buf, int64_t rounds) {
     _tile_loadd(5, a + kTile, 64);
     _tile_loadd(6, a + 2 * kTile, 64);
     _tile_loadd(7, a + 3 * kTile, 64);
-    Multiply4<kInt8>();
+    hybridjit::MultiplyTiles2x2<kInt8>();
   }
   return rounds * kKSteps * 4;
 }
@@ -122,7 +110,7 @@ int64_t Sweep(Buffers& buf, int64_t rounds) {
           _tile_loadd(5, a1 + ks * kTile, 64);
           _tile_loadd(6, b0 + ks * kTile, 64);
           _tile_loadd(7, b1 + ks * kTile, 64);
-          Multiply4<kInt8>();
+          hybridjit::MultiplyTiles2x2<kInt8>();
         }
         _tile_stored(0, c, out_stride * 4);
         _tile_stored(1, c + 16, out_stride * 4);

@@ -180,8 +180,7 @@ def stream_case(model: engine.Model, full: ModelConfig, length: int, floors: dic
     floor = max(transfer_s, compute_s)
     # The same floor with the attention core at the rate it reaches alone, everything else at the GEMM rate:
     # how far the rest of the step is from its floor once the attention kernel's own speed is granted.
-    core_flops = full.num_hidden_layers * sp.layer_flops(full, 1, length)["attention core"]
-    kernel_floor = max(transfer_s, compute_s + core_flops * (core_s / part["attention core"] - 1 / gemm))
+    kernel_floor = max(transfer_s, compute_s + full.num_hidden_layers * (core_s - part["attention core"] / gemm))
     h2d = layer_bytes / steady / 1e9
     memory = device.memory_stats()
     return {

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx_tile_multiply.h"
 #include "expert_kernels.h"
 #include "fp8_bf16.h"
 #include "numeric_formats.h"
@@ -300,17 +301,7 @@ HJ_AMX void SweepStrip(const char* strip, int64_t strip_rows, int64_t n_ksteps, 
         _tile_loadd(5, a1 + ks * kTileBytes, 64);
         _tile_loadd(6, b0 + ks * kTileBytes, 64);
         _tile_loadd(7, b1 + ks * kTileBytes, 64);
-        if constexpr (kInt8) {
-          _tile_dpbssd(0, 4, 6);
-          _tile_dpbssd(1, 4, 7);
-          _tile_dpbssd(2, 5, 6);
-          _tile_dpbssd(3, 5, 7);
-        } else {
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
+        MultiplyTiles2x2<kInt8>();
       }
       _tile_stored(0, c, stride_bytes);
       _tile_stored(1, c + kTileRows, stride_bytes);

@@ -124,17 +124,19 @@ class Handoff {
     void* host = nullptr;
     std::string error = cuda::Describe(cu, cu.CtxPushCurrent(key.context), "cuCtxPushCurrent");
     if (error.empty()) {
-      error = cuda::Describe(
-          cu, cu.MemHostAlloc(&host, bytes, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP), "cuMemHostAlloc");
       CUdevice device;
       int write64 = 0;
-      if (error.empty()) error = cuda::Describe(cu, cu.CtxGetDevice(&device), "cuCtxGetDevice");
+      error = cuda::Describe(cu, cu.CtxGetDevice(&device), "cuCtxGetDevice");
       if (error.empty()) {
         error = cuda::Describe(
             cu, cu.DeviceGetAttribute(&write64, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, device),
             "cuDeviceGetAttribute");
       }
       slot->write64 = write64 != 0;
+      if (error.empty()) {  // last, so that no failure after it leaks the allocation
+        error = cuda::Describe(
+            cu, cu.MemHostAlloc(&host, bytes, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP), "cuMemHostAlloc");
+      }
       CUcontext popped;
       cu.CtxPopCurrent(&popped);
     }
