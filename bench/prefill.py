@@ -19,7 +19,9 @@ expert GEMMs' slot occupancy, the attention core alone on random inputs, and a s
 attention core the rate it reaches alone (everything else at the GEMM rate). The hybrid prefill (the engine's
 jitted prefill, routed experts on the CPU) is measured at --hybrid-tokens (it holds [t, t] attention scores,
 so only short prompts fit) and projected to full depth by its time per MoE layer; at other lengths it is
-modelled (stream_prefill.prefill_seconds with the measured rates). Ends with one JSON line.
+modelled (stream_prefill.prefill_seconds with the measured rates). `--prompts random repeated` also runs one
+token repeated: every token then routes to the same experts, the skew under which an expert
+block runs in several passes (StreamStats.block_passes). Ends with one JSON line.
 """
 
 import argparse
@@ -145,9 +147,18 @@ def attention_core_seconds(cfg: ModelConfig, attention, length: int, device, rep
 # --------------------------------------------------------------------------------------------- cases
 
 
-def stream_case(model: engine.Model, full: ModelConfig, length: int, floors: dict, budget: int | None) -> dict:
+def prompt(cfg: ModelConfig, length: int, kind: str) -> np.ndarray:
+    """[1, length] tokens: random ones, or one token repeated (every token routed to the same experts: the
+    skew that makes expert blocks run in several passes)."""
+    if kind == "repeated":
+        return np.full((1, length), 7, np.int32)
+    return np.random.default_rng(length).integers(2, cfg.vocab_size, (1, length)).astype(np.int32)
+
+
+def stream_case(model: engine.Model, full: ModelConfig, length: int, floors: dict, budget: int | None,
+                kind: str) -> dict:
     cfg, device = model.config, model.placement.device
-    tokens = np.random.default_rng(length).integers(2, cfg.vocab_size, (1, length)).astype(np.int32)
+    tokens = prompt(cfg, length, kind)
 
     def run():
         cache = dsv3.init_cache(cfg, 1, length, model.dtype, device)
@@ -201,6 +212,7 @@ def stream_case(model: engine.Model, full: ModelConfig, length: int, floors: dic
         "floor_with_measured_attention_s": round(kernel_floor, 3),
         "ratio_to_floor_with_measured_attention": round(projected / kernel_floor, 3),
         "slot_occupancy": round(stats.routed_pairs / stats.expert_slots, 3),
+        "expert_block_passes": stats.block_passes,
         "bound": "transfer" if transfer_s >= compute_s else "compute",
         "peak_ring_gib": round(stats.peak_ring_bytes / GIB, 3),
         "activation_estimate_gib": round(stats.plan.activation_bytes / GIB, 3),
@@ -208,10 +220,10 @@ def stream_case(model: engine.Model, full: ModelConfig, length: int, floors: dic
     }
 
 
-def hybrid_case(model: engine.Model, full: ModelConfig, length: int) -> dict:
+def hybrid_case(model: engine.Model, full: ModelConfig, length: int, kind: str) -> dict:
     """The engine's own prefill program (routed experts on the CPU), measured, projected by its MoE layers."""
     cfg, device = model.config, model.placement.device
-    tokens = np.random.default_rng(length).integers(2, cfg.vocab_size, (1, length)).astype(np.int32)
+    tokens = prompt(cfg, length, kind)
     sampling = engine.SamplingParams().device_args()
 
     def run():
@@ -240,6 +252,8 @@ def main(argv=None):
     parser.add_argument("--cpu-tokens", type=int, default=4096, help="batch of the CPU expert-rate floor")
     parser.add_argument("--vram-budget-gib", type=float, help="stream_prefill's VRAM budget (default: free memory)")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--prompts", nargs="+", default=["random"], choices=("random", "repeated"),
+                        help="random tokens, or one token repeated (skewed routing); each runs every length")
     parser.add_argument("--time-limit", type=float, default=float("inf"),
                         help="seconds after which no new case starts (the JSON line still comes)")
     args = parser.parse_args(argv)
@@ -256,13 +270,14 @@ def main(argv=None):
     results, skipped = [], []
     print(f"{'path':>6} {'tokens':>6} {'depth':>5} {'TTFT ms':>9} {'layer ms':>8} {'full s(proj)':>12} "
           f"{'H2D GB/s':>8} {'of peak':>7} {'TFLOP/s':>7} {'floor s':>8} {'ratio':>6}")
-    cases = [("stream", n) for n in args.tokens] + [("hybrid", n) for n in args.hybrid_tokens]
-    for path, length in cases:
+    cases = [("stream", n, kind) for kind in args.prompts for n in args.tokens]
+    cases += [("hybrid", n, kind) for kind in args.prompts for n in args.hybrid_tokens]
+    for path, length, kind in cases:
         if time.perf_counter() - begin > args.time_limit:
-            skipped.append(f"{path} {length}")
+            skipped.append(f"{path} {length} {kind}")
             continue
         if path == "stream":
-            r = stream_case(model, full, length, floors, budget)
+            r = stream_case(model, full, length, floors, budget, kind)
             print(f"{path:>6} {length:6d} {r['ring_depth']:5d} {r['ttft_ms']:9.1f} {r['moe_layer_ms']:8.1f} "
                   f"{r['projected_full_depth_ttft_s']:12.2f} {r['h2d_gbps']:8.1f} {r['h2d_ratio']:7.2f} "
                   f"{r['tflops']:7.1f} {r['floor_full_depth_s']:8.2f} {r['ratio_to_floor']:6.2f}", flush=True)
@@ -270,12 +285,13 @@ def main(argv=None):
                   f"experts {r['experts_tflops']} TFLOP/s at slot occupancy {r['slot_occupancy']}; attention core "
                   f"alone {r['attention_core_alone_ms']} ms = {r['attention_core_alone_tflops']} TFLOP/s; floor "
                   f"with that attention {r['floor_with_measured_attention_s']} s, ratio "
-                  f"{r['ratio_to_floor_with_measured_attention']}", flush=True)
+                  f"{r['ratio_to_floor_with_measured_attention']}; {r['expert_block_passes']} expert block passes "
+                  f"({kind} prompt)", flush=True)
         else:
-            r = hybrid_case(model, full, length)
+            r = hybrid_case(model, full, length, kind)
             print(f"{path:>6} {length:6d} {'-':>5} {r['ttft_ms']:9.1f} {'-':>8} "
-                  f"{r['projected_full_depth_ttft_s']:12.2f}", flush=True)
-        results.append(r)
+                  f"{r['projected_full_depth_ttft_s']:12.2f}  ({kind} prompt)", flush=True)
+        results.append({"prompt": kind, **r})
     measured = {r["tokens"] for r in results if r["path"] == "hybrid"}
     for length in args.tokens:
         if length not in measured:
@@ -289,8 +305,8 @@ def main(argv=None):
     machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "device": device.device_kind,
                "jax": jax.__version__}
     print(json.dumps({"bench": "prefill", "model": name, "layers": model.config.num_hidden_layers,
-                      "full_layers": full.num_hidden_layers, "machine": machine, "floors": floors,
-                      "crossover_tokens": crossover, "skipped": skipped, "results": results}))
+                      "full_layers": full.num_hidden_layers, "machine": machine,
+                      "floors": floors, "crossover_tokens": crossover, "skipped": skipped, "results": results}))
 
 
 if __name__ == "__main__":

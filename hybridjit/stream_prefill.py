@@ -51,7 +51,9 @@ from hybridjit.pinned_experts import ExpertBlock, PinnedExperts, pinned_layer
 # under this many bytes when the chunk is not given.
 ATTENTION_SCRATCH = 1 << 30
 # Experts get more tokens than the average under real routing, and capacity rounds up (_capacity): the
-# activation estimate plans for this many slots per routed token.
+# activation estimate plans for this many slots per routed token in one pass of an expert block. A block whose
+# busiest expert needs more (skewed routing: a prompt of one repeated token sends every token to the same
+# experts) runs in several passes of at most that many slots (_passes), so the estimate is a bound.
 SLOTS_PER_PAIR = 1.5
 # Executables also hold fixed-size scratch (cuBLAS/cuDNN workspaces), whatever the prompt.
 WORKSPACE_BYTES = 64 << 20
@@ -85,16 +87,24 @@ class RingPlan:
     block_bytes: int  # bytes of the largest block, as streamed
     activation_bytes: int  # estimated peak of everything else: activations, scores, dequantized weights
     attention: dsv3.ChunkedAttention | CudnnAttention
+    block_slots: int  # the most token slots one pass of an expert block may take (the estimate's assumption)
 
     @property
     def ring_bytes(self) -> int:
         return self.depth * self.block_bytes
 
 
+def block_slots(cfg: ModelConfig, tokens: int, experts_per_block: int) -> int:
+    """Token slots one pass of an expert block may take: SLOTS_PER_PAIR per routed pair the block gets on
+    average, and at least one per expert."""
+    average_pairs = tokens * cfg.num_experts_per_tok * experts_per_block / cfg.n_routed_experts
+    return max(experts_per_block, math.ceil(SLOTS_PER_PAIR * average_pairs))
+
+
 def activation_bytes(cfg: ModelConfig, batch: int, length: int, dtype, attention, experts_per_block: int) -> int:
     """An upper estimate of the device memory one layer's prefill needs besides weights, cache and ring: the
-    largest of its phases (attention, dense MLP, one expert block) on top of the residual stream and the
-    executables' workspaces."""
+    largest of its phases (attention, dense MLP, one pass of an expert block) on top of the residual stream and
+    the executables' workspaces."""
     n, item, d, h = batch * length, jnp.dtype(dtype).itemsize, cfg.hidden_size, cfg.num_attention_heads
     qk, v = cfg.qk_head_dim, cfg.v_head_dim
     residual = n * d * (4 * item + 4)  # x, x after attention, normed tokens, shared experts; float32 sum
@@ -103,7 +113,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, length: int, dtype, attention
     if isinstance(attention, dsv3.ChunkedAttention):
         attention_phase += 3 * batch * h * attention.chunk * length * 4
     dense_phase = 3 * n * cfg.intermediate_size * item
-    slots = math.ceil(SLOTS_PER_PAIR * n * cfg.num_experts_per_tok * experts_per_block / cfg.n_routed_experts)
+    slots = block_slots(cfg, n, experts_per_block)
     f = cfg.moe_intermediate_size
     expert_phase = slots * (d * item + 3 * f * item + d * 4) + 3 * experts_per_block * d * f * (item + 4)
     return WORKSPACE_BYTES + residual + max(attention_phase, dense_phase, expert_phase)
@@ -127,7 +137,8 @@ def plan_ring(
     blocks = [b for layer in experts for b in layer.blocks]
     block_bytes = max(b.nbytes for b in blocks)
     attention = _attention(cfg, batch, length, dtype, device, attention_chunk)
-    activations = activation_bytes(cfg, batch, length, dtype, attention, max(b.size for b in blocks))
+    experts_per_block = max(b.size for b in blocks)
+    activations = activation_bytes(cfg, batch, length, dtype, attention, experts_per_block)
     if depth is not None and depth < 1:
         raise ValueError(f"the ring needs a depth of at least 1 block, got {depth}")
     if vram_budget is None:
@@ -143,7 +154,7 @@ def plan_ring(
             f"activations plus {depth} expert block(s) of {block_bytes * gib:.2f} GiB; the VRAM budget is "
             f"{vram_budget * gib:.2f} GiB. Use the hybrid prefill, a shorter prompt, or smaller expert blocks"
         )
-    return RingPlan(depth, block_bytes, activations, attention)
+    return RingPlan(depth, block_bytes, activations, attention, block_slots(cfg, batch * length, experts_per_block))
 
 
 def _attention(cfg, batch, length, dtype, device, chunk):
@@ -192,26 +203,34 @@ def _moe_front(cfg, attention, layer, x, cache):
     return x, tokens, ids, weights, shared, counts, cache
 
 
-@partial(jax.jit, static_argnums=(0, 1))
-def _dispatch(capacities, block_sizes, tokens, ids, weights):
-    """The routed pairs grouped by expert for each block, with that block's capacity, and the zero sum of the
-    routed experts. All here so that no block's executable needs an argument from the host: a host-to-device
-    copy would queue behind the block copies on the transfer stream and hold the GPU up."""
-    firsts = np.cumsum((0, *block_sizes[:-1]))
-    grouped = [dsv3.group_by_expert(ids, weights, size, capacity, int(first))
-               for size, capacity, first in zip(block_sizes, capacities, firsts, strict=True)]
-    return [rows for rows, _ in grouped], [w for _, w in grouped], jnp.zeros(tokens.shape, jnp.float32)
+@partial(jax.jit, static_argnums=0)
+def _dispatch(passes, tokens, ids, weights):
+    """The routed pairs grouped by expert for each block, in that block's passes (rows and slot weights
+    [passes, experts, capacity]; `passes` holds (first expert, experts, capacity, passes) per block), and the
+    zero sum of the routed experts. All here so that no block's executable needs an argument from the host: a
+    host-to-device copy would queue behind the block copies on the transfer stream and hold the GPU up."""
+    rows, slot_weights = [], []
+    for first, size, capacity, n_passes in passes:
+        grouped = [dsv3.group_by_expert(ids, weights, size, capacity, first, p * capacity) for p in range(n_passes)]
+        rows.append(jnp.stack([r for r, _ in grouped]))
+        slot_weights.append(jnp.stack([w for _, w in grouped]))
+    return rows, slot_weights, jnp.zeros(tokens.shape, jnp.float32)
 
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnames="out")
 def _expert_block(quant_block, dtype, tokens, rows, slot_weights, out, weights, scales):
-    """One block's experts on their tokens, added into out."""
+    """One block's experts on their tokens, added into out: dequantized once, then one pass at a time, so
+    only one pass's gathered tokens and hidden states are live."""
     if scales is None:
         experts = dsv3.Experts(*(w.astype(dtype) for w in weights))
     else:
         pairs = zip(weights, scales, strict=True)
         experts = dsv3.Experts(*(dsv3.dequantize_blocks(w, s, quant_block, dtype) for w, s in pairs))
-    return dsv3.experts_grouped(experts, tokens, rows, slot_weights, out)
+
+    def one_pass(out, slots):
+        return dsv3.experts_grouped(experts, tokens, *slots, out), None
+
+    return jax.lax.scan(one_pass, out, (rows, slot_weights))[0]
 
 
 @jax.jit
@@ -233,6 +252,16 @@ def _capacity(max_count: int) -> int:
     its power of two, so padding stays under 12.5% and a handful of shapes (executables) serve every prompt."""
     step = 1 << max(0, max_count.bit_length() - 4)
     return max(1, -(-max_count // step) * step)
+
+
+def _passes(max_count: int, experts: int, slots: int) -> tuple[int, int]:
+    """(capacity per expert, passes) of a block of `experts` whose busiest one has max_count tokens, with at
+    most `slots` slots a pass: the fewest passes whose _capacity fits, so splitting pads no more than one pass
+    would."""
+    passes = max(1, -(-max_count // (slots // experts)))  # none fewer can fit; rounding up may need more
+    while experts * (capacity := _capacity(-(-max_count // passes))) > slots and capacity > 1:
+        passes += 1
+    return capacity, passes
 
 
 # ---------------------------------------------------------------------------------------- the ring
@@ -300,7 +329,8 @@ class StreamStats:
     each layer's output was ready, in seconds from the start, and where each layer's time went: the wall time of
     its executables by phase ("attention+mlp" for a dense layer; "attention+router+shared", "dispatch",
     "experts" (waits for the blocks' copies included) and "combine" for a MoE layer). Each block's capacity
-    covers its busiest expert: routed_pairs / expert_slots says how full the expert GEMMs were."""
+    covers its busiest expert: routed_pairs / expert_slots says how full the expert GEMMs were; a block whose
+    busiest expert needs more slots than the plan allows a pass (plan.block_slots) takes several passes."""
 
     plan: RingPlan | None = None
     streamed_bytes: int = 0
@@ -310,6 +340,8 @@ class StreamStats:
     layer_phase_s: list[dict[str, float]] = dataclasses.field(default_factory=list)
     routed_pairs: int = 0  # token-expert pairs over all MoE layers (padding tokens included)
     expert_slots: int = 0  # the slots the expert GEMMs ran over them: pairs / slots is their occupancy
+    block_passes: int = 0  # passes over expert blocks, over all MoE layers (one per block without skew)
+    largest_pass_slots: int = 0  # the slots of the largest pass: at most plan.block_slots
 
 
 # ------------------------------------------------------------------------------------------ prefill
@@ -352,7 +384,9 @@ def stream_prefill(
         ring.phase_seconds.clear()
         if i in pinned:
             x, cache[i], slots = _moe_layer(cfg, plan, layer, pinned[i], x, cache[i], ring, dtype)
-            stats.expert_slots += slots
+            stats.expert_slots += sum(pass_slots * n for pass_slots, n in slots)
+            stats.block_passes += sum(n for _, n in slots)
+            stats.largest_pass_slots = max(stats.largest_pass_slots, *(pass_slots for pass_slots, _ in slots))
             stats.routed_pairs += tokens.size * cfg.num_experts_per_tok
         else:
             x, cache[i] = ring.run("attention+mlp", _dense_layer, cfg, plan.attention, layer, x, cache[i])
@@ -390,9 +424,12 @@ def _moe_layer(cfg, plan: RingPlan, layer: dsv3.Layer, experts: PinnedExperts, x
     # The routing decides how many slots each block's experts get (dropless), on the host: the one readback of
     # a layer. Per block, so that one busy expert pads only its own block's GEMMs.
     counts = np.asarray(counts)
-    block_sizes = tuple(b.size for b in experts.blocks)
-    capacities = tuple(_capacity(int(c.max())) for c in np.split(counts, np.cumsum(block_sizes)[:-1]))
-    rows, slot_weights, out = ring.run("dispatch", _dispatch, capacities, block_sizes, tokens, ids, weights)
+    passes, first = [], 0
+    for block in experts.blocks:
+        busiest = int(counts[first : first + block.size].max())
+        passes.append((first, block.size, *_passes(busiest, block.size, plan.block_slots)))
+        first += block.size
+    rows, slot_weights, out = ring.run("dispatch", _dispatch, tuple(passes), tokens, ids, weights)
     for block, block_rows, block_slot_weights in zip(experts.blocks, rows, slot_weights, strict=True):
         arrays = ring.take(block)
         out = ring.run(
@@ -400,7 +437,7 @@ def _moe_layer(cfg, plan: RingPlan, layer: dsv3.Layer, experts: PinnedExperts, x
             out, arrays[:3], arrays[3:] or None,
         )
         ring.unload(arrays)
-    slots = sum(size * capacity for size, capacity in zip(block_sizes, capacities, strict=True))
+    slots = [(size * capacity, n_passes) for _, size, capacity, n_passes in passes]  # (slots a pass, passes)
     return ring.run("combine", _moe_combine, x, out, shared), cache, slots
 
 

@@ -649,23 +649,25 @@ def dequantize_blocks(w: jax.Array, scale: jax.Array, block: tuple[int, int], dt
     return (w.astype(jnp.float32) * scale[..., : w.shape[-2], : w.shape[-1]]).astype(dtype)
 
 
-def group_by_expert(ids: jax.Array, weights: jax.Array, n_experts: int, capacity: int, first: int = 0):
+def group_by_expert(ids: jax.Array, weights: jax.Array, n_experts: int, capacity: int, first: int = 0, skip: int = 0):
     """Token-expert pairs (ids, weights [T, k] from route) of experts [first, first + n_experts) grouped by
     expert, `capacity` slots per expert; pairs of other experts are left out.
 
     Returns (rows [n_experts, capacity] int32: the token in each slot, T in empty slots; slot weights
-    [n_experts, capacity] float32: its routing weight, 0 in empty slots). Dropless when capacity >= the largest
-    count among these experts; pairs beyond an expert's capacity are dropped, never written into another
-    expert's slots. Calls on the same ids in one jit share their sort.
+    [n_experts, capacity] float32: its routing weight, 0 in empty slots). Each expert's pairs are taken in token
+    order from its `skip`-th on (so calls with skip = 0, capacity, 2 x capacity, ... cover an expert's pairs
+    in passes of bounded size); pairs beyond skip + capacity are dropped, never written into another expert's
+    slots: dropless when skip = 0 and capacity >= the largest count among these experts. Calls on the same ids
+    in one jit share their sort.
     """
     t, k = ids.shape
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     expert = flat[order]
     counts = jnp.zeros(max(first + n_experts, 1), jnp.int32).at[flat].add(1, mode="drop")
-    rank = jnp.arange(t * k) - (jnp.cumsum(counts) - counts)[jnp.clip(expert, 0, counts.shape[0] - 1)]
+    rank = jnp.arange(t * k) - (jnp.cumsum(counts) - counts)[jnp.clip(expert, 0, counts.shape[0] - 1)] - skip
     local = expert - first
-    keep = (local >= 0) & (local < n_experts) & (rank < capacity)
+    keep = (local >= 0) & (local < n_experts) & (rank >= 0) & (rank < capacity)
     slot = jnp.where(keep, local * capacity + rank, n_experts * capacity)
     rows = jnp.full(n_experts * capacity, t, jnp.int32).at[slot].set(order // k, mode="drop")
     slot_weights = jnp.zeros(n_experts * capacity, jnp.float32).at[slot].set(weights.reshape(-1)[order], mode="drop")

@@ -153,22 +153,38 @@ def test_stats_account_each_layer_by_phase(model, tokens):
     assert stats.routed_pairs <= stats.expert_slots
 
 
-@pytest.mark.parametrize("capacity", [1, 3, 64])
-def test_grouping_by_block_places_each_pair_once(capacity):
-    """group_by_expert over a block of experts: each of the block's pairs sits in its expert's row in token
-    order, up to the capacity (the rest dropped); other experts' pairs and empty slots are nowhere."""
+@pytest.mark.parametrize(("capacity", "skip"), [(1, 0), (3, 0), (64, 0), (3, 2), (4, 8)])
+def test_grouping_by_block_places_each_pair_once(capacity, skip):
+    """group_by_expert over a block of experts: each of the block's pairs from an expert's skip-th on sits in
+    its expert's row in token order, up to the capacity (the rest dropped); other experts' pairs and empty
+    slots are nowhere."""
     rng = np.random.default_rng(capacity)
     t, k, n, first, size = 40, 4, 16, 4, 8
     ids = np.stack([rng.choice(n, k, replace=False) for _ in range(t)]).astype(np.int32)
     weights = rng.random((t, k)).astype(np.float32)
-    rows, slot_weights = map(np.asarray, dsv3.group_by_expert(ids, weights, size, capacity, first))
+    rows, slot_weights = map(np.asarray, dsv3.group_by_expert(ids, weights, size, capacity, first, skip))
     assert rows.shape == slot_weights.shape == (size, capacity)
     for e in range(size):
         token, j = np.nonzero(ids == first + e)  # in token order
-        kept = min(len(token), capacity)
-        np.testing.assert_array_equal(rows[e, :kept], token[:kept])
-        np.testing.assert_array_equal(slot_weights[e, :kept], weights[token[:kept], j[:kept]])
-        assert (rows[e, kept:] == t).all() and (slot_weights[e, kept:] == 0).all()
+        token, j = token[skip : skip + capacity], j[skip : skip + capacity]
+        np.testing.assert_array_equal(rows[e, : len(token)], token)
+        np.testing.assert_array_equal(slot_weights[e, : len(token)], weights[token, j])
+        assert (rows[e, len(token) :] == t).all() and (slot_weights[e, len(token) :] == 0).all()
+
+
+def test_skewed_routing_runs_in_passes_within_the_plan(model, exact_model):
+    """A prompt of one repeated token routes every token to the same experts (identical hidden states: the
+    attention averages identical values). The busy blocks then run in several passes, none larger than the
+    plan allows, with the plain path's result."""
+    tokens = np.full((2, 24), 7, np.int32)
+    ref_logits, ref_cache = plain_prefill(exact_model, tokens)
+    logits, cache, stats = streamed(model, tokens, depth=2, attention_chunk=CHUNK)
+    assert rel_rms(logits, ref_logits) < FLOAT32_RTOL
+    assert cache_error(cache, ref_cache) < FLOAT32_RTOL
+    blocks = sum(len(p.blocks) for p in _pinned(model))
+    assert stats.block_passes > blocks
+    assert stats.largest_pass_slots <= stats.plan.block_slots
+    assert stats.routed_pairs <= stats.expert_slots
 
 
 def test_hybrid_path_reads_the_same_pinned_experts(model, tokens, reference):
