@@ -48,7 +48,11 @@ const Driver* Load(std::string* error) {
                   Resolve(get_proc, "cuCtxGetDevice", &driver.CtxGetDevice, error) &&
                   Resolve(get_proc, "cuDeviceGetAttribute", &driver.DeviceGetAttribute, error) &&
                   Resolve(get_proc, "cuStreamWaitValue32", &driver.StreamWaitValue32, error) &&
-                  Resolve(get_proc, "cuLaunchHostFunc", &driver.LaunchHostFunc, error);
+                  Resolve(get_proc, "cuLaunchHostFunc", &driver.LaunchHostFunc, error) &&
+                  Resolve(get_proc, "cuModuleLoadData", &driver.ModuleLoadData, error) &&
+                  Resolve(get_proc, "cuModuleGetFunction", &driver.ModuleGetFunction, error) &&
+                  Resolve(get_proc, "cuModuleGetGlobal", &driver.ModuleGetGlobal, error) &&
+                  Resolve(get_proc, "cuLaunchKernel", &driver.LaunchKernel, error);
   return ok ? &driver : nullptr;
 }
 

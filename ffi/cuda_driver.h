@@ -23,6 +23,10 @@ struct Driver {
   decltype(&::cuDeviceGetAttribute) DeviceGetAttribute;
   decltype(&::cuStreamWaitValue32) StreamWaitValue32;
   decltype(&::cuLaunchHostFunc) LaunchHostFunc;
+  decltype(&::cuModuleLoadData) ModuleLoadData;
+  decltype(&::cuModuleGetFunction) ModuleGetFunction;
+  decltype(&::cuModuleGetGlobal) ModuleGetGlobal;
+  decltype(&::cuLaunchKernel) LaunchKernel;
 };
 
 // The loaded driver, or nullptr with the reason in *error (no libcuda, or a driver too old).

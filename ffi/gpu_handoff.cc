@@ -1,19 +1,23 @@
 // CUDA-platform handlers of the routed-experts calls: XLA's stream hands each job to a CPU worker
 // through pinned, device-mapped staging and takes the result back, all by work enqueued on the stream.
-// The handlers only enqueue (copies, stream memory operations or a host function) and keep every
+// The handlers only enqueue (kernels, copies, stream memory operations or a host function) and keep every
 // address fixed, so XLA can record them into a command buffer (CUDA graph): the handler body then runs
 // once, when the graph is recorded, and the recorded nodes run at every replay.
 //
-// Two hand-off mechanisms (HYBRIDJIT_GPU_HANDOFF):
-//   doorbell (default): the stream writes the job's layer id into a pinned word that a CPU worker polls,
-//     and waits on a second word the worker sets when the result is staged (cuStreamWaitValue32). The
-//     two words share one aligned 64-bit word, so a single cuStreamWriteValue64 rings the doorbell and
-//     clears the done word of the previous job (two 32-bit writes where the device lacks 64-bit stream
-//     memory operations). The stream stays free between submit and wait for other GPU work.
+// Three hand-off mechanisms (HYBRIDJIT_GPU_HANDOFF); the CPU side is the same for the first two: a worker
+// polls a pinned doorbell word, runs the job, and sets a done word.
+//   kernel (default): two small kernels (handoff_kernels.h). One writes the inputs into the staging and
+//     rings the doorbell; one polls the done word from the GPU and copies the result back. Two launches
+//     per submit/wait pair.
+//   doorbell: copy engines and stream memory operations. Three copies of the inputs, one
+//     cuStreamWriteValue64 that rings the doorbell and clears the done word of the previous job (the two
+//     words share one aligned 64-bit word; two 32-bit writes where the device lacks 64-bit stream memory
+//     operations), cuStreamWaitValue32 on the done word, one copy of the result: six operations a pair.
 //   hostfunc: the job runs inside a cuLaunchHostFunc callback. Slower per hand-off, and the stream is
-//     blocked while it runs, but it needs no stream memory operations.
-// A failing job still releases the stream (the worker always signals); its error is kept for
-// take_gpu_error() and surfaces as a Python exception after the step.
+//     blocked while it runs, but it needs no stream memory operations and no kernels.
+// In the first two the stream stays free between submit and wait for other GPU work. A failing job still
+// releases the stream (the worker always signals); its error is kept for take_gpu_error() and surfaces as
+// a Python exception after the step.
 #include <cuda.h>
 #include <pthread.h>
 #include <sched.h>
@@ -33,6 +37,7 @@
 #include "cuda_driver.h"
 #include "expert_job.h"
 #include "gpu_handoff.h"
+#include "handoff_kernels.h"
 #include "routed_experts_async.h"
 #include "routed_experts_handler.h"
 #include "thread_pool.h"
@@ -44,12 +49,14 @@ namespace {
 
 namespace ffi = xla::ffi;
 
-enum class Mode { kDoorbell, kHostFunc };
+enum class Mode { kKernel, kDoorbell, kHostFunc };
 
 Mode HandoffMode() {
   static const Mode mode = [] {
     const char* value = std::getenv("HYBRIDJIT_GPU_HANDOFF");
-    return value != nullptr && std::strcmp(value, "hostfunc") == 0 ? Mode::kHostFunc : Mode::kDoorbell;
+    if (value != nullptr && std::strcmp(value, "doorbell") == 0) return Mode::kDoorbell;
+    if (value != nullptr && std::strcmp(value, "hostfunc") == 0) return Mode::kHostFunc;
+    return Mode::kKernel;
   }();
   return mode;
 }
@@ -75,11 +82,20 @@ struct Slot {
   uint32_t* done = nullptr;
   CUdeviceptr doorbell_device = 0, done_device = 0;
   bool write64 = false;  // the device takes 64-bit stream memory operations
+  // Kernel hand-off: the context's kernels and this slot's arrival counter (null: copies and stream
+  // memory operations).
+  const cuda::HandoffKernels* kernels = nullptr;
+  CUdeviceptr counter = 0;
   unsigned char* x = nullptr;
   int32_t* ids = nullptr;
   float* weights = nullptr;
   unsigned char* y = nullptr;
   size_t activation_bytes = 0, routing_bytes = 0;
+
+  // The device address of a staging buffer (all in the one mapped allocation that starts at the doorbell).
+  CUdeviceptr Mapped(const void* host) const {
+    return doorbell_device + (static_cast<const unsigned char*>(host) - reinterpret_cast<unsigned char*>(doorbell));
+  }
 };
 
 // A host-function job: which slot and which layer. Kept alive for the process, since recorded graphs
@@ -133,6 +149,7 @@ class Handoff {
             "cuDeviceGetAttribute");
       }
       slot->write64 = write64 != 0;
+      if (error.empty() && HandoffMode() == Mode::kKernel) error = KernelsFor(cu, *slot);
       if (error.empty()) {  // last, so that no failure after it leaks the allocation
         error = cuda::Describe(
             cu, cu.MemHostAlloc(&host, bytes, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP), "cuMemHostAlloc");
@@ -163,6 +180,22 @@ class Handoff {
       std::thread([this] { Poll(); }).detach();
     }
     return result;
+  }
+
+  // The context's kernels (loaded on its first slot) and a counter of the slot's own; the context is
+  // current. Shapes whose copies are not whole 4-byte words keep the copy-engine hand-off.
+  std::string KernelsFor(const cuda::Driver& cu, Slot& slot) {
+    if (slot.activation_bytes % 4 != 0) return "";
+    auto [entry, loaded] = kernels_.try_emplace(slot.key.context);
+    if (loaded) {
+      if (std::string e = cuda::LoadHandoffKernels(cu, &entry->second); !e.empty()) {
+        kernels_.erase(entry);
+        return e;
+      }
+    }
+    if (std::string e = entry->second.TakeCounter(&slot.counter); !e.empty()) return e;
+    slot.kernels = &entry->second;
+    return "";
   }
 
   HostFuncJob* HostJob(Slot* slot, int64_t layer_id) {
@@ -248,6 +281,7 @@ class Handoff {
   std::mutex mu_;
   std::map<SlotKey, std::unique_ptr<Slot>> slots_;
   std::map<std::pair<Slot*, int64_t>, std::unique_ptr<HostFuncJob>> host_jobs_;
+  std::map<CUcontext, cuda::HandoffKernels> kernels_;
   std::atomic<uint64_t> generation_{0};
   std::atomic<int64_t> jobs_{0}, job_nanoseconds_{0}, enqueues_{0};
   bool worker_started_ = false;
@@ -293,6 +327,16 @@ ffi::Error EnqueueSubmit(const cuda::Driver& cu, CUstream stream, Slot& slot, in
                          const ffi::AnyBuffer& ids, const ffi::AnyBuffer& weights) {
   if (slot.key.tokens == 0) return ffi::Error::Success();
   auto device = [](const ffi::AnyBuffer& b) { return reinterpret_cast<CUdeviceptr>(b.untyped_data()); };
+  if (slot.kernels != nullptr) {  // little-endian: the layer id into the doorbell, 0 into done
+    const cuda::StageCopy copies[3] = {
+        {device(x), slot.Mapped(slot.x), slot.activation_bytes},
+        {device(ids), slot.Mapped(slot.ids), slot.routing_bytes},
+        {device(weights), slot.Mapped(slot.weights), slot.routing_bytes}};
+    return Check(cu,
+                 cuda::EnqueueStage(cu, *slot.kernels, stream, copies, slot.counter, slot.doorbell_device,
+                                    static_cast<uint64_t>(layer_id)),
+                 "cuLaunchKernel (hand-off staging)");
+  }
   HYBRIDJIT_RETURN_IF_ERROR(
       Check(cu, cu.MemcpyDtoHAsync(slot.x, device(x), slot.activation_bytes, stream), "cuMemcpyDtoHAsync"));
   HYBRIDJIT_RETURN_IF_ERROR(
@@ -315,6 +359,12 @@ ffi::Error EnqueueSubmit(const cuda::Driver& cu, CUstream stream, Slot& slot, in
 // Enqueues: the wait for the CPU (doorbell mode), then the staged result to `result`.
 ffi::Error EnqueueWait(const cuda::Driver& cu, CUstream stream, Slot& slot, ffi::AnyBuffer& result) {
   if (slot.key.tokens == 0) return ffi::Error::Success();
+  if (slot.kernels != nullptr) {
+    const cuda::StageCopy copy{slot.Mapped(slot.y), reinterpret_cast<CUdeviceptr>(result.untyped_data()),
+                               slot.activation_bytes};
+    return Check(cu, cuda::EnqueueUnstage(cu, *slot.kernels, stream, slot.done_device, copy),
+                 "cuLaunchKernel (hand-off result)");
+  }
   if (HandoffMode() == Mode::kDoorbell) {
     HYBRIDJIT_RETURN_IF_ERROR(
         Check(cu, cu.StreamWaitValue32(stream, slot.done_device, 1, CU_STREAM_WAIT_VALUE_EQ), "cuStreamWaitValue32"));
@@ -367,7 +417,17 @@ std::string TakeGpuHandoffError() { return Handoff::Global().TakeError(); }
 
 GpuHandoffStats TakeGpuHandoffStats() { return Handoff::Global().TakeStats(); }
 
-const char* GpuHandoffMode() { return HandoffMode() == Mode::kDoorbell ? "doorbell" : "hostfunc"; }
+const char* GpuHandoffMode() {
+  switch (HandoffMode()) {
+    case Mode::kKernel:
+      return "kernel";
+    case Mode::kDoorbell:
+      return "doorbell";
+    case Mode::kHostFunc:
+      return "hostfunc";
+  }
+  return "";
+}
 
 }  // namespace hybridjit
 

@@ -25,7 +25,7 @@ struct GpuHandoffStats {
 };
 GpuHandoffStats TakeGpuHandoffStats();
 
-// "doorbell" or "hostfunc" (HYBRIDJIT_GPU_HANDOFF).
+// "kernel", "doorbell" or "hostfunc" (HYBRIDJIT_GPU_HANDOFF).
 const char* GpuHandoffMode();
 
 }  // namespace hybridjit

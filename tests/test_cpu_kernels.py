@@ -409,31 +409,34 @@ def test_forced_numa_nodes_slice_every_expert():
         layer.close()
 
 
-def _single_cpu_threads() -> list[int]:
-    """The CPU of each thread of this process pinned to exactly one (from /proc: no timing involved)."""
-    pinned = []
+def _single_cpu_threads() -> dict[int, int]:
+    """Thread id -> CPU of each thread of this process pinned to exactly one (from /proc: no timing)."""
+    pinned = {}
     for status in Path("/proc/self/task").glob("*/status"):
         allowed = next(line.split()[1] for line in status.read_text().splitlines()
                        if line.startswith("Cpus_allowed_list"))
         if allowed.isdigit():
-            pinned.append(int(allowed))
+            pinned[int(status.parent.name)] = int(allowed)
     return pinned
 
 
 def test_pool_workers_leave_the_submitter_cpu_free():
     """threads - 1 workers pinned one per CPU, none on submitter_cpu (where the GPU hand-off's worker pins
-    itself); a pool with more threads than CPUs has no free CPU."""
+    itself); a pool with more threads than CPUs has no free CPU. Only the new pool's threads count: an
+    older pool that a registered layer still holds keeps its (idle) workers where they were."""
     info = kernel_info()
     cpus = len(os.sched_getaffinity(0))
     if cpus < 2:
         pytest.skip("on one CPU every thread is pinned to it")
     try:
+        before = set(_single_cpu_threads())
         configure_threads(cpus, 0)
         free = kernel_info()["submitter_cpu"]
         assert free in os.sched_getaffinity(0)
-        workers = _single_cpu_threads()
+        workers = [cpu for tid, cpu in _single_cpu_threads().items() if tid not in before]
+        assert len(workers) == cpus - 1
         assert free not in workers
-        assert set(os.sched_getaffinity(0)) - {free} <= set(workers)
+        assert set(os.sched_getaffinity(0)) - {free} == set(workers)
         configure_threads(cpus + 1, 0)
         assert kernel_info()["submitter_cpu"] == -1
     finally:

@@ -2,12 +2,14 @@
 GPU, routed experts on the CPU behind the CUDA hand-off. Skipped without a GPU."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from checkpoint_factory import tiny_config, write_checkpoint
 
 import hybridjit
 from hybridjit.ops.async_experts import GpuExpertJobError
+from hybridjit.ops.routed_experts import register_layer, routed_experts, routed_experts_host
 from hybridjit.placement import Placement
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
@@ -72,3 +74,37 @@ def test_failed_cpu_job_releases_the_gpu_and_raises(checkpoint):
         with pytest.raises((GpuExpertJobError, jax.errors.JaxRuntimeError, ValueError), match="unknown layer id"):
             gpu.generate(PROMPTS[0], max_new_tokens=4)
     gpu.close()
+
+
+def test_every_handoff_returns_its_own_jobs_result():
+    """Many jobs back to back in one program, alternating between two layers, each on other inputs through the
+    same staging: every result must be the CPU's result for that job's own inputs. A staging read that sees an
+    earlier job's data, or a wait released by an earlier job's done flag, returns another job's result."""
+    rng = np.random.default_rng(3)
+    hidden, inter, n_experts, k, tokens, jobs = 256, 64, 8, 2, 3, 48
+
+    def random_layer():
+        def matrices(rows, cols):
+            return [(0.1 * rng.standard_normal((rows, cols))).astype(np.float32) for _ in range(n_experts)]
+
+        return register_layer(matrices(inter, hidden), matrices(inter, hidden), matrices(hidden, inter))
+
+    layers = [random_layer(), random_layer()]
+    try:
+        x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+        ids = np.stack([[rng.choice(n_experts, k, replace=False) for _ in range(tokens)] for _ in range(jobs)])
+        ids = ids.astype(np.int32)
+        weights = rng.random((jobs, tokens, k)).astype(np.float32)
+
+        @jax.jit
+        def chain(x, ids, weights):
+            return jnp.stack([routed_experts(x + j, ids[j], weights[j], layer=layers[j % 2].id) for j in range(jobs)])
+
+        for _ in range(3):  # the first run records the command buffer, the others replay it
+            results = np.asarray(chain(x, ids, weights))
+            for j in range(jobs):
+                expected = routed_experts_host(layers[j % 2], x + np.float32(j), ids[j], weights[j])
+                np.testing.assert_allclose(results[j], expected, rtol=1e-6, atol=1e-6, err_msg=f"job {j}")
+    finally:
+        for layer in layers:
+            layer.close()
