@@ -53,7 +53,7 @@ ATTENTION_SCRATCH = 1 << 30
 # Experts get more tokens than the average under real routing, and capacity rounds up (_capacity): the
 # activation estimate plans for this many slots per routed token in one pass of an expert block. A block whose
 # busiest expert needs more (skewed routing: a prompt of one repeated token sends every token to the same
-# experts) runs in several passes of at most that many slots (_passes), so the estimate is a bound.
+# experts) runs in several passes of at most that many slots (_block_passes), so the estimate is a bound.
 SLOTS_PER_PAIR = 1.5
 # Executables also hold fixed-size scratch (cuBLAS/cuDNN workspaces), whatever the prompt.
 WORKSPACE_BYTES = 64 << 20
@@ -204,31 +204,47 @@ def _moe_front(cfg, attention, layer, x, cache):
 
 
 @partial(jax.jit, static_argnums=0)
-def _dispatch(passes, tokens, ids, weights):
-    """The routed pairs grouped by expert for each block, in that block's passes (rows and slot weights
-    [passes, experts, capacity]; `passes` holds (first expert, experts, capacity, passes) per block), and the
-    zero sum of the routed experts. All here so that no block's executable needs an argument from the host: a
-    host-to-device copy would queue behind the block copies on the transfer stream and hold the GPU up."""
-    rows, slot_weights = [], []
-    for first, size, capacity, n_passes in passes:
-        grouped = [dsv3.group_by_expert(ids, weights, size, capacity, first, p * capacity) for p in range(n_passes)]
-        rows.append(jnp.stack([r for r, _ in grouped]))
-        slot_weights.append(jnp.stack([w for _, w in grouped]))
-    return rows, slot_weights, jnp.zeros(tokens.shape, jnp.float32)
+def _dispatch(plans, tokens, ids, weights, counts):
+    """The routed pairs grouped by expert for each block as its _BlockPasses plan says: (rows, slot weights) of
+    the first pass over all its experts, and for the later passes (None without) the busy experts' indices in
+    the block and their rows and slot weights [passes, busy, capacity]; then the zero sum of the routed experts.
+    All here so that no block's executable needs an argument from the host: a host-to-device copy would queue
+    behind the block copies on the transfer stream and hold the GPU up."""
+    blocks, empty = [], ids.shape[0]
+    for plan in plans:
+        first_pass = dsv3.group_by_expert(ids, weights, plan.size, plan.capacity, plan.first)
+        later = None
+        if plan.later:
+            left = counts[plan.first : plan.first + plan.size] > plan.capacity
+            busy = jnp.nonzero(left, size=plan.busy, fill_value=0)[0]
+            real = (jnp.arange(plan.busy) < left.sum())[:, None]  # the padding repeats expert 0: keep it empty
+            skips = [plan.capacity + p * plan.later_capacity for p in range(plan.later)]
+            grouped = [dsv3.group_by_expert(ids, weights, plan.size, plan.later_capacity, plan.first, skip)
+                       for skip in skips]
+            rows = jnp.stack([jnp.where(real, r[busy], empty) for r, _ in grouped])
+            slot_weights = jnp.stack([jnp.where(real, w[busy], 0) for _, w in grouped])
+            later = (busy, rows, slot_weights)
+        blocks.append((first_pass, later))
+    return blocks, jnp.zeros(tokens.shape, jnp.float32)
 
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnames="out")
-def _expert_block(quant_block, dtype, tokens, rows, slot_weights, out, weights, scales):
+def _expert_block(quant_block, dtype, tokens, first_pass, later, out, weights, scales):
     """One block's experts on their tokens, added into out: dequantized once, then one pass at a time, so
-    only one pass's gathered tokens and hidden states are live."""
+    only one pass's gathered tokens and hidden states are live; later passes multiply the busy experts only."""
     if scales is None:
         experts = dsv3.Experts(*(w.astype(dtype) for w in weights))
     else:
         pairs = zip(weights, scales, strict=True)
         experts = dsv3.Experts(*(dsv3.dequantize_blocks(w, s, quant_block, dtype) for w, s in pairs))
+    out = dsv3.experts_grouped(experts, tokens, *first_pass, out)
+    if later is None:
+        return out
+    busy, rows, slot_weights = later
+    busy_experts = dsv3.Experts(experts.gate[busy], experts.up[busy], experts.down[busy])
 
     def one_pass(out, slots):
-        return dsv3.experts_grouped(experts, tokens, *slots, out), None
+        return dsv3.experts_grouped(busy_experts, tokens, *slots, out), None
 
     return jax.lax.scan(one_pass, out, (rows, slot_weights))[0]
 
@@ -255,13 +271,47 @@ def _capacity(max_count: int) -> int:
 
 
 def _passes(max_count: int, experts: int, slots: int) -> tuple[int, int]:
-    """(capacity per expert, passes) of a block of `experts` whose busiest one has max_count tokens, with at
-    most `slots` slots a pass: the fewest passes whose _capacity fits, so splitting pads no more than one pass
+    """(capacity per expert, passes) of `experts` experts whose busiest one has max_count tokens, with at most
+    `slots` slots a pass: the fewest passes whose _capacity fits, so splitting pads no more than one pass
     would."""
     passes = max(1, -(-max_count // (slots // experts)))  # none fewer can fit; rounding up may need more
     while experts * (capacity := _capacity(-(-max_count // passes))) > slots and capacity > 1:
         passes += 1
     return capacity, passes
+
+
+@dataclasses.dataclass(frozen=True)
+class _BlockPasses:
+    """How one expert block covers its routed pairs within the slots the plan allows a pass (RingPlan.block_slots):
+    a first pass over all its experts, `capacity` slots each; then, for experts with more pairs (skewed routing),
+    `later` passes over just those `busy` experts (their number rounded up by _capacity, so few shapes),
+    `later_capacity` slots each."""
+
+    first: int  # the block's first expert
+    size: int
+    capacity: int
+    busy: int = 0
+    later_capacity: int = 0
+    later: int = 0
+
+    @property
+    def pass_slots(self) -> list[int]:
+        return [self.size * self.capacity] + [self.busy * self.later_capacity] * self.later
+
+
+def _block_passes(counts: np.ndarray, first: int, slots: int) -> _BlockPasses:
+    """The passes of the block whose experts have `counts` routed pairs: one when its busiest expert fits,
+    else a first pass at the largest _capacity value that fits and later passes for the experts left busy."""
+    size = len(counts)
+    capacity = _capacity(int(counts.max()))
+    if size * capacity <= slots:
+        return _BlockPasses(first, size, capacity)
+    fits = slots // size
+    step = 1 << max(0, fits.bit_length() - 4)
+    capacity = fits // step * step  # the largest _capacity value <= fits
+    left = counts - capacity
+    busy = min(size, _capacity(int((left > 0).sum())))
+    return _BlockPasses(first, size, capacity, busy, *_passes(int(left.max()), busy, slots))
 
 
 # ---------------------------------------------------------------------------------------- the ring
@@ -384,9 +434,9 @@ def stream_prefill(
         ring.phase_seconds.clear()
         if i in pinned:
             x, cache[i], slots = _moe_layer(cfg, plan, layer, pinned[i], x, cache[i], ring, dtype)
-            stats.expert_slots += sum(pass_slots * n for pass_slots, n in slots)
-            stats.block_passes += sum(n for _, n in slots)
-            stats.largest_pass_slots = max(stats.largest_pass_slots, *(pass_slots for pass_slots, _ in slots))
+            stats.expert_slots += sum(map(sum, slots))
+            stats.block_passes += sum(map(len, slots))
+            stats.largest_pass_slots = max(stats.largest_pass_slots, *map(max, slots))
             stats.routed_pairs += tokens.size * cfg.num_experts_per_tok
         else:
             x, cache[i] = ring.run("attention+mlp", _dense_layer, cfg, plan.attention, layer, x, cache[i])
@@ -423,21 +473,19 @@ def _moe_layer(cfg, plan: RingPlan, layer: dsv3.Layer, experts: PinnedExperts, x
     )
     # The routing decides how many slots each block's experts get (dropless), on the host: the one readback of
     # a layer. Per block, so that one busy expert pads only its own block's GEMMs.
-    counts = np.asarray(counts)
-    passes, first = [], 0
+    host_counts, plans = np.asarray(counts), []
     for block in experts.blocks:
-        busiest = int(counts[first : first + block.size].max())
-        passes.append((first, block.size, *_passes(busiest, block.size, plan.block_slots)))
-        first += block.size
-    rows, slot_weights, out = ring.run("dispatch", _dispatch, tuple(passes), tokens, ids, weights)
-    for block, block_rows, block_slot_weights in zip(experts.blocks, rows, slot_weights, strict=True):
+        first = plans[-1].first + plans[-1].size if plans else 0
+        plans.append(_block_passes(host_counts[first : first + block.size], first, plan.block_slots))
+    grouped, out = ring.run("dispatch", _dispatch, tuple(plans), tokens, ids, weights, counts)
+    for block, (first_pass, later) in zip(experts.blocks, grouped, strict=True):
         arrays = ring.take(block)
         out = ring.run(
-            "experts", _expert_block, experts.quant_block, jnp.dtype(dtype), tokens, block_rows, block_slot_weights,
-            out, arrays[:3], arrays[3:] or None,
+            "experts", _expert_block, experts.quant_block, jnp.dtype(dtype), tokens, first_pass, later, out,
+            arrays[:3], arrays[3:] or None,
         )
         ring.unload(arrays)
-    slots = [(size * capacity, n_passes) for _, size, capacity, n_passes in passes]  # (slots a pass, passes)
+    slots = [p.pass_slots for p in plans]
     return ring.run("combine", _moe_combine, x, out, shared), cache, slots
 
 

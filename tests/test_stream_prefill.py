@@ -172,6 +172,23 @@ def test_grouping_by_block_places_each_pair_once(capacity, skip):
         assert (rows[e, len(token) :] == t).all() and (slot_weights[e, len(token) :] == 0).all()
 
 
+@pytest.mark.parametrize("skew", [0.0, 1.0, 3.0])
+def test_block_passes_cover_every_pair_within_the_slots(skew):
+    """Whatever the routing's skew (expert loads drawn with Zipf-like weights), every pass of a block fits the
+    slots the plan allows, and each expert's pairs fit its first pass or the later passes over the busy ones."""
+    rng = np.random.default_rng(int(10 * skew))
+    for _ in range(200):
+        size, pairs = int(rng.integers(1, 40)), int(rng.integers(0, 5000))
+        load = np.arange(1, size + 1, dtype=np.float64) ** -skew
+        counts = rng.multinomial(pairs, rng.permutation(load / load.sum()))
+        slots = max(size, int(rng.integers(1, 3 * pairs + 2)))
+        plan = sp._block_passes(counts, 0, slots)
+        assert max(plan.pass_slots) <= slots
+        busy = counts > plan.capacity
+        assert busy.sum() <= plan.busy
+        assert (counts[busy] <= plan.capacity + plan.later * plan.later_capacity).all()
+
+
 def test_skewed_routing_runs_in_passes_within_the_plan(model, exact_model):
     """A prompt of one repeated token routes every token to the same experts (identical hidden states: the
     attention averages identical values). The busy blocks then run in several passes, none larger than the
