@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import zlib
-from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from kernel_choice import kernel_family
 
 from hybridjit import _ffi
 from hybridjit.ops.routed_experts import (
@@ -30,7 +30,6 @@ from hybridjit.ops.routed_experts import (
     register_layer,
     routed_experts,
     routed_experts_host,
-    set_amx_min_tokens,
     set_cpu_kernel,
     set_prefetch_bytes,
 )
@@ -69,19 +68,6 @@ def host_has(family):
 
 
 FAMILY_PARAMS = [pytest.param(f, marks=host_has(f)) for f in FAMILIES]
-
-
-@contextmanager
-def kernel_family(family, amx_min_tokens=1):
-    """Selects a family for the block; with amx, AMX from `amx_min_tokens` tokens per expert (1: always)."""
-    info = kernel_info()
-    set_cpu_kernel(family)
-    set_amx_min_tokens(amx_min_tokens)
-    try:
-        yield
-    finally:
-        set_cpu_kernel(info["kernel"])
-        set_amx_min_tokens(info["amx_min_tokens"])
 
 
 # --- the formats, from their definitions ------------------------------------------------------------------
