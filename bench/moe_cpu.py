@@ -4,6 +4,7 @@
     python bench/moe_cpu.py --quick              # decode only, top-k + 4 experts per layer (< 1 min on 2 cores)
     python bench/moe_cpu.py --formats fp8 int4 --decode 1 --prefill 2048 --crossover
     python bench/moe_cpu.py --prefill --decode 1 --prefetch 0 256 512 1024 2048   # tune the prefetch distance
+    python bench/moe_cpu.py --cache-resident --hidden 2048 --inter 512   # the kernels' arithmetic ceiling
 
 Each case runs the operator (hybridjit._ffi through routed_experts_host: the same C++ entry as the XLA custom
 call, without XLA's dispatch) on `tokens` tokens routed top-k uniformly at random, fresh routing per call,
@@ -140,21 +141,23 @@ def operator_call(layer, x):
     return lambda ids, weights: routed_experts_host(layer, x, ids, weights)
 
 
-def median_ms(run, routes, floor: ReadFloor, warmup=2):
+def median_ms(run, routes, floor: ReadFloor | None, warmup=2):
     """Median ms of run() over the routes after `warmup` calls, with a read-floor pass before every timed call
-    (the case's floor, taken at the same moment; and no call finds the previous call's experts in cache)."""
+    (the case's floor, taken at the same moment; and no call finds the previous call's experts in cache). With
+    no floor, the calls run back to back."""
     for ids, weights in routes[:warmup]:
         run(ids, weights)
     times = []
     for ids, weights in routes[warmup:]:
-        floor.sample()
+        if floor is not None:
+            floor.sample()
         start = time.perf_counter()
         run(ids, weights)
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
 
 
-def figures(case, ms, routes, bytes_per_expert, hidden, inter, floor: ReadFloor):
+def figures(case, ms, routes, bytes_per_expert, hidden, inter, floor: ReadFloor | None):
     tokens, top_k = routes[0][0].shape
     touched = statistics.mean(len(np.unique(ids)) for ids, _ in routes)
     gbps = touched * bytes_per_expert / (ms * 1e6)
@@ -164,11 +167,33 @@ def figures(case, ms, routes, bytes_per_expert, hidden, inter, floor: ReadFloor)
         tflops=round(2 * 3 * hidden * inter * tokens * top_k / (ms * 1e9), 3),
         experts_touched=round(touched, 1),
     )
+    if floor is None:
+        return case
     floor_gbps = floor.take()
     if case["phase"] == "decode":
         case["floor_gbps"] = round(floor_gbps, 1)
         case["ratio_to_floor"] = round(gbps / floor_gbps, 3)
     return case
+
+
+def bench_cache_resident(args, rng, floors, results):
+    """The decode kernels' arithmetic ceiling: one token through the same top-k experts, called back to back with
+    no read pass between calls, so that with a small enough --hidden x --inter the weights stay in cache. Its
+    ratio to the read floor says whether the arithmetic can keep up with memory at all."""
+    hidden, inter, top_k = args.hidden, args.inter, args.top_k
+    ids = np.arange(top_k, dtype=np.int32)[None]
+    routes = [(ids, np.full(ids.shape, 1 / top_k, np.float32))] * (args.repeats + 2)
+    x = rng.standard_normal((1, hidden)).astype(ml_dtypes.bfloat16)
+    for fmt in args.formats:
+        with make_layer(rng, fmt, top_k, hidden, inter) as layer:
+            ms = median_ms(operator_call(layer, x), routes, None)
+            case = {"impl": "hybridjit", "format": fmt, "phase": "cache-resident", "tokens": 1, "top_k": top_k,
+                    "experts": top_k, "kernel": layer_kernel(layer, 1)}
+            figures(case, ms, routes, expert_bytes(fmt, hidden, inter), hidden, inter, None)
+            case["floor_gbps"] = round(floors["read_gbps"], 1)
+            case["ratio_to_floor"] = round(case["gbps"] / floors["read_gbps"], 3)
+            results.append(case)
+            print(row(case), flush=True)
 
 
 def decode_experts(bytes_per_expert, quick, top_k):
@@ -339,6 +364,9 @@ def main():
                         help="where the experts are held: numpy arrays, numpy arrays advised into huge pages, or "
                              "pinned host memory of the first JAX device (as hybrid decode holds them); one run each")
     parser.add_argument("--quick", action="store_true", help="decode only, top-k + 4 experts per layer, few repeats")
+    parser.add_argument("--cache-resident", action="store_true",
+                        help="instead of the cases above: the decode kernels' rate with the weights in cache (pick a "
+                             "small --hidden x --inter), against the read floor")
     args = parser.parse_args()
     if args.quick:
         args.prefill, args.repeats = [], min(args.repeats, 6)
@@ -348,7 +376,11 @@ def main():
     print(floors_line(floors))
     results = []
     floor = ReadFloor(floors, floors["bytes_per_array"] // 2)
-    bench_hybridjit(args, rng, floor, results)
+    if args.cache_resident:
+        bench_cache_resident(args, rng, floors, results)
+        args.baselines = args.crossover = False
+    else:
+        bench_hybridjit(args, rng, floor, results)
     if args.baselines:
         bench_numpy(args, rng, floor, results)
         bench_torch(args, rng, floor, results)
