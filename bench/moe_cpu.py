@@ -136,9 +136,16 @@ def routings(rng, calls, tokens, top_k, n_experts):
     return out
 
 
-def operator_call(layer, x):
-    """run(ids, weights) for median_ms: the operator on `x` with that routing."""
-    return lambda ids, weights: routed_experts_host(layer, x, ids, weights)
+def operator_call(layer, x, jobs=1):
+    """run(ids, weights) for median_ms: the operator on `x` with that routing, each token's top-k split into `jobs`
+    calls run one after the other (as Expert Deferral splits a layer into its immediate and deferred experts)."""
+
+    def run(ids, weights):
+        parts = zip(np.array_split(ids, jobs, axis=1), np.array_split(weights, jobs, axis=1), strict=True)
+        for part_ids, part_weights in parts:
+            routed_experts_host(layer, x, np.ascontiguousarray(part_ids), np.ascontiguousarray(part_weights))
+
+    return run
 
 
 def median_ms(run, routes, floor: ReadFloor | None, warmup=2):
@@ -216,17 +223,18 @@ def bench_hybridjit(args, rng, floor, results):
             for memory in args.memory:
                 with make_layer(rng, fmt, n_experts, hidden, inter, memory) as layer:
                     distances = args.prefetch if phase == "decode" and args.prefetch else [None]
-                    for tokens, distance in ((t, d) for t in tokens_list for d in distances):
+                    splits = args.jobs if phase == "decode" else [1]
+                    for tokens, distance, jobs in ((t, d, j) for t in tokens_list for d in distances for j in splits):
                         if distance is not None:
                             set_prefetch_bytes(distance)
                         calls = args.repeats if phase == "decode" else max(3, args.repeats // 6)
                         routes = routings(rng, calls + 2, tokens, top_k, n_experts)
                         x = rng.standard_normal((tokens, hidden)).astype(ml_dtypes.bfloat16)
-                        ms = median_ms(operator_call(layer, x), routes, floor)
+                        ms = median_ms(operator_call(layer, x, jobs), routes, floor)
                         per_call = tokens * top_k / n_experts
                         case = {"impl": "hybridjit", "format": fmt, "phase": phase, "tokens": tokens, "top_k": top_k,
                                 "experts": n_experts, "kernel": layer_kernel(layer, max(1, round(per_call))),
-                                "prefetch_bytes": distance, "memory": memory}  # prefetch None: the default
+                                "prefetch_bytes": distance, "memory": memory, "jobs": jobs}  # prefetch None: default
                         results.append(figures(case, ms, routes, per_expert, hidden, inter, floor))
                         print(row(results[-1]), flush=True)
         set_prefetch_bytes(None)
@@ -341,6 +349,7 @@ def row(r) -> str:
     ratio = f"{r['ratio_to_floor']:>6.1%} of {r['floor_gbps']:5.1f}" if "ratio_to_floor" in r else " " * 15
     return (
         f"{r['impl']:>9} {r['format']:>8} {r.get('memory', ''):>6} {r['phase']:>9} {r['tokens']:>5} tok  "
+        f"{'' if r.get('jobs', 1) == 1 else str(r['jobs']) + ' jobs':>6} "
         f"{r.get('kernel', ''):>9} "
         f"{r['median_ms']:>10.3f} ms {r['gbps']:>8.1f} GB/s {ratio} {r['tflops']:>8.3f} TFLOP/s"
     )
@@ -364,6 +373,9 @@ def main():
                         help="where the experts are held: numpy arrays, numpy arrays advised into huge pages, or "
                              "pinned host memory of the first JAX device (as hybrid decode holds them); one run each")
     parser.add_argument("--quick", action="store_true", help="decode only, top-k + 4 experts per layer, few repeats")
+    parser.add_argument("--jobs", nargs="+", type=int, default=[1],
+                        help="run the decode cases once per number of jobs each token's top-k is split into, one "
+                             "after the other (2: Expert Deferral's immediate and deferred experts)")
     parser.add_argument("--cache-resident", action="store_true",
                         help="instead of the cases above: the decode kernels' rate with the weights in cache (pick a "
                              "small --hidden x --inter), against the read floor")
