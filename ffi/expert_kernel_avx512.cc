@@ -39,6 +39,16 @@ HJ_AVX512 __mmask64 FirstLanes64(int64_t n) { return n >= 64 ? ~__mmask64{0} : (
 HJ_AVX512 __mmask32 FirstLanes32(int64_t n) { return n >= 32 ? ~__mmask32{0} : (__mmask32{1} << n) - 1; }
 HJ_AVX512 __mmask16 FirstLanes16(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
 
+// Calls step(c, n) for the steps of kSize elements that cover [c0, c1): the whole ones in a loop where n is the
+// constant kSize, so that a step's masks and branches on n fold away (a masked load on every step streams from
+// memory at under half the rate on Zen 5, bench/RESULTS.md), then the row's partial last one, if any.
+template <int64_t kSize, typename Step>
+HJ_AVX512 inline __attribute__((always_inline)) void ForSteps(int64_t c0, int64_t c1, Step step) {
+  const int64_t whole_end = c0 + (c1 - c0) / kSize * kSize;
+  for (int64_t c = c0; c < whole_end; c += kSize) step(c, kSize);
+  if (whole_end < c1) step(whole_end, c1 - whole_end);
+}
+
 // Converts one token's row (float32 or bfloat16) to float32.
 HJ_AVX512 void LoadFloatRow(const ActivationRows& rows, int64_t i, int64_t cols, float* out) {
   const void* src = rows.Row(i);
@@ -169,18 +179,12 @@ HJ_AVX512 void Bf16Tile(const LayerWeights& layer, const Projection& w, int64_t 
         }
       }
     };
-    // Whole steps in a loop with no mask and no branch, then the row's partial last step.
-    const int64_t whole_end = c0 + (c1 - c0) / kStep * kStep;
-    __m512i first[R], second[R];
-    for (int64_t c = c0; c < whole_end; c += kStep) {
-      prefetch.Rows(rows, c * kBytes, kBytes);  // a step reads kBytes lines of each row
-      for (int r = 0; r < R; ++r) LoadStep<F>(rows[r], c, kStep, &first[r], &second[r]);
+    ForSteps<kStep>(c0, c1, [&](int64_t c, int64_t n) HJ_AVX512 __attribute__((always_inline)) {
+      if (n == kStep) prefetch.Rows(rows, c * kBytes, kBytes);  // a step reads kBytes lines of each row
+      __m512i first[R], second[R];
+      for (int r = 0; r < R; ++r) LoadStep<F>(rows[r], c, n, &first[r], &second[r]);
       accumulate(c, first, second);
-    }
-    if (whole_end < c1) {
-      for (int r = 0; r < R; ++r) LoadStep<F>(rows[r], whole_end, c1 - whole_end, &first[r], &second[r]);
-      accumulate(whole_end, first, second);
-    }
+    });
     if constexpr (kScaled) {
       const __m512 scale = _mm512_set1_ps(scales[b] * 256.0f);  // the 2^8 of the shift expansion
       for (int r = 0; r < R; ++r) {
@@ -359,14 +363,16 @@ HJ_AVX512 void IntTile(const LayerWeights& layer, const Projection& w, int64_t r
       const int32_t corr = reinterpret_cast<const int32_t*>(tokens[t] + l.corr)[g];
       for (int r = 0; r < R; ++r) acc[r][t] = _mm512_maskz_set1_epi32(1, corr);
     }
-    // Whole chunks in a loop with unmasked loads, then the row's partial last chunk with masked ones: a
-    // masked load on every chunk streams from memory at under half the rate on Zen 5 (bench/RESULTS.md).
     if constexpr (kInt4) {
-      const auto accumulate = [&](int64_t c, const __m512i* v) HJ_AVX512 {
+      ForSteps<kInt4Chunk>(c0, c1, [&](int64_t c, int64_t n) HJ_AVX512 __attribute__((always_inline)) {
+        if (n == kInt4Chunk) prefetch.Rows(rows, c / 2);
         __m512i lo[R], hi[R];
         for (int r = 0; r < R; ++r) {
-          lo[r] = _mm512_and_si512(v[r], low_nibbles);
-          hi[r] = _mm512_and_si512(_mm512_srli_epi16(v[r], 4), low_nibbles);
+          const unsigned char* at = rows[r] + c / 2;
+          const __m512i v =
+              n == kInt4Chunk ? _mm512_loadu_si512(at) : _mm512_maskz_loadu_epi8(FirstLanes64((n + 1) / 2), at);
+          lo[r] = _mm512_and_si512(v, low_nibbles);
+          hi[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles);
         }
         for (int t = 0; t < TC; ++t) {
           const char* xq = tokens[t] + l.q + c;
@@ -376,39 +382,22 @@ HJ_AVX512 void IntTile(const LayerWeights& layer, const Projection& w, int64_t r
             acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], hi[r], odd);
           }
         }
-      };
-      const int64_t whole_end = c0 + (c1 - c0) / kInt4Chunk * kInt4Chunk;
-      __m512i v[R];
-      for (int64_t c = c0; c < whole_end; c += kInt4Chunk) {
-        prefetch.Rows(rows, c / 2);
-        for (int r = 0; r < R; ++r) v[r] = _mm512_loadu_si512(rows[r] + c / 2);
-        accumulate(c, v);
-      }
-      if (whole_end < c1) {
-        const __mmask64 k = FirstLanes64((c1 - whole_end + 1) / 2);
-        for (int r = 0; r < R; ++r) v[r] = _mm512_maskz_loadu_epi8(k, rows[r] + whole_end / 2);
-        accumulate(whole_end, v);
-      }
+      });
     } else {
-      const auto accumulate = [&](int64_t c, const __m512i* wv) HJ_AVX512 {
+      ForSteps<kInt8Chunk>(c0, c1, [&](int64_t c, int64_t n) HJ_AVX512 __attribute__((always_inline)) {
+        if (n == kInt8Chunk) prefetch.Rows(rows, c);
+        __m512i wv[R];
+        // Lanes past the row load as 0 and flip to 128, against activations padded with 0.
+        for (int r = 0; r < R; ++r) {
+          const unsigned char* at = rows[r] + c;
+          const __m512i v = n == kInt8Chunk ? _mm512_loadu_si512(at) : _mm512_maskz_loadu_epi8(FirstLanes64(n), at);
+          wv[r] = _mm512_xor_si512(v, sign_bit);
+        }
         for (int t = 0; t < TC; ++t) {
           const __m512i xq = _mm512_loadu_si512(tokens[t] + l.q + c);
           for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], wv[r], xq);
         }
-      };
-      const int64_t whole_end = c0 + (c1 - c0) / kInt8Chunk * kInt8Chunk;
-      __m512i wv[R];
-      for (int64_t c = c0; c < whole_end; c += kInt8Chunk) {
-        prefetch.Rows(rows, c);
-        for (int r = 0; r < R; ++r) wv[r] = _mm512_xor_si512(_mm512_loadu_si512(rows[r] + c), sign_bit);
-        accumulate(c, wv);
-      }
-      if (whole_end < c1) {
-        // Lanes past the row load as 0 and flip to 128, against activations padded with 0.
-        const __mmask64 k = FirstLanes64(c1 - whole_end);
-        for (int r = 0; r < R; ++r) wv[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(k, rows[r] + whole_end), sign_bit);
-        accumulate(whole_end, wv);
-      }
+      });
     }
     for (int r = 0; r < R; ++r) {
       float ws;
