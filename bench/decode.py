@@ -20,8 +20,10 @@ right before and after the case (`floor_gbps`; bench/floors.py's ReadFloor says 
 Per MoE layer (a geometry with dense layers): the same geometry cut to its dense layers is timed too
 (`base_step_ms`: embedding, dense layers, LM head and sampling), and `moe_layer_ms` = (step - base) / MoE
 layers, everything a MoE layer costs on GPU and CPU; `layer_ratio` = that / (its expert floor + hand-off),
-the target's measure. With --layers, `projected_by_layer_tok_s` = base + the full model's MoE layers at that
-time each: the closer projection.
+the target's measure; `moe_cpu_busy` = expert_ms / (step - base), the CPU utilisation of the MoE layers alone
+(a truncated model's dense layers and LM head, which have no expert jobs, would dilute `cpu_busy`).
+With --layers, `projected_by_layer_tok_s` = base + the full model's MoE layers at that time each: the closer
+projection.
 Ends with one JSON line.
 """
 
@@ -252,7 +254,7 @@ def main(argv=None):
     print(floors_line(floors))
     print(f"{'thr':>3} {'batch':>5} {'ctx':>6} {'dual':>5} {'defer':>5} {'step ms':>8} {'tok/s':>8} {'experts':>8} "
           f"{'alone':>8} {'hand-off':>9} {'xla':>8} {'cpu busy':>8} {'floor':>8} {'ratio':>6}"
-          + (f" {'layer ms':>8} {'l.ratio':>6}" if base_ms else ""))
+          + (f" {'layer ms':>8} {'l.ratio':>6} {'l.busy':>6}" if base_ms else ""))
     results = []
     floor = ReadFloor(floors)
     pool_sizes = args.threads or [kernel_info()["threads"]]
@@ -283,12 +285,13 @@ def main(argv=None):
             r["base_step_ms"] = round(base_step, 3)
             r["moe_layer_ms"] = round(layer_ms, 3)
             r["layer_ratio"] = round(layer_ms / (layer_floor + handoffs_ms), 3)
+            r["moe_cpu_busy"] = round(r["expert_ms"] / (r["median_step_ms"] - base_step), 3)
         line = (f"{r['threads']:3d} {batch:5d} {context:6d} {str(overlap):>5} {deferred:5d} {r['median_step_ms']:8.2f} "
                 f"{r['tok_s']:8.2f} {r['expert_ms']:8.2f} {r['expert_alone_ms']:8.2f} "
                 f"{r['handoff_us_per_layer']:7.1f}us {r['xla_ms']:8.2f} {r['cpu_busy']:8.0%} {r['floor_ms']:8.2f} "
                 f"{r['ratio_to_floor']:6.2f}")
         if base_ms:
-            line += f" {r['moe_layer_ms']:8.3f} {r['layer_ratio']:6.2f}"
+            line += f" {r['moe_layer_ms']:8.3f} {r['layer_ratio']:6.2f} {r['moe_cpu_busy']:6.0%}"
         if depth < full_layers:
             # Projection: the whole measured step (dense layers and LM head included) counted per MoE layer and
             # scaled to the full model's MoE layers, so the estimate errs on the slow side.

@@ -236,7 +236,7 @@ def bench_hybridjit(args, rng, floor, results):
                         per_call = tokens * top_k / n_experts
                         case = {"impl": "hybridjit", "format": fmt, "phase": phase, "tokens": tokens, "top_k": top_k,
                                 "experts": n_experts, "kernel": layer_kernel(layer, max(1, round(per_call))),
-                                "prefetch_bytes": distance, "memory": memory, "jobs": jobs}  # prefetch None: default
+                                "prefetch_bytes": kernel_info()["prefetch_bytes"], "memory": memory, "jobs": jobs}
                         results.append(figures(case, ms, routes, per_expert, hidden, inter, floor))
                         print(row(results[-1]), flush=True)
         set_prefetch_bytes(None)

@@ -38,10 +38,13 @@ struct Features {
   bool avx2 = false;
   bool avx512 = false;
   bool amx_cpu = false;  // the instructions exist and the OS saves the tile state
+  bool amd = false;
 };
 
 Features Detect() {
   Features f;
+  const Cpuid l0 = Query(0, 0);
+  f.amd = l0.ebx == 0x68747541 && l0.edx == 0x69746e65 && l0.ecx == 0x444d4163;  // "AuthenticAMD"
   const Cpuid l1 = Query(1, 0);
   if (!Bit(l1.ecx, 27)) return f;  // OSXSAVE: without it XGETBV faults and nothing wide is enabled
   const uint64_t xcr0 = Xcr0();
@@ -74,6 +77,12 @@ bool AmxPermission() {
   }();
   return granted;
 }
+
+}  // namespace
+
+bool HostIsAmd() { return Host().amd; }
+
+namespace {
 
 int64_t EnvInt(const char* name, int64_t fallback) {
   const char* text = std::getenv(name);

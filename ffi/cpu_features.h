@@ -23,6 +23,8 @@ CpuKernel ParseCpuKernel(const std::string& name);
 // state to this process.
 bool CpuKernelSupported(CpuKernel kernel);
 CpuKernel BestCpuKernel();
+// The vendor, where a tuning default differs by it (weight_prefetch.h).
+bool HostIsAmd();
 
 // The family in use: HYBRIDJIT_CPU_KERNEL if set, else the best. Throws std::invalid_argument (at the
 // first call) if the variable names an unknown family or one the host cannot run.

@@ -2,8 +2,8 @@
 //
 // bf16 and fp8 weights meet bfloat16 activations in vdpbf16ps (float32 accumulators). FP8 E4M3FN is
 // expanded to bfloat16 in registers (OSDI '26 §3.4) by the shift expansion of fp8_special.h, done on
-// 16-bit lanes without any shuffle: 3 shifts and 2 ternary-logic ops per 64 weights (about 1.8x the rate
-// of an exact VBMI byte table, bench/RESULTS.md). Every FP8 normal becomes a normal bfloat16, so
+// 16-bit lanes: 2 word shifts, 1 byte shift and 2 ternary-logic ops per 64 weights (about 1.8x the rate of
+// an exact VBMI byte table, bench/RESULTS.md). Every FP8 normal becomes a normal bfloat16, so
 // vdpbf16ps's flushing of denormals loses nothing; the special codes (denormals, zeros, NaN) the bank
 // listed are corrected after the tiles. Sums run per scale block, and the block scale is applied once
 // to the block's float32 sums (post-scaling); row tiles never cross a scale row-block.
@@ -137,10 +137,13 @@ HJ_AVX512 inline __attribute__((always_inline)) void LoadStep(const unsigned cha
   } else {
     const __m512i bytes = n == kStep ? _mm512_loadu_si512(row + c) : _mm512_maskz_loadu_epi8(FirstLanes64(n), row + c);
     // Each 16-bit lane holds two codes S.EEEE.MMM; an arithmetic shift right by 4 puts a code's E.M at bits
-    // 10..4 under its sign, which the mask keeps at bit 15; the OR writes exponent field 0111EEEE.
+    // 10..4 under its sign, which the mask keeps at bit 15; the OR writes exponent field 0111EEEE. The low code
+    // is first moved into the high byte by a byte shift of the 128-bit lane (vpslldq: on Intel it runs on the
+    // shuffle port, where vpsllw would compete with the two shifts and the dot products for port 0); the byte
+    // it brings into the low half lands in bits 3..0, which the mask clears.
     const __m512i mask = _mm512_set1_epi16(static_cast<short>(0x87f0)), rebias = _mm512_set1_epi16(0x3800);
     constexpr int kAndOr = 0xea;  // (a & b) | c
-    *first = _mm512_ternarylogic_epi32(_mm512_srai_epi16(_mm512_slli_epi16(bytes, 8), 4), mask, rebias, kAndOr);
+    *first = _mm512_ternarylogic_epi32(_mm512_srai_epi16(_mm512_bslli_epi128(bytes, 1), 4), mask, rebias, kAndOr);
     *second = _mm512_ternarylogic_epi32(_mm512_srai_epi16(bytes, 4), mask, rebias, kAndOr);
   }
 }

@@ -20,6 +20,7 @@
 #include "routed_experts_handler.h"
 #include "thread_pool.h"
 #include "weight_bank.h"
+#include "weight_prefetch.h"
 #ifdef HYBRIDJIT_WITH_CUDA
 #include "gpu_handoff.h"
 #endif
@@ -102,7 +103,7 @@ nb::dict KernelInfo() {
   info["submitter_cpu"] = pool->submitter_cpu();
   info["numa_forced"] = pool->nodes_forced();
   info["amx_min_tokens"] = AmxMinTokensOverride();
-  info["prefetch_bytes"] = WeightPrefetchOverride();
+  info["prefetch_bytes"] = WeightPrefetchBytes();  // in effect: the override or the measured default
   // Per format (int8/int4 with 128-column groups), the kernel that runs an expert with one token and
   // one with very many; layer_kernel answers for a registered layer and a token count.
   nb::dict formats;

@@ -270,7 +270,7 @@ def kernel_info() -> dict:
 
     {"kernel": family in use ("generic", "avx2", "avx512" or "amx"), "best": the host's best family,
     "supported": the families the host can run, "threads", "numa_nodes", "numa_forced",
-    "amx_min_tokens" (the override, 0 if none), "prefetch_bytes" (the override, -1 if none), "formats":
+    "amx_min_tokens" (the override, 0 if none), "prefetch_bytes" (the distance in effect), "formats":
     {format: {"few_tokens": kernel, "many_tokens": kernel}}} for one token and for very many tokens routed to
     an expert in one call.
     """
@@ -293,8 +293,8 @@ def set_amx_min_tokens(tokens: int) -> None:
 
 def set_prefetch_bytes(bytes_ahead: int | None) -> None:
     """How far ahead along each weight row the AVX2 and AVX-512 kernels prefetch weights, for every format
-    (HYBRIDJIT_PREFETCH_BYTES; 0: no software prefetch). None restores the distance measured best on a
-    16-core Emerald Rapids (bench/moe_cpu.py --prefetch): 2048 bytes."""
+    (HYBRIDJIT_PREFETCH_BYTES; 0: no software prefetch). None restores the distance measured best
+    (bench/moe_cpu.py --prefetch): 2048 bytes on Intel (a 16-core Emerald Rapids), 1024 on AMD (a 2-core Zen 5)."""
     _ffi.set_prefetch_bytes(-1 if bytes_ahead is None else operator.index(bytes_ahead))
 
 
