@@ -78,12 +78,6 @@ bool AmxPermission() {
   return granted;
 }
 
-}  // namespace
-
-bool HostIsAmd() { return Host().amd; }
-
-namespace {
-
 int64_t EnvInt(const char* name, int64_t fallback) {
   const char* text = std::getenv(name);
   if (!text || !*text) return fallback;
@@ -109,6 +103,8 @@ void Check(CpuKernel kernel) {
 }
 
 }  // namespace
+
+bool HostIsAmd() { return Host().amd; }
 
 const char* CpuKernelName(CpuKernel kernel) {
   switch (kernel) {

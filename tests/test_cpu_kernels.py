@@ -309,6 +309,20 @@ def test_prefetch_distance_changes_no_bit(family):
             np.testing.assert_array_equal(y, results[0])
 
 
+def test_kernel_info_reports_the_prefetch_distance_in_effect():
+    """The override while set; otherwise the default measured best for the host's vendor (weight_prefetch.h)."""
+    with open("/proc/cpuinfo") as f:
+        amd = "AuthenticAMD" in f.read()
+    try:
+        set_prefetch_bytes(512)
+        assert kernel_info()["prefetch_bytes"] == 512
+        set_prefetch_bytes(0)
+        assert kernel_info()["prefetch_bytes"] == 0
+    finally:
+        set_prefetch_bytes(None)
+    assert kernel_info()["prefetch_bytes"] == (1024 if amd else 2048)
+
+
 def test_f32_weights_use_the_fma_kernel_above_avx2():
     layer, _, _ = make_layer(np.random.default_rng(5), "f32", 2, 64, 32, None)
     with layer:
