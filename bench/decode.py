@@ -13,15 +13,18 @@ Split of a step: `expert_ms` is the CPU time in the routed-expert jobs (counted 
 measured by running the expert calls alone on the CPU otherwise; `expert_alone_ms` is always the latter),
 `handoff_us` the hand-off mechanism per submit/wait pair (its round trip less the CPU job inside it; GPU
 only), `xla_ms` the rest; `cpu_busy` is the fraction of the step in which the CPU runs expert jobs
-(KTransformers' "CPU utilisation": the expert pool's cores are either all in a job or idle). The floor is
-the time to read each step's distinct experts once at the memory read bandwidth measured by the same run,
-right before and after the case (`floor_gbps`; bench/floors.py's ReadFloor says why not once per run).
+(KTransformers' "CPU utilisation": the expert pool's cores are either all in a job or idle), on a GPU the
+jobs' time over the wall time of the same steps (both means over one window; the step time reported is the
+median). The floor is the time to read each step's distinct experts once at the memory read bandwidth
+measured by the same run, right before and after the case (`floor_gbps`; bench/floors.py's ReadFloor says why
+not once per run).
 
 Per MoE layer (a geometry with dense layers): the same geometry cut to its dense layers is timed too
 (`base_step_ms`: embedding, dense layers, LM head and sampling), and `moe_layer_ms` = (step - base) / MoE
 layers, everything a MoE layer costs on GPU and CPU; `layer_ratio` = that / (its expert floor + hand-off),
-the target's measure; `moe_cpu_busy` = expert_ms / (step - base), the CPU utilisation of the MoE layers alone
-(a truncated model's dense layers and LM head, which have no expert jobs, would dilute `cpu_busy`).
+the target's measure; `moe_cpu_busy` = expert_ms / (the window's mean step - base), the CPU utilisation of the
+MoE layers alone (a truncated model's dense layers and LM head, which have no expert jobs, would dilute
+`cpu_busy`); the base is timed apart, so this one is good to a few percent and may pass 100%.
 With --layers, `projected_by_layer_tok_s` = base + the full model's MoE layers at that time each: the closer
 projection.
 Ends with one JSON line.
@@ -138,9 +141,11 @@ def micro_batches(model: engine.Model, batch: int) -> list[int]:
     return [batch - batch // 2, batch // 2] if model.dual_batch and batch > 1 else [batch]
 
 
-def median_step_ms(model: engine.Model, batch: int, context: int, steps: int, rng) -> float:
+def step_times(model: engine.Model, batch: int, context: int, steps: int, rng) -> tuple[float, float]:
     """Times decode steps as the engine's generation loop runs them (the next step dispatched before this
-    step's tokens are read back), over a cache already holding `context` positions."""
+    step's tokens are read back), over a cache already holding `context` positions: (the median step in ms, the
+    seconds from the hand-off's statistics reset to the last step's end: the window whose expert jobs
+    take_gpu_handoff_stats then reports)."""
     cfg, w = model.config, model.weights
     groups = micro_batches(model, batch)
     caches = [random_cache(model, g, context + steps + 4, rng) for g in groups]
@@ -166,26 +171,28 @@ def median_step_ms(model: engine.Model, batch: int, context: int, steps: int, rn
             step_ms.append(1e3 * (now - last))
         elif i == 2 and ON_GPU:
             _ffi.take_gpu_handoff_stats()
+            window_start = now
         last = now
         current = list(upcoming)
     for c in current:
         np.asarray(c)
-    return statistics.median(step_ms)
+    return statistics.median(step_ms), (time.perf_counter() - window_start if ON_GPU else 0.0)
 
 
 def bench_case(model: engine.Model, batch: int, context: int, steps: int, rng) -> dict:
     cfg, w = model.config, model.weights
     groups = len(micro_batches(model, batch))
-    step = median_step_ms(model, batch, context, steps, rng)
+    step, window_s = step_times(model, batch, context, steps, rng)
     moe_layers = sum(isinstance(layer.mlp, dsv3.MoE) for layer in w.layers)
     handler_runs = None
     alone_ms = cpu_expert_ms(model, batch, rng)
     if ON_GPU:
         jobs, seconds, handler_runs = _ffi.take_gpu_handoff_stats()
-        expert_ms = 1e3 * seconds / (steps + 1)
+        # The window holds the last steps + 1 steps (the first of them in part): both per step alike.
+        expert_ms, window_step_ms = 1e3 * seconds / (steps + 1), 1e3 * window_s / (steps + 1)
         handoff = handoff_us(cfg, batch, model.dtype)
     else:
-        expert_ms, handoff = alone_ms, 0.0
+        expert_ms, window_step_ms, handoff = alone_ms, step, 0.0
     # Uniform routing over the step's batch*k choices: expected distinct experts per layer.
     n, picks = cfg.n_routed_experts, batch * cfg.num_experts_per_tok
     distinct = n * (1 - (1 - 1 / n) ** picks) if batch > 1 else cfg.num_experts_per_tok
@@ -202,7 +209,8 @@ def bench_case(model: engine.Model, batch: int, context: int, steps: int, rng) -
         # expert jobs would take without the GPU around them.
         "expert_alone_ms": round(alone_ms, 3),
         "handoff_us_per_layer": round(handoff, 1),
-        "cpu_busy": round(expert_ms / step, 3),
+        "cpu_busy": round(expert_ms / window_step_ms, 3),
+        "window_step_ms": round(window_step_ms, 3),
         "xla_ms": round(step - expert_ms - handoff * moe_layers * groups / 1e3, 3),
         "moe_layers": moe_layers,
         # CUDA handler bodies run per step: one per call without graphs, ~0 when replayed as a graph.
@@ -247,7 +255,7 @@ def main(argv=None):
         for context, batch, overlap, _ in cases:
             base.dual_batch = overlap
             if (batch, context, overlap) not in base_ms:
-                base_ms[batch, context, overlap] = median_step_ms(base, batch, context, args.steps, rng)
+                base_ms[batch, context, overlap] = step_times(base, batch, context, args.steps, rng)[0]
         del base
     print(f"decode: {name}, {depth} of {full_layers} layers, on {model.placement.device}, kernel {kernel_info()}"
           + (f", hand-off {_ffi.gpu_handoff_mode()}" if ON_GPU else ""))
@@ -285,7 +293,7 @@ def main(argv=None):
             r["base_step_ms"] = round(base_step, 3)
             r["moe_layer_ms"] = round(layer_ms, 3)
             r["layer_ratio"] = round(layer_ms / (layer_floor + handoffs_ms), 3)
-            r["moe_cpu_busy"] = round(r["expert_ms"] / (r["median_step_ms"] - base_step), 3)
+            r["moe_cpu_busy"] = round(r["expert_ms"] / (r["window_step_ms"] - base_step), 3)
         line = (f"{r['threads']:3d} {batch:5d} {context:6d} {str(overlap):>5} {deferred:5d} {r['median_step_ms']:8.2f} "
                 f"{r['tok_s']:8.2f} {r['expert_ms']:8.2f} {r['expert_alone_ms']:8.2f} "
                 f"{r['handoff_us_per_layer']:7.1f}us {r['xla_ms']:8.2f} {r['cpu_busy']:8.0%} {r['floor_ms']:8.2f} "

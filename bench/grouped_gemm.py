@@ -7,12 +7,14 @@ Stream-loaded prefill multiplies each block of 32 experts by its routed tokens a
 skewed routing wastes the padded slots (occupancy 0.57-0.68 at 64K tokens, bench/RESULTS.md). A grouped GEMM over
 the routed pairs sorted by expert wastes none, if it runs near the dense rate. This times, on one GPU, the gate
 projection's shape (K 7168 -> N 2048) for `--pairs` pairs over 32 experts with lognormal(0, --skew) loads:
-  padded_einsum     the batched einsum at capacity (the busiest expert's count rounded up to 128);
+  padded_einsum     the batched einsum at stream_prefill's capacity (the busiest expert's count rounded up to an
+                    eighth of its power of two, stream_prefill._capacity);
   lax_ragged_dot    jax.lax.ragged_dot (DESIGN.md §5: far from the GEMM rate on CUDA);
   mosaic_ragged_dot Pallas Mosaic GPU's Hopper grouped GEMM (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu),
                     at a few tile configurations;
 and a dense GEMM of the same useful work. TFLOP/s count the useful work (2 x pairs x K x N) for every variant;
-`ratio_to_gemm` divides by that dense GEMM. Ends with one JSON line.
+`ratio_to_gemm` divides by that dense GEMM. Each is timed as the best of three rounds of back-to-back calls.
+Ends with one JSON line.
 """
 
 import argparse
@@ -24,20 +26,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hybridjit.stream_prefill import _capacity
+
 EXPERTS, K, N = 32, 7168, 2048
 # (block_m, block_n, block_k, max_concurrent_steps, grid_block_n); others tried on an H100 ran at 96-393 TFLOP/s.
 MOSAIC_CONFIGS = [(128, 128, 64, 4, 8), (128, 128, 64, 6, 2), (192, 128, 64, 4, 4), (192, 128, 64, 4, 8),
                   (192, 128, 64, 5, 4)]
 
 
-def seconds(fn, *args, repeats=10) -> float:
-    """Mean seconds of fn(*args) over `repeats` calls back to back, after one compiling call."""
+def seconds(fn, *args, repeats=10, rounds=3) -> float:
+    """Seconds per call of fn(*args): `repeats` calls back to back, best of `rounds`, after one compiling call."""
     jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    for _ in range(repeats):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / repeats
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - start) / repeats)
+    return best
 
 
 def group_sizes(pairs: int, skew: float) -> np.ndarray:
@@ -55,7 +62,7 @@ def main(argv=None):
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
     sizes = group_sizes(args.pairs, args.skew)
-    capacity = int(-(-sizes.max() // 128) * 128)
+    capacity = _capacity(int(sizes.max()))
     occupancy = args.pairs / (EXPERTS * capacity)
     keys = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(keys[0], (args.pairs, K), jnp.bfloat16)  # the pairs' tokens, sorted by expert
