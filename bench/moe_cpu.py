@@ -236,10 +236,12 @@ def bench_hybridjit(args, rng, floor, results):
                         per_call = tokens * top_k / n_experts
                         case = {"impl": "hybridjit", "format": fmt, "phase": phase, "tokens": tokens, "top_k": top_k,
                                 "experts": n_experts, "kernel": layer_kernel(layer, max(1, round(per_call))),
-                                "prefetch_bytes": kernel_info()["prefetch_bytes"], "memory": memory, "jobs": jobs}
+                                "prefetch_bytes": kernel_info()["prefetch_bytes"] if phase == "decode" else None,
+                                "memory": memory, "jobs": jobs}
                         results.append(figures(case, ms, routes, per_expert, hidden, inter, floor))
                         print(row(results[-1]), flush=True)
-        set_prefetch_bytes(None)
+        if args.prefetch:  # back to the default; without --prefetch, HYBRIDJIT_PREFETCH_BYTES stays in force
+            set_prefetch_bytes(None)
 
 
 def random_f32(rng, n, rows, cols):

@@ -12,12 +12,12 @@ namespace hybridjit {
 // The override if set, else the distance measured best at DeepSeek-V3 expert shapes (bench/moe_cpu.py
 // --prefetch, bench/RESULTS.md): 2 KB for every format on a 16-core Emerald Rapids (for the 1-byte and half-byte
 // formats that holds since the prefetches run on into the next tile; before, when they stopped at the row's
-// end, 512 bytes was best), 1 KB on a 2-core Zen 5 (fp8 and int8 2-6% faster there than at 2 KB, int4 even).
+// end, 512 bytes was best), 1 KB on AMD, measured on a 2-core Zen 5 only (fp8 and int8 2-6% faster there than at
+// 2 KB, int4 even; other AMD parts not measured).
 inline int64_t WeightPrefetchBytes() {
   const int64_t bytes = WeightPrefetchOverride();
   if (bytes >= 0) return bytes;
-  static const int64_t measured_best = HostIsAmd() ? 1024 : 2048;
-  return measured_best;
+  return HostIsAmd() ? 1024 : 2048;
 }
 
 // Where each step of a tile row prefetches: `distance` bytes ahead in the stream that the row's position
