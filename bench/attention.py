@@ -19,27 +19,13 @@ Ends with one JSON line.
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 
-from prefill import gemm_tflops
+from prefill import best_seconds, gemm_tflops
 
 HEADS, QK_DIM, V_DIM = 128, 192, 128
-
-
-def seconds(fn, *args, repeats=5, rounds=3) -> float:
-    """Seconds per call of fn(*args): `repeats` calls back to back, best of `rounds`, after one compiling call."""
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(repeats):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - start) / repeats)
-    return best
 
 
 def pad_values(v):
@@ -93,7 +79,7 @@ def main(argv=None):
             try:
                 inputs = jax.block_until_ready(jax.jit(prepare)(q, k, v))
                 run = jax.jit(kernel)
-                s = seconds(run, *inputs)
+                s = best_seconds(run, *inputs, repeats=5)
                 out = run(*inputs)
             except Exception as e:  # a kernel that does not take these shapes here is a finding, not a failure
                 case["error"] = f"{type(e).__name__}: {str(e)[:200]}"

@@ -20,31 +20,18 @@ Ends with one JSON line.
 import argparse
 import functools
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from hybridjit.stream_prefill import _capacity
+from prefill import best_seconds
 
 EXPERTS, K, N = 32, 7168, 2048
 # (block_m, block_n, block_k, max_concurrent_steps, grid_block_n); others tried on an H100 ran at 96-393 TFLOP/s.
 MOSAIC_CONFIGS = [(128, 128, 64, 4, 8), (128, 128, 64, 6, 2), (192, 128, 64, 4, 4), (192, 128, 64, 4, 8),
                   (192, 128, 64, 5, 4)]
-
-
-def seconds(fn, *args, repeats=10, rounds=3) -> float:
-    """Seconds per call of fn(*args): `repeats` calls back to back, best of `rounds`, after one compiling call."""
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(repeats):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - start) / repeats)
-    return best
 
 
 def group_sizes(pairs: int, skew: float) -> np.ndarray:
@@ -71,7 +58,7 @@ def main(argv=None):
     sizes_device = jnp.asarray(sizes)
     useful = 2.0 * args.pairs * K * N
 
-    gemm_s = seconds(jax.jit(lambda x, w: x @ w[0].T), x, w)
+    gemm_s = best_seconds(jax.jit(lambda x, w: x @ w[0].T), x, w)
     gemm = useful / gemm_s / 1e12
     device = jax.devices()[0].device_kind
     print(f"grouped_gemm: {device}; {args.pairs} pairs over {EXPERTS} experts, busiest {sizes.max()} "
@@ -91,7 +78,7 @@ def main(argv=None):
     for name, (fn, fn_args) in cases.items():
         case = {"kernel": name}
         try:
-            s = seconds(fn, *fn_args)
+            s = best_seconds(fn, *fn_args)
         except Exception as e:  # a configuration that does not fit this GPU is a finding, not a failure
             case["error"] = f"{type(e).__name__}: {str(e)[:160]}"
             print(f"{name:32s} {case['error']}")

@@ -94,19 +94,23 @@ def h2d_gbps(device, nbytes=2 * GIB, repeats=5) -> float:
     return nbytes / best / 1e9
 
 
+def best_seconds(fn, *args, repeats=10, rounds=3) -> float:
+    """Seconds per call of fn(*args): `repeats` calls back to back, best of `rounds`, after one compiling call."""
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        outs = [fn(*args) for _ in range(repeats)]
+        jax.block_until_ready(outs)
+        best = min(best, (time.perf_counter() - start) / repeats)
+    return best
+
+
 def gemm_tflops(device, n=8192, repeats=10) -> float:
     """A dense bf16 GEMM n^3: products back to back, best of three rounds."""
     keys = jax.random.split(jax.random.key(0))
     a, b = (jax.device_put(jax.random.normal(k, (n, n), jnp.bfloat16), device) for k in keys)
-    product = jax.jit(lambda a, b: a @ b)
-    product(a, b).block_until_ready()
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        outs = [product(a, b) for _ in range(repeats)]
-        jax.block_until_ready(outs)
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 * repeats / best / 1e12
+    return 2 * n**3 / best_seconds(jax.jit(lambda a, b: a @ b), a, b, repeats=repeats) / 1e12
 
 
 def cpu_expert_tflops(model: engine.Model, tokens: int, repeats=3) -> float:
