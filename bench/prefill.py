@@ -122,12 +122,7 @@ def cpu_expert_tflops(model: engine.Model, tokens: int, repeats=3) -> float:
     ids, w, x = jax.device_put((ids.astype(np.int32), np.full(ids.shape, 0.1, np.float32),
                                 rng.standard_normal((tokens, cfg.hidden_size)).astype(jnp.bfloat16)), cpu)
     call = jax.jit(lambda x, ids, w: routed_experts(x, ids, w, layer=moe.expert_layer))
-    call(x, ids, w).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call(x, ids, w).block_until_ready()
-        best = min(best, time.perf_counter() - start)
+    best = best_seconds(call, x, ids, w, repeats=1, rounds=repeats)
     return 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * tokens * cfg.num_experts_per_tok / best / 1e12
 
 
@@ -138,14 +133,7 @@ def attention_core_seconds(cfg: ModelConfig, attention, length: int, device, rep
     shapes = [(1, length, h, n), (1, length, h, p), (1, length, h, n), (1, length, p), (1, length, h, v)]
     keys = jax.random.split(jax.random.key(length), len(shapes))
     args = [jax.device_put(jax.random.normal(k, s, jnp.bfloat16), device) for k, s in zip(keys, shapes, strict=True)]
-    core = jax.jit(lambda *a: attention(*a, cfg.softmax_scale))
-    core(*args).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        core(*args).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return best_seconds(jax.jit(lambda *a: attention(*a, cfg.softmax_scale)), *args, repeats=1, rounds=repeats)
 
 
 # --------------------------------------------------------------------------------------------- cases
