@@ -1,11 +1,11 @@
 // What bounds one-token FP8 decode on a core: the GEMV loop of ffi/expert_kernel_avx512.cc (FP8 expanded to
-// bfloat16 by shifts, two vdpbf16ps per 64 codes per row, scale per 128 columns) outside the operator, with
-// 4, 8 or 16 rows streamed at once, against an AMX variant that takes the multiply-adds off the vector ports:
-// 16 rows x 64 codes expanded into two bf16 A tiles in a double-buffered L1 staging area, TDPBF16PS against
-// one-column B tiles of the packed activations, C tiles stored and scaled once per 128 columns. Each runs
-// with its rows in L2 (32 rows of 7168, repeated: the arithmetic ceiling) on one thread and on all, and from
-// memory on all threads (2 KB software prefetch), next to a plain read of the same buffers. Needs AVX-512
-// BF16 and AMX (Sapphire Rapids or later):
+// bfloat16 by the kernel's own shifts, ffi/fp8_shift_expansion.h; two vdpbf16ps per 64 codes per row; scale
+// per 128 columns) outside the operator, with 4, 8 or 16 rows streamed at once, against an AMX variant that
+// takes the multiply-adds off the vector ports: 16 rows x 64 codes expanded into two bf16 A tiles in a
+// double-buffered L1 staging area, TDPBF16PS against one-column B tiles of the packed activations, C tiles
+// stored and scaled once per 128 columns. Each runs with its rows in L2 (32 rows of 7168, repeated: the
+// arithmetic ceiling) on one thread and on all, and from memory on all threads (2 KB software prefetch), next
+// to a plain read of the same buffers. Needs AVX-512 BF16 and AMX (Sapphire Rapids or later):
 //
 //     g++ -O2 -std=c++17 bench/fp8_gemv_amx.cc -o /tmp/fp8_gemv_amx -lpthread && /tmp/fp8_gemv_amx
 //
@@ -27,15 +27,12 @@
 #include <thread>
 #include <vector>
 
+#include "../ffi/fp8_shift_expansion.h"
+
+using hybridjit::ExpandFp8ByShifts;
+
 #define T __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
 static double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
-
-// The kernel's expansion (LoadStep in ffi/expert_kernel_avx512.cc says why it is exact for normals).
-T static inline __attribute__((always_inline)) void expand(__m512i w, __m512i* f, __m512i* s) {
-  const __m512i a = _mm512_set1_epi16((short)0x87f0), o = _mm512_set1_epi16(0x3800);
-  *f = _mm512_ternarylogic_epi32(_mm512_srai_epi16(_mm512_bslli_epi128(w, 1), 4), a, o, 0xea);
-  *s = _mm512_ternarylogic_epi32(_mm512_srai_epi16(w, 4), a, o, 0xea);
-}
 
 // AVX-512: R rows per tile, one accumulator per row, scale per 128 columns (fmadd), like the real kernel.
 template <int R>
@@ -54,7 +51,7 @@ T __attribute__((noinline)) float avx(const uint8_t* w, long rows, long cols, co
         __m512i xf = _mm512_load_si512(x + c), xs = _mm512_load_si512(x + c + 32);
         for (int r = 0; r < R; r++) {
           __m512i f, s;
-          expand(_mm512_load_si512(rp[r] + c), &f, &s);
+          ExpandFp8ByShifts(_mm512_load_si512(rp[r] + c), &f, &s);
           acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)f, (__m512bh)xf);
           acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)s, (__m512bh)xs);
         }
@@ -90,15 +87,19 @@ T static void configure() {
   _tile_loadconfig(&c);
 }
 
+// One 128-column scale block of 16 rows into C tiles 2 * Blk and 2 * Blk + 1, then total += scale * C. The C
+// tiles are zeroed once stored (ldtilecfg zeroes every tile before the first block).
 template <int Blk>
 T static inline __attribute__((always_inline)) void amx_block(const uint8_t* const* rp, long b, const uint16_t* x, long pf,
-                                                             uint16_t (*stage)[2][16][32], long& step, float* cbuf) {
+                                                             uint16_t (*stage)[2][16][32], long& step, float scale,
+                                                             __m512* total) {
+  alignas(64) float cbuf[32];
   for (long c = b; c < b + 128; c += 64) {
     uint16_t (*st)[16][32] = stage[step++ & 1];
     for (int m = 0; m < 16; m++) {
       if (pf) _mm_prefetch((const char*)rp[m] + c + pf, _MM_HINT_T0);
       __m512i f, s;
-      expand(_mm512_load_si512(rp[m] + c), &f, &s);
+      ExpandFp8ByShifts(_mm512_load_si512(rp[m] + c), &f, &s);
       _mm512_store_si512(st[0][m], f);
       _mm512_store_si512(st[1][m], s);
     }
@@ -125,28 +126,21 @@ T static inline __attribute__((always_inline)) void amx_block(const uint8_t* con
     _tile_zero(2);
     _tile_zero(3);
   }
+  *total = _mm512_fmadd_ps(_mm512_add_ps(_mm512_load_ps(cbuf), _mm512_load_ps(cbuf + 16)), _mm512_set1_ps(scale), *total);
 }
 
 T __attribute__((noinline)) float amx(const uint8_t* w, long rows, long cols, const uint16_t* x, const float* sc, long pf) {
   alignas(64) static thread_local uint16_t stage[2][2][16][32];
-  alignas(64) float cbuf[32];
   configure();
   __m512 tot = _mm512_setzero_ps();
   long step = 0;
   for (long r0 = 0; r0 < rows; r0 += 16) {
     const uint8_t* rp[16];
     for (int r = 0; r < 16; r++) rp[r] = w + (r0 + r) * cols;
-    __m512 total = _mm512_setzero_ps();
-    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     for (long b = 0; b < cols; b += 256) {  // two 128-column blocks: C tiles 0/1, then 2/3
-      amx_block<0>(rp, b, x, pf, stage, step, cbuf);
-      total = _mm512_fmadd_ps(_mm512_add_ps(_mm512_load_ps(cbuf), _mm512_load_ps(cbuf + 16)),
-                              _mm512_set1_ps(sc[b / 128]), total);
-      amx_block<1>(rp, b + 128, x, pf, stage, step, cbuf);
-      total = _mm512_fmadd_ps(_mm512_add_ps(_mm512_load_ps(cbuf), _mm512_load_ps(cbuf + 16)),
-                              _mm512_set1_ps(sc[b / 128 + 1]), total);
+      amx_block<0>(rp, b, x, pf, stage, step, sc[b / 128], &tot);
+      amx_block<1>(rp, b + 128, x, pf, stage, step, sc[b / 128 + 1], &tot);
     }
-    tot = _mm512_add_ps(tot, total);
   }
   _tile_release();
   return _mm512_reduce_add_ps(tot);
@@ -226,7 +220,8 @@ int main() {
     }
     for (auto b : bufs) free(b);
   }
-  const double floor = best["read memory_all"];
+  const auto at = [&](const char* variant, const char* mode) { return best[std::string(variant) + " " + mode]; };
+  const double floor = at("read", "memory_all");
   std::string json = "{\"bench\": \"fp8_gemv_amx\", \"cols\": 7168, \"threads\": " + std::to_string(nt) +
                      ", \"read_gbps\": " + std::to_string(floor) + ", \"results\": [";
   for (const Variant& v : variants) {
@@ -235,9 +230,8 @@ int main() {
     snprintf(item, sizeof item,
              "%s{\"variant\": \"%s\", \"l2_1thread_gbps\": %.1f, \"l2_all_gbps\": %.1f, \"memory_all_gbps\": %.1f, "
              "\"l2_all_over_read\": %.3f, \"memory_all_over_read\": %.3f}",
-             json.back() == '[' ? "" : ", ", v.name, best[std::string(v.name) + " l2_1thread"],
-             best[std::string(v.name) + " l2_all"], best[std::string(v.name) + " memory_all"],
-             best[std::string(v.name) + " l2_all"] / floor, best[std::string(v.name) + " memory_all"] / floor);
+             json.back() == '[' ? "" : ", ", v.name, at(v.name, "l2_1thread"), at(v.name, "l2_all"),
+             at(v.name, "memory_all"), at(v.name, "l2_all") / floor, at(v.name, "memory_all") / floor);
     json += item;
   }
   printf("%s]}\n", json.c_str());

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "expert_kernels.h"
+#include "fp8_shift_expansion.h"
 #include "fp8_special.h"
 #include "numeric_formats.h"
 #include "weight_prefetch.h"
@@ -136,15 +137,7 @@ HJ_AVX512 inline __attribute__((always_inline)) void LoadStep(const unsigned cha
     }
   } else {
     const __m512i bytes = n == kStep ? _mm512_loadu_si512(row + c) : _mm512_maskz_loadu_epi8(FirstLanes64(n), row + c);
-    // Each 16-bit lane holds two codes S.EEEE.MMM; an arithmetic shift right by 4 puts a code's E.M at bits
-    // 10..4 under its sign, which the mask keeps at bit 15; the OR writes exponent field 0111EEEE. The low code
-    // is first moved into the high byte by a byte shift of the 128-bit lane (vpslldq: on Intel it runs on the
-    // shuffle port, where vpsllw would compete with the two shifts and the dot products for port 0); the byte
-    // it brings into the low half lands in bits 3..0, which the mask clears.
-    const __m512i mask = _mm512_set1_epi16(static_cast<short>(0x87f0)), rebias = _mm512_set1_epi16(0x3800);
-    constexpr int kAndOr = 0xea;  // (a & b) | c
-    *first = _mm512_ternarylogic_epi32(_mm512_srai_epi16(_mm512_bslli_epi128(bytes, 1), 4), mask, rebias, kAndOr);
-    *second = _mm512_ternarylogic_epi32(_mm512_srai_epi16(bytes, 4), mask, rebias, kAndOr);
+    ExpandFp8ByShifts(bytes, first, second);
   }
 }
 
