@@ -40,9 +40,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import hybridjit_ffi as _ffi
 from bench_model import add_model_arguments, load_model
 from floors import ReadFloor, floors_line, machine, memory_floors, vmstat
-from hybridjit import _ffi, engine
+from hybridjit import engine
 from hybridjit.config import ModelConfig
 from hybridjit.models import deepseek_v3 as dsv3
 from hybridjit.ops.async_experts import submit_routed_experts, wait_routed_experts

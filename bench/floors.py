@@ -10,7 +10,7 @@ import os
 import platform
 import statistics
 
-from hybridjit import _ffi
+import hybridjit_ffi as _ffi
 
 
 def memory_floors(threads: int | None = None, bytes_per_array: int = 1 << 30, repeats: int = 5) -> dict:

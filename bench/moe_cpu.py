@@ -6,7 +6,7 @@
     python bench/moe_cpu.py --prefill --decode 1 --prefetch 0 256 512 1024 2048   # tune the prefetch distance
     python bench/moe_cpu.py --cache-resident --hidden 2048 --inter 512   # the kernels' rate from cache
 
-Each case runs the operator (hybridjit._ffi through routed_experts_host: the same C++ entry as the XLA custom
+Each case runs the operator (hybridjit_ffi through routed_experts_host: the same C++ entry as the XLA custom
 call, without XLA's dispatch) on `tokens` tokens routed top-k uniformly at random, fresh routing per call,
 and reports the median latency, TFLOP/s (2 * 3 * hidden * inter multiply-adds per routed token), and the
 effective GB/s of weight bytes read (the distinct experts a call touches, weights and scales as stored).

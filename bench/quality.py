@@ -3,7 +3,7 @@
     python bench/quality.py [--model PATH] [--windows 48] [--length 256]
 
 Held-out perplexity and next-token accuracy on Python standard-library files the model never trained on
-(the split of hybridjit.models.train_tiny), against a unigram baseline fitted on the training files. Rows:
+(the split of hybridjit.models.stdlib_corpus), against a unigram baseline fitted on the training files. Rows:
 the BF16 checkpoint as shipped; its FP8 block-scaled variant; INT8 and INT4 routed experts (converted here
 with hybridjit.convert); Expert Deferral and Expert Skipping with 1..k-1 affected experts. Deferral and
 skipping are decode-time mechanisms, so every row is scored by teacher-forced decoding through the decode
@@ -26,7 +26,7 @@ from tokenizers import Tokenizer
 import hybridjit
 from hybridjit.convert import convert_checkpoint
 from hybridjit.models import deepseek_v3 as dsv3
-from hybridjit.models.train_tiny import corpus_files, token_stream
+from hybridjit.models.stdlib_corpus import corpus_files, token_stream
 from hybridjit.resolve import default_model_dir
 
 

@@ -1,5 +1,6 @@
-// Python module hybridjit._ffi: the weight bank and the FFI handler capsules. Private: it trusts
-// hybridjit.ops.routed_experts to validate shapes and dtypes and to keep the weights alive.
+// Python module hybridjit_ffi, the compiled half of hybridjit (a top-level module of its own, as jaxlib is to
+// jax, so the pure-Python source tree imports anywhere): the weight bank and the FFI handler capsules.
+// Private: it trusts hybridjit.ops.routed_experts to validate shapes and dtypes and to keep the weights alive.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -190,7 +191,7 @@ nb::dict MemoryBandwidthDict(int64_t bytes, int repeats, int threads) {
 }  // namespace
 }  // namespace hybridjit
 
-NB_MODULE(_ffi, m) {
+NB_MODULE(hybridjit_ffi, m) {
   using namespace hybridjit;
   m.doc() = "hybridjit C++ extension: routed-expert weight bank and XLA FFI handlers (private API).";
   m.def("register_layer", &RegisterLayer, nb::arg("format"), nb::arg("hidden"), nb::arg("inter"),

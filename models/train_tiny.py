@@ -15,7 +15,6 @@ deterministic for a given Python version and step count.
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import sysconfig
 import time
@@ -30,9 +29,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from hybridjit.config import ModelConfig
 from hybridjit.export import export_tensors, save_checkpoint
 from hybridjit.models import deepseek_v3 as dsv3
+from hybridjit.models.stdlib_corpus import BOS, EOS, corpus_files, read_text, token_stream
 from hybridjit.weights import build_weights, checkpoint_layout
 
-BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 CONFIG = {
     "architectures": ["DeepseekV3ForCausalLM"],
     "model_type": "deepseek_v3",
@@ -80,25 +79,6 @@ CONFIG = {
     "torch_dtype": "bfloat16",
 }
 BIAS_UPDATE_RATE = 1e-3  # DeepSeek-V3's gamma for the correction-bias load balancing
-HELDOUT_EVERY = 20  # one file in 20 (by a hash of its path) is held out
-
-
-def corpus_files(root: Path) -> tuple[list[Path], list[Path]]:
-    """(training, held-out) .py files of the standard library, tests and vendored code excluded."""
-    files = sorted(
-        p
-        for p in root.rglob("*.py")
-        if not ({"test", "tests", "idlelib", "site-packages", "lib2to3"} & set(p.relative_to(root).parts))
-    )
-
-    def held_out(p):
-        return int(hashlib.sha256(str(p.relative_to(root)).encode()).hexdigest(), 16) % HELDOUT_EVERY == 0
-
-    return [p for p in files if not held_out(p)], [p for p in files if held_out(p)]
-
-
-def read_text(path: Path) -> str:
-    return path.read_text(encoding="utf-8", errors="replace")
 
 
 def train_tokenizer(files: list[Path], vocab_size: int) -> Tokenizer:
@@ -113,13 +93,6 @@ def train_tokenizer(files: list[Path], vocab_size: int) -> Tokenizer:
     )
     tok.train_from_iterator((read_text(f) for f in files), trainer=trainer)
     return tok
-
-
-def token_stream(tok: Tokenizer, files: list[Path]) -> np.ndarray:
-    """All files as one token array, each as BOS, its tokens, EOS."""
-    bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
-    encoded = tok.encode_batch([read_text(f) for f in files])
-    return np.concatenate([np.array([bos, *e.ids, eos], np.int32) for e in encoded])
 
 
 def init_weights(cfg: ModelConfig, seed: int) -> dsv3.Weights:

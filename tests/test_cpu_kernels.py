@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from kernel_choice import kernel_family
 
-from hybridjit import _ffi
+import hybridjit_ffi as _ffi
 from hybridjit.ops.routed_experts import (
     configure_threads,
     kernel_info,

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from hybridjit import _ffi
+import hybridjit_ffi as _ffi
 from hybridjit.ops.async_experts import GpuExpertJobError, raise_gpu_errors
 from hybridjit.ops.routed_experts import TARGET, kernel_info, register_layer, routed_experts, set_cpu_kernel
 

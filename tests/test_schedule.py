@@ -44,7 +44,7 @@ def test_decode_step_replays_as_a_cuda_graph(model):
     """XLA records the CUDA handlers into a command buffer and replays it: their bodies (which only enqueue,
     two per MoE layer and step without graphs) run less often than the CPU jobs they hand off. At
     DeepSeek-V3 geometry bench/decode.py measures zero body runs per step; this tiny model re-records some."""
-    from hybridjit import _ffi
+    import hybridjit_ffi as _ffi
 
     cfg = model.config
     cache = dsv3.init_cache(cfg, 1, 64, model.dtype, model.placement.device)

@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer
 
 import hybridjit
-from hybridjit.models.train_tiny import corpus_files, token_stream
+from hybridjit.models.stdlib_corpus import corpus_files, token_stream
 from hybridjit.resolve import default_model_dir
 
 # Measured on 48 windows of 256 held-out tokens: BF16 36.6, FP8 36.6, unigram baseline 605 (bench/quality.py).

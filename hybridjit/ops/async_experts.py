@@ -16,7 +16,7 @@ into CUDA graphs. A CPU job that fails still releases the stream; `raise_gpu_err
 import jax
 import numpy as np
 
-from hybridjit import _ffi
+import hybridjit_ffi as _ffi
 from hybridjit.ops.routed_experts import TARGET, check_operands
 
 SUBMIT = "hybridjit_routed_experts_submit"

@@ -1,7 +1,7 @@
 """Routed experts as the XLA FFI custom call ``hybridjit_routed_experts``.
 
 Expert weights are not XLA operands. They are registered once in the C++ weight bank of
-``hybridjit._ffi`` and the custom call names them by an integer layer id (an ``int64`` attribute),
+``hybridjit_ffi`` and the custom call names them by an integer layer id (an ``int64`` attribute),
 so a jitted model graph carries only the activations and the routing.
 
 Zero-copy: ``register_layer`` hands the bank the addresses of the given numpy arrays (np.memmap views
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from hybridjit import _ffi
+import hybridjit_ffi as _ffi
 
 TARGET = "hybridjit_routed_experts"
 
