@@ -162,16 +162,20 @@ HJ_AMX void Int8Pack(const LayerWeights&, const ActivationRows& rows, int64_t co
 // Rows [r0, r0 + 128) x k-steps [k0, k0 + n) of one projection, as tiles: row-tile rt, k-step ks at
 // (rt * n + ks) KiB. Rows past the matrix and elements past the row are zero.
 
-// The scale of each of 16 consecutive elements from column c of a scale row: one broadcast when they
-// share a block (always, for 128-multiples), else looked up one by one.
-HJ_AMX __m512 ScaleVector(const float* scale_row, int64_t block_cols, int64_t c) {
-  if (c / block_cols == (c + 15) / block_cols) {
+// The scale of each of the n (<= 16) elements from column c of a scale row, zero for the lanes past them:
+// one broadcast when they share a block (always, for 128-multiples), else looked up one by one. Lanes
+// past the row's end must not read the scale row: its last block may end there, and whatever follows
+// (the next row's scales, or the end of the array) times a zero weight can be NaN.
+HJ_AMX __m512 ScaleVector(const float* scale_row, int64_t block_cols, int64_t c, int64_t n) {
+  if (n <= 0) return _mm512_setzero_ps();
+  const int64_t last = c + std::min<int64_t>(n, 16) - 1;
+  if (c / block_cols == last / block_cols) {
     float s;
     std::memcpy(&s, scale_row + c / block_cols, sizeof s);
-    return _mm512_set1_ps(s);
+    return _mm512_maskz_mov_ps(FirstLanes16(n), _mm512_set1_ps(s));
   }
-  alignas(64) float v[16];
-  for (int i = 0; i < 16; ++i) std::memcpy(v + i, scale_row + (c + i) / block_cols, sizeof(float));
+  alignas(64) float v[16] = {};
+  for (int64_t i = 0; c + i <= last; ++i) std::memcpy(v + i, scale_row + (c + i) / block_cols, sizeof(float));
   return _mm512_load_ps(v);
 }
 
@@ -245,8 +249,8 @@ HJ_AMX void Bf16Strip(const LayerWeights& layer, const Projection& w, int64_t r0
         const float* scale_row = w.scale + (r / layer.block_rows) * n_scale_cols;
         __m512 lo, hi;
         LoadRowFloats(layer, row, c, n, &lo, &hi);
-        lo = _mm512_mul_ps(lo, ScaleVector(scale_row, layer.block_cols, c));
-        hi = _mm512_mul_ps(hi, ScaleVector(scale_row, layer.block_cols, c + 16));
+        lo = _mm512_mul_ps(lo, ScaleVector(scale_row, layer.block_cols, c, n));
+        hi = _mm512_mul_ps(hi, ScaleVector(scale_row, layer.block_cols, c + 16, n - 16));
         _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
       }
     }

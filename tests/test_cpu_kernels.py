@@ -231,6 +231,28 @@ def test_matches_float64_reference(family, fmt, block, pool, hidden, inter, toke
         check_layer(layer, dense, fmt, block, x, ids, weights, tokens)
 
 
+@pytest.mark.parametrize("tokens", [1, 40])
+@pytest.mark.parametrize("fmt, block", [("fp8", (16, 48)), ("int8", (1, 128)), ("int4", (1, 256))])
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
+def test_scales_are_read_only_within_the_matrix(family, fmt, block, tokens):
+    """Each scale grid is followed in memory by NaN: a kernel that reads a scale for the lanes past a row's
+    end (the last block of a row may end before its last SIMD step) turns zero weights into NaN."""
+    rng = np.random.default_rng(3)
+
+    def nan_after_scales(made):
+        for p, matrices in made.items():
+            for i, (stored, scale, dense) in enumerate(matrices):
+                padded = np.full((scale.shape[0] + 1, scale.shape[1]), np.nan, np.float32)
+                padded[:-1] = scale
+                matrices[i] = (stored, padded[:-1], dense)
+
+    layer, dense, _ = make_layer(rng, fmt, 6, 200, 137, block, edit=nan_after_scales)
+    with layer, kernel_family(family):
+        x = rng.standard_normal((tokens, 200)).astype(np.float32)
+        ids, weights = routing(rng, tokens, 3, 6)
+        check_layer(layer, dense, fmt, block, x, ids, weights, tokens)
+
+
 @pytest.mark.parametrize("fmt, block", [("bf16", None), ("fp8", (128, 128)), ("int8", (1, 128)), ("int4", (1, 128))])
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
 def test_bfloat16_activations_through_xla(family, fmt, block):
