@@ -142,9 +142,9 @@ def micro_batches(model: engine.Model, batch: int) -> list[int]:
     return [batch - batch // 2, batch // 2] if model.dual_batch and batch > 1 else [batch]
 
 
-def step_times(model: engine.Model, batch: int, context: int, steps: int, rng) -> tuple[float, float]:
+def step_times(model: engine.Model, batch: int, context: int, steps: int, rng) -> tuple[list[float], float]:
     """Times decode steps as the engine's generation loop runs them (the next step dispatched before this
-    step's tokens are read back), over a cache already holding `context` positions: (the median step in ms, the
+    step's tokens are read back), over a cache already holding `context` positions: (each step in ms, the
     seconds from the hand-off's statistics reset to the last step's end: the window whose expert jobs
     take_gpu_handoff_stats then reports)."""
     cfg, w = model.config, model.weights
@@ -177,13 +177,15 @@ def step_times(model: engine.Model, batch: int, context: int, steps: int, rng) -
         current = list(upcoming)
     for c in current:
         np.asarray(c)
-    return statistics.median(step_ms), (time.perf_counter() - window_start if ON_GPU else 0.0)
+    return step_ms, (time.perf_counter() - window_start if ON_GPU else 0.0)
 
 
 def bench_case(model: engine.Model, batch: int, context: int, steps: int, rng) -> dict:
     cfg, w = model.config, model.weights
     groups = len(micro_batches(model, batch))
-    step, window_s = step_times(model, batch, context, steps, rng)
+    step_ms, window_s = step_times(model, batch, context, steps, rng)
+    step = statistics.median(step_ms)
+    deciles = statistics.quantiles(step_ms, n=10)
     moe_layers = sum(isinstance(layer.mlp, dsv3.MoE) for layer in w.layers)
     handler_runs = None
     alone_ms = cpu_expert_ms(model, batch, rng)
@@ -203,6 +205,10 @@ def bench_case(model: engine.Model, batch: int, context: int, steps: int, rng) -
         "dual_batch": groups == 2,
         "n_deferred": model.expert_schedule.n_deferred,
         "median_step_ms": round(step, 3),
+        # The spread of the case's own steps: a step slower than its neighbours shows here, a whole case
+        # slower than its repeats in the --repeat summary.
+        "step_ms_p10": round(deciles[0], 3),
+        "step_ms_p90": round(deciles[-1], 3),
         "tok_s": round(batch * 1e3 / step, 2),
         "tpot_ms": round(step, 3),
         "expert_ms": round(expert_ms, 3),
@@ -232,6 +238,12 @@ def main(argv=None):
                         help="dual-batch attention-MoE overlap for batches of 2 or more")
     parser.add_argument("--deferred", type=int, nargs="+", default=[],
                         help="also run batch 1 with Expert Deferral of these many experts")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the whole list of cases this many times in one process and report the spread of "
+                             "identical cases (max/min of their step and per-layer ratios)")
+    parser.add_argument("--spin-us", type=int, nargs="+", default=[],
+                        help="run the cases once per idle-worker spin time of the CPU expert pool, in microseconds "
+                             "(HYBRIDJIT_POOL_SPIN_US; default: as configured)")
     parser.add_argument("--threads", type=int, nargs="+", default=[],
                         help="run the cases once per CPU expert pool size (default: the pool as configured)")
     args = parser.parse_args(argv)
@@ -256,7 +268,8 @@ def main(argv=None):
         for context, batch, overlap, _ in cases:
             base.dual_batch = overlap
             if (batch, context, overlap) not in base_ms:
-                base_ms[batch, context, overlap] = step_times(base, batch, context, args.steps, rng)[0]
+                base_steps = step_times(base, batch, context, args.steps, rng)[0]
+                base_ms[batch, context, overlap] = statistics.median(base_steps)
         del base
     print(f"decode: {name}, {depth} of {full_layers} layers, on {model.placement.device}, kernel {kernel_info()}"
           + (f", hand-off {_ffi.gpu_handoff_mode()}" if ON_GPU else ""))
@@ -267,8 +280,11 @@ def main(argv=None):
     results = []
     floor = ReadFloor(floors)
     pool_sizes = args.threads or [kernel_info()["threads"]]
-    for threads, (context, batch, overlap, deferred) in ((t, c) for t in pool_sizes for c in cases):
-        if threads != kernel_info()["threads"]:
+    spins = args.spin_us or [kernel_info()["pool_spin_us"]]
+    runs = [(t, spin, c) for _ in range(args.repeat) for t in pool_sizes for spin in spins for c in cases]
+    for threads, spin, (context, batch, overlap, deferred) in runs:
+        if (threads, spin) != (kernel_info()["threads"], kernel_info()["pool_spin_us"]):
+            os.environ["HYBRIDJIT_POOL_SPIN_US"] = str(spin)  # read when the pool is made
             configure_threads(threads)
         model.dual_batch = overlap
         model.expert_schedule = dsv3.ExpertSchedule(n_deferred=deferred)
@@ -284,6 +300,7 @@ def main(argv=None):
         # What the kernel's memory management did during the case (migration and compaction take bandwidth).
         r["vmstat"] = {name: count - before[name] for name, count in vmstat().items()}
         r["threads"] = kernel_info()["threads"]
+        r["pool_spin_us"] = kernel_info()["pool_spin_us"]
         r["floor_ms"] = round(r["expert_bytes_per_step"] / (r["floor_gbps"] * 1e6), 3)
         r["ratio_to_floor"] = round(r["floor_ms"] / r["median_step_ms"], 3)
         if base_ms:
@@ -312,9 +329,40 @@ def main(argv=None):
                 line += f" ({r['projected_by_layer_tok_s']} by layer)"
         results.append(r)
         print(line)
+    spread = repeat_spread(results) if args.repeat > 1 else []
     where = {**machine(), "device": str(model.placement.device), "xla_flags": os.environ.get("XLA_FLAGS", "")}
     print(json.dumps({"bench": "decode", "model": name, "layers": depth, "machine": where, "floors": floors,
-                      "results": results}))
+                      "results": results, "spread": spread}))
+
+
+def max_over_min(values: list[float]) -> float | None:
+    return round(max(values) / min(values), 3) if len(values) > 1 else None
+
+
+def repeat_spread(results: list[dict]) -> list[dict]:
+    """Per identical case (threads, batch, context, overlap, deferral) run several times: the max/min of its
+    median step and of its per-MoE-layer ratio, over all runs and without the process's first run of it."""
+    by_case: dict[tuple, list[dict]] = {}
+    for r in results:
+        key = (r["threads"], r["pool_spin_us"], r["batch"], r["context"], r["dual_batch"], r["n_deferred"])
+        by_case.setdefault(key, []).append(r)
+    print(f"\nspread of identical cases ({len(next(iter(by_case.values())))} runs each), max/min:")
+    print(f"{'thr':>3} {'spin':>6} {'batch':>5} {'ctx':>6} {'dual':>5} {'defer':>5} {'step':>6} {'w/o 1st':>7} "
+          f"{'l.ratio':>7} {'w/o 1st':>7}  steps ms")
+    spread = []
+    for (threads, spin, batch, context, dual, deferred), runs in by_case.items():
+        steps = [r["median_step_ms"] for r in runs]
+        ratios = [r.get("layer_ratio", r["ratio_to_floor"]) for r in runs]
+        entry = {"threads": threads, "pool_spin_us": spin, "batch": batch, "context": context, "dual_batch": dual,
+                 "n_deferred": deferred, "runs": len(runs), "step_ms": steps, "layer_ratios": ratios,
+                 "step_max_over_min": max_over_min(steps), "step_max_over_min_after_first": max_over_min(steps[1:]),
+                 "ratio_max_over_min": max_over_min(ratios), "ratio_max_over_min_after_first": max_over_min(ratios[1:])}
+        spread.append(entry)
+        print(f"{threads:3d} {spin:6d} {batch:5d} {context:6d} {str(dual):>5} {deferred:5d} "
+              f"{entry['step_max_over_min']:6.3f} {entry['step_max_over_min_after_first'] or 0:7.3f} "
+              f"{entry['ratio_max_over_min']:7.3f} {entry['ratio_max_over_min_after_first'] or 0:7.3f}  "
+              f"{' '.join(f'{s:.2f}' for s in steps)}")
+    return spread
 
 
 if __name__ == "__main__":

@@ -100,6 +100,7 @@ nb::dict KernelInfo() {
   }
   info["supported"] = supported;
   info["threads"] = pool->threads();
+  info["pool_spin_us"] = pool->spin_us();
   info["numa_nodes"] = pool->nodes();
   info["submitter_cpu"] = pool->submitter_cpu();
   info["numa_forced"] = pool->nodes_forced();

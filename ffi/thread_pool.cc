@@ -81,16 +81,25 @@ std::vector<std::vector<int>> ForcedNodes(const std::vector<int>& allowed, int c
   return nodes;
 }
 
-int EnvCount(const char* name) {
+// The integer in environment variable `name`, in [low, high]; `unset` when it is unset or empty.
+int EnvInt(const char* name, int low, int high, int unset) {
   const char* text = std::getenv(name);
-  if (!text || !*text) return 0;
+  if (!text || !*text) return unset;
   char* end = nullptr;
   const long value = std::strtol(text, &end, 10);
-  if (*end != '\0' || value < 1 || value > 4096) {
-    throw std::invalid_argument(std::string(name) + "='" + text + "' is not a positive integer");
+  if (*end != '\0' || value < low || value > high) {
+    throw std::invalid_argument(std::string(name) + "='" + text + "' is not an integer in [" + std::to_string(low) +
+                                ", " + std::to_string(high) + "]");
   }
   return static_cast<int>(value);
 }
+
+int EnvCount(const char* name) { return EnvInt(name, 1, 4096, 0); }
+
+// How long an idle worker spins before it sleeps. A decode step submits a job per MoE layer, a few
+// hundred microseconds apart (the layer's GPU part and the hand-off): a worker asleep by then pays a
+// futex wake-up, and the last of 16 woken one by one starts tens of microseconds late.
+constexpr int kDefaultSpinMicroseconds = 200;
 
 struct GlobalPool {
   std::mutex mutex;
@@ -117,6 +126,7 @@ struct ThreadPool::RunState {
 };
 
 ThreadPool::ThreadPool(int threads, int numa_nodes) {
+  spin_us_ = EnvInt("HYBRIDJIT_POOL_SPIN_US", 0, 1000000, kDefaultSpinMicroseconds);
   const std::vector<int> allowed = AllowedCpus();
   threads_ = threads > 0 ? threads : static_cast<int>(allowed.size());
   nodes_forced_ = numa_nodes > 0;
@@ -175,9 +185,8 @@ void ThreadPool::Worker(int cpu, int node) {
   PinCurrentThread(cpu);
   _mm_setcsr(kDefaultMxcsr);
   for (;;) {
-    // A decode step submits a job every few hundred microseconds: spin a little before sleeping so
-    // that back-to-back jobs do not pay a wake-up each.
-    const auto spin_end = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
+    // Spin a while before sleeping so that back-to-back jobs do not pay a wake-up each.
+    const auto spin_end = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
     while (open_jobs_.load(std::memory_order_acquire) == 0 && std::chrono::steady_clock::now() < spin_end) {
       __builtin_ia32_pause();
     }

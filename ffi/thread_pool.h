@@ -57,6 +57,8 @@ class ThreadPool {
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int threads() const { return threads_; }
+  // Microseconds an idle worker spins before it sleeps (HYBRIDJIT_POOL_SPIN_US, default 200).
+  int spin_us() const { return spin_us_; }
   // The CPU the workers leave free for the submitting thread, or -1 when every CPU has a worker. A
   // submitting thread that the process owns (the GPU hand-off's worker) pins itself there.
   int submitter_cpu() const { return submitter_cpu_; }
@@ -83,6 +85,7 @@ class ThreadPool {
   int NodeOfCurrentCpu() const;
 
   int threads_ = 1;
+  int spin_us_ = 0;
   int submitter_cpu_ = -1;
   bool nodes_forced_ = false;
   std::vector<std::vector<int>> node_cpus_;

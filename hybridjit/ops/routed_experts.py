@@ -269,7 +269,8 @@ def kernel_info() -> dict:
     """The CPU kernels that run the routed experts and the thread pool they run on.
 
     {"kernel": family in use ("generic", "avx2", "avx512" or "amx"), "best": the host's best family,
-    "supported": the families the host can run, "threads", "numa_nodes", "numa_forced",
+    "supported": the families the host can run, "threads", "numa_nodes", "numa_forced", "pool_spin_us" (how long
+    an idle worker spins before sleeping: HYBRIDJIT_POOL_SPIN_US),
     "amx_min_tokens" (the override, 0 if none), "prefetch_bytes" (the distance in effect), "formats":
     {format: {"few_tokens": kernel, "many_tokens": kernel}}} for one token and for very many tokens routed to
     an expert in one call.
