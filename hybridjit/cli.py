@@ -1,13 +1,21 @@
-"""The `hybridjit` command: `generate` a completion, or show `info` about a checkpoint."""
+"""The `hybridjit` command: `generate` a completion, show `info` about a checkpoint, or `convert` one.
+
+An error is one line on stderr, `hybridjit: error: ...`, and the exit status says what kind: 2 bad input
+(arguments, files, checkpoints), 1 a failure nobody foresaw (the line names its exception), 130 Ctrl-C,
+141 stdout closed early (`| head`).
+"""
 
 import argparse
 import collections
+import os
 import sys
 import time
 
 from hybridjit.checkpoint import Checkpoint
 from hybridjit.config import ModelConfig
 from hybridjit.resolve import resolve_model
+
+MAX_SEED = 2**64  # the API's seeds: non-negative integers below this
 
 
 def _gib(n: int) -> str:
@@ -95,11 +103,30 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def utf8_text(value: str) -> str:
+    """Text from the command line: bytes that are not UTF-8 arrive as surrogate escapes, which are no text."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("not valid UTF-8 text") from None
+    return value
+
+
+def seed(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if not 0 <= number < MAX_SEED:
+        raise argparse.ArgumentTypeError(f"{value} is not in [0, 2**64)")
+    return number
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridjit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete a prompt")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", type=utf8_text)
     gen.add_argument(
         "--model", default=None, help="checkpoint path, repo id or name (default: the embedded model)"
     )
@@ -107,8 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--dtype", default=None, help="compute dtype: float32 or bfloat16 (default by backend)")
+    gen.add_argument("--seed", type=seed, default=0, help="random seed of the sampling, in [0, 2**64)")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: the backend's)")
     gen.add_argument("--deferred-experts", type=int, default=0,
                      help="Expert Deferral: routed experts per token added one layer late (changes the model)")
     gen.set_defaults(run=cmd_generate)
@@ -123,13 +150,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _error(message, status: int) -> int:
+    print(f"hybridjit: error: {message}", file=sys.stderr)
+    return status
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (`| head`): end quietly, as a program that SIGPIPE kills would.
+
+    stdout is pointed at devnull so that Python's flush at exit does not fail again (the recipe of the
+    `signal` module's documentation). The status is 141 (128 + SIGPIPE), what shells report for such a
+    program: scripts under `set -o pipefail` can tell it from a failure, which 1 would say.
+    """
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError) as e:  # our errors name the file/tensor/argument at fault
-        print(f"hybridjit: error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        if sys.stderr.isatty():  # the cursor is after the echoed ^C: start the line afresh
+            print(file=sys.stderr)
+        return _error("interrupted", 130)
+    except BrokenPipeError:
+        return _stdout_closed()
+    except (ValueError, FileNotFoundError) as e:  # ours name the file, tensor or argument at fault
+        return _error(e, 2)
+    except Exception as e:  # not foreseen: still one line, naming the exception for the bug report
+        return _error(f"{type(e).__name__}: {e}", 1)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """Model-name resolution (models directory, Hugging Face cache) and the `hybridjit` command."""
 
+import os
+
 import pytest
 from checkpoint_factory import tiny_config, write_checkpoint
 
@@ -79,3 +81,29 @@ def test_cli_error_is_one_clear_line(isolated_dirs, capsys):
     assert cli.main(["info", "no-such-model"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hybridjit: error: no checkpoint for 'no-such-model'")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--seed", str(2**64), "x"], "argument --seed: 18446744073709551616 is not in [0, 2**64)"),
+        (["--seed", "-1", "x"], "argument --seed: -1 is not in [0, 2**64)"),
+        (["--seed", "1.5", "x"], "argument --seed: '1.5' is not an integer"),
+        (["--dtype", "float16", "x"], "argument --dtype: invalid choice: 'float16'"),
+        (["--dtype", "fp32", "x"], "argument --dtype: invalid choice: 'fp32'"),
+        ([os.fsdecode(b"caf\xe9")], "argument prompt: not valid UTF-8 text"),  # as argv brings such bytes
+    ],
+)
+def test_bad_arguments_are_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", *argv])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"hybridjit generate: error: {message}")
+
+
+@pytest.mark.parametrize("command", [["info"], ["generate", "x", "--model"]])
+def test_a_config_that_is_a_json_list_is_one_error_line(tmp_path, capsys, command):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    assert cli.main([*command, str(tmp_path)]) != 0  # 2 once ModelConfig raises ConfigError for it
+    err = capsys.readouterr().err
+    assert err.startswith("hybridjit: error: ") and err.count("\n") == 1
