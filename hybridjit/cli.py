@@ -13,6 +13,7 @@ import time
 
 from hybridjit.checkpoint import Checkpoint
 from hybridjit.config import ModelConfig
+from hybridjit.convert import WEIGHT_FORMATS, convert_checkpoint
 from hybridjit.resolve import resolve_model
 
 MAX_SEED = 2**64  # the API's seeds: non-negative integers below this
@@ -65,6 +66,14 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _weight_format(cfg: ModelConfig) -> str:
+    if cfg.fp8:
+        return "fp8 e4m3, block " + "x".join(map(str, cfg.fp8.block))
+    if cfg.int_quant:
+        return f"int{cfg.int_quant.bits} routed experts, groups of {cfg.int_quant.group_size} input columns"
+    return "unquantized"
+
+
 def cmd_info(args) -> int:
     path = resolve_model(args.checkpoint)
     cfg = ModelConfig.from_json_file(path / "config.json")
@@ -87,7 +96,7 @@ def cmd_info(args) -> int:
         f"experts         {cfg.n_routed_experts} routed (top-{cfg.num_experts_per_tok}, {cfg.topk_method}, "
         f"{cfg.n_group} groups keep {cfg.topk_group}), {cfg.n_shared_experts} shared, "
         f"intermediate {cfg.moe_intermediate_size}",
-        f"format          {'fp8 e4m3, block ' + 'x'.join(map(str, cfg.fp8.block)) if cfg.fp8 else 'unquantized'}",
+        f"format          {_weight_format(cfg)}",
         f"tensors         {len(ckpt.tensors)}, {_gib(ckpt.total_bytes())} "
         f"({', '.join(f'{k} {_gib(v)}' for k, v in by_dtype.most_common())})",
         f"routed experts  {_gib(expert_bytes)} in host memory; the rest {_gib(ckpt.total_bytes() - expert_bytes)}",
@@ -97,9 +106,7 @@ def cmd_info(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from hybridjit.convert import convert_checkpoint
-
-    print(convert_checkpoint(resolve_model(args.source), args.destination, args.format))
+    print(convert_checkpoint(resolve_model(args.source), args.destination, args.format, overwrite=args.force))
     return 0
 
 
@@ -145,7 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert = sub.add_parser("convert", help="re-store a checkpoint's weights in another format")
     convert.add_argument("source")
     convert.add_argument("destination")
-    convert.add_argument("--format", required=True, help="fp8, bf16 (and, for routed experts, int8, int4)")
+    convert.add_argument("--format", required=True, choices=WEIGHT_FORMATS,
+                         help="fp8 or bf16 weights; int8 or int4 routed experts (the rest bf16)")
+    convert.add_argument("--force", action="store_true", help="replace a destination that is not empty")
     convert.set_defaults(run=cmd_convert)
     return parser
 
