@@ -107,3 +107,52 @@ def test_a_config_that_is_a_json_list_is_one_error_line(tmp_path, capsys, comman
     assert cli.main([*command, str(tmp_path)]) != 0  # 2 once ModelConfig raises ConfigError for it
     err = capsys.readouterr().err
     assert err.startswith("hybridjit: error: ") and err.count("\n") == 1
+
+
+@pytest.fixture
+def my_model(isolated_dirs, monkeypatch):
+    """A checkpoint named mymodel in the models directory, seen from a working directory and home without one."""
+    target = isolated_dirs / "models" / "mymodel"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")
+    work = isolated_dirs / "home" / "work"
+    work.mkdir(parents=True)
+    (work / "weights.safetensors").write_bytes(b"")
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("HOME", str(work))
+    return target
+
+
+@pytest.mark.parametrize(
+    "written, state",
+    [
+        ("./mymodel", "does not exist"),
+        ("../mymodel", "does not exist"),
+        ("~/mymodel", "does not exist"),
+        ("/no/such/dir/mymodel", "does not exist"),
+        ("mymodel/", "does not exist"),
+        ("org/mymodel/extra", "does not exist"),
+        ("./weights.safetensors", "is not a directory"),
+    ],
+)
+def test_an_argument_written_as_a_path_is_only_that_path(my_model, written, state):
+    with pytest.raises(ModelNotFoundError) as e:
+        resolve_model(written)
+    assert str(e.value) == (
+        f"{os.path.expanduser(written)} {state}: a checkpoint is a directory with config.json and *.safetensors"
+    )
+
+
+def test_bare_names_are_looked_up_after_a_directory_of_that_name(my_model):
+    assert resolve_model("mymodel") == my_model
+    local = my_model.parent.parent / "home" / "work" / "mymodel"
+    local.mkdir()
+    (local / "config.json").write_text("{}")
+    assert resolve_model("mymodel").resolve() == local
+
+
+def test_cli_path_that_does_not_exist(my_model, capsys):
+    assert cli.main(["info", "./typo-dir"]) == 2
+    assert capsys.readouterr().err == (
+        "hybridjit: error: ./typo-dir does not exist: a checkpoint is a directory with config.json and *.safetensors\n"
+    )
