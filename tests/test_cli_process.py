@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 LONG_RUN = ["generate", "--max-new-tokens", "2000", "def fibonacci(n):"]  # seconds of output on a CPU
 
@@ -49,8 +51,12 @@ def test_a_closed_stdout_ends_quietly_with_status_141():
     assert b"Traceback" not in err and b"error" not in err
 
 
-def test_a_prompt_in_argv_bytes_that_are_not_utf8_is_a_usage_error():
-    with hybridjit("generate", b"caf\xe9") as proc:
+@pytest.mark.parametrize(
+    "argv, argument", [([b"caf\xe9"], "prompt"), ([b"--stop", b"\xff", b"def f("], "--stop")], ids=["prompt", "stop"]
+)
+def test_argv_bytes_that_are_not_utf8_are_a_usage_error(argv, argument):
+    with hybridjit("generate", *argv) as proc:
         _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2
-    assert b"Traceback" not in err and err.decode().splitlines()[-1].endswith(": not valid UTF-8 text")
+    assert b"Traceback" not in err
+    assert err.decode().splitlines()[-1] == f"hybridjit generate: error: argument {argument}: not valid UTF-8 text"

@@ -1,12 +1,18 @@
 """Model-name resolution (models directory, Hugging Face cache) and the `hybridjit` command."""
 
+import argparse
+import inspect
 import os
+import re
 
 import pytest
 from checkpoint_factory import tiny_config, write_checkpoint
 
+import hybridjit
 from hybridjit import cli
 from hybridjit.resolve import ModelNotFoundError, default_model_dir, resolve_model
+
+GREEDY_FIBONACCI = '\n    """\n    Create a string representation of the file.\n'  # the embedded model's completion
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +98,7 @@ def test_cli_error_is_one_clear_line(isolated_dirs, capsys):
         (["--dtype", "float16", "x"], "argument --dtype: invalid choice: 'float16'"),
         (["--dtype", "fp32", "x"], "argument --dtype: invalid choice: 'fp32'"),
         ([os.fsdecode(b"caf\xe9")], "argument prompt: not valid UTF-8 text"),  # as argv brings such bytes
+        (["--stop", os.fsdecode(b"\xff"), "x"], "argument --stop: not valid UTF-8 text"),
     ],
 )
 def test_bad_arguments_are_usage_errors(capsys, argv, message):
@@ -156,3 +163,53 @@ def test_cli_path_that_does_not_exist(my_model, capsys):
     assert capsys.readouterr().err == (
         "hybridjit: error: ./typo-dir does not exist: a checkpoint is a directory with config.json and *.safetensors\n"
     )
+
+
+def test_help_shows_every_option_with_help_and_default(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    (subcommands,) = [a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, parser in subcommands.choices.items():
+        assert all(action.help for action in parser._actions), name
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "most tokens to generate (default: 64)" in out and "in [0, 2**64) (default: 0)" in out
+    assert "(default: the embedded model)" in out and "(default: None)" not in out
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"hybridjit {hybridjit.__version__}\n"
+
+
+def test_generate_notes_compiling_and_statistics_on_stderr(capsys):
+    assert cli.main(["generate", "--max-new-tokens", "8", "def fibonacci(n):"]) == 0
+    out, err = capsys.readouterr()
+    assert GREEDY_FIBONACCI.startswith(out.rstrip("\n"))  # only the completion on stdout
+    assert "compiling the model's programs" in err
+    assert re.search(r"^prompt \d+ tokens, first token \d+\.\d\d s, \d+ tokens at \d+\.\d tok/s$", err, re.M)
+
+
+def test_quiet_generate_writes_nothing_on_stderr(capsys):
+    assert cli.main(["generate", "--quiet", "--max-new-tokens", "8", "def fibonacci(n):"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and GREEDY_FIBONACCI.startswith(out.rstrip("\n"))
+
+
+def test_statistics_summary():
+    stats = cli.GenerationStats()
+    assert stats.summary(5) == "prompt 5 tokens, no new tokens"
+    stats.start, stats.first, stats.last, stats.tokens = 10.0, 11.25, 13.25, 41
+    assert stats.summary(5) == "prompt 5 tokens, first token 1.25 s, 41 tokens at 20.0 tok/s"
+
+
+@pytest.mark.skipif(
+    "stop" not in inspect.signature(hybridjit.Model.stream).parameters,
+    reason="needs Model.stream(stop=), which comes with the issue20-engine branch",
+)
+def test_stop_strings_end_the_completion_before_the_first_of_them(capsys):
+    argv = ["generate", "--quiet", "--stop", "file", "--stop", "string", "def fibonacci(n):"]
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out == '\n    """\n    Create a \n'
