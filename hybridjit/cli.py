@@ -1,17 +1,33 @@
-"""The `hybridjit` command: `generate` a completion, or show `info` about a checkpoint."""
+"""The `hybridjit` command: `generate` a completion, show `info` about a checkpoint, or `convert` one.
+
+Only the completion goes to stdout; progress, statistics and errors go to stderr. An error is one line,
+`hybridjit: error: ...`, and the exit status says what kind: 2 bad input (arguments, files, checkpoints),
+1 a failure nobody foresaw (the line names its exception), 130 Ctrl-C, 141 stdout closed early (`| head`).
+"""
 
 import argparse
 import collections
+import os
 import sys
 import time
 
+from hybridjit import __version__
 from hybridjit.checkpoint import Checkpoint
 from hybridjit.config import ModelConfig
+from hybridjit.convert import WEIGHT_FORMATS, convert_checkpoint
 from hybridjit.resolve import resolve_model
+
+MAX_SEED = 2**64  # the API's seeds: non-negative integers below this
 
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _note(args, message: str):
+    """A line on stderr about the run, unless --quiet."""
+    if not args.quiet:
+        print(message, file=sys.stderr, flush=True)
 
 
 class LoadingProgress:
@@ -38,23 +54,64 @@ class LoadingProgress:
             print(file=sys.stderr)
 
 
+class GenerationStats:
+    """Time to the first token and the decode rate after it, from the times Model.stream yields.
+
+    A yield is one token, except that a token which completes no text (part of a multi-byte character, a
+    special token) yields nothing: the count can be a little low for such text.
+    """
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.first = self.last = None
+        self.tokens = 0
+
+    def tick(self):
+        self.last = time.perf_counter()
+        self.first = self.first or self.last
+        self.tokens += 1
+
+    def summary(self, prompt_tokens: int) -> str:
+        line = f"prompt {prompt_tokens} tokens"
+        if not self.tokens:
+            return line + ", no new tokens"
+        line += f", first token {self.first - self.start:.2f} s"
+        if self.tokens > 1:
+            line += f", {self.tokens} tokens at {(self.tokens - 1) / (self.last - self.first):.1f} tok/s"
+        return line
+
+
 def cmd_generate(args) -> int:
     import hybridjit  # deferred: jax start-up is slow and `info` does not need it
     from hybridjit.models.deepseek_v3 import ExpertSchedule
 
-    model = hybridjit.load(args.model, dtype=args.dtype, progress=LoadingProgress())
+    model = hybridjit.load(args.model, dtype=args.dtype, progress=None if args.quiet else LoadingProgress())
     model.expert_schedule = ExpertSchedule(n_deferred=args.deferred_experts)
-    for delta in model.stream(
-        args.prompt,
+    options = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
-    ):
+    )
+    if args.stop:  # only when asked: Model.stream takes stop= from the issue20-engine branch on
+        options["stop"] = args.stop
+    _note(args, "compiling the model's programs (the first token waits for it)...")
+    stats = GenerationStats()
+    for delta in model.stream(args.prompt, **options):
         print(delta, end="", flush=True)
+        stats.tick()
     print()
+    _note(args, stats.summary(len(model.tokenizer.encode(args.prompt))))
     return 0
+
+
+def _weight_format(cfg: ModelConfig) -> str:
+    if cfg.fp8:
+        return "fp8 e4m3, block " + "x".join(map(str, cfg.fp8.block))
+    if cfg.int_quant:
+        return f"int{cfg.int_quant.bits} routed experts, groups of {cfg.int_quant.group_size} input columns"
+    return "unquantized"
 
 
 def cmd_info(args) -> int:
@@ -79,7 +136,7 @@ def cmd_info(args) -> int:
         f"experts         {cfg.n_routed_experts} routed (top-{cfg.num_experts_per_tok}, {cfg.topk_method}, "
         f"{cfg.n_group} groups keep {cfg.topk_group}), {cfg.n_shared_experts} shared, "
         f"intermediate {cfg.moe_intermediate_size}",
-        f"format          {'fp8 e4m3, block ' + 'x'.join(map(str, cfg.fp8.block)) if cfg.fp8 else 'unquantized'}",
+        f"format          {_weight_format(cfg)}",
         f"tensors         {len(ckpt.tensors)}, {_gib(ckpt.total_bytes())} "
         f"({', '.join(f'{k} {_gib(v)}' for k, v in by_dtype.most_common())})",
         f"routed experts  {_gib(expert_bytes)} in host memory; the rest {_gib(ckpt.total_bytes() - expert_bytes)}",
@@ -89,47 +146,100 @@ def cmd_info(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from hybridjit.convert import convert_checkpoint
-
-    print(convert_checkpoint(resolve_model(args.source), args.destination, args.format))
+    print(convert_checkpoint(resolve_model(args.source), args.destination, args.format, overwrite=args.force))
     return 0
 
 
+def utf8_text(value: str) -> str:
+    """Text from the command line: bytes that are not UTF-8 arrive as surrogate escapes, which are no text."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("not valid UTF-8 text") from None
+    return value
+
+
+def seed(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if not 0 <= number < MAX_SEED:
+        raise argparse.ArgumentTypeError(f"{value} is not in [0, 2**64)")
+    return number
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default but None: the help of those options says what leaving them out does."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hybridjit", description=__doc__)
+    parser = argparse.ArgumentParser(prog="hybridjit", description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="complete a prompt")
-    gen.add_argument("prompt")
-    gen.add_argument(
-        "--model", default=None, help="checkpoint path, repo id or name (default: the embedded model)"
-    )
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--dtype", default=None, help="compute dtype: float32 or bfloat16 (default by backend)")
+    gen = sub.add_parser("generate", help="complete a prompt", formatter_class=HelpFormatter)
+    gen.add_argument("prompt", type=utf8_text, help="the text to complete")
+    gen.add_argument("--model", help="checkpoint path, repo id or name (default: the embedded model)")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="sample from the likeliest tokens of this total mass")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens; 0: all")
+    gen.add_argument("--seed", type=seed, default=0, help="random seed of the sampling, in [0, 2**64)")
+    gen.add_argument("--stop", action="append", type=utf8_text, metavar="STRING",
+                     help="end the completion before this string (repeatable)")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: the backend's)")
     gen.add_argument("--deferred-experts", type=int, default=0,
                      help="Expert Deferral: routed experts per token added one layer late (changes the model)")
+    gen.add_argument("--quiet", action="store_true", help="no loading progress, compile note or statistics")
     gen.set_defaults(run=cmd_generate)
-    info = sub.add_parser("info", help="describe a checkpoint without loading its weights")
-    info.add_argument("checkpoint", nargs="?", default=None)
+    info = sub.add_parser("info", help="describe a checkpoint without loading its weights",
+                          formatter_class=HelpFormatter)
+    info.add_argument("checkpoint", nargs="?", help="checkpoint path, repo id or name (default: the embedded model)")
     info.set_defaults(run=cmd_info)
-    convert = sub.add_parser("convert", help="re-store a checkpoint's weights in another format")
-    convert.add_argument("source")
-    convert.add_argument("destination")
-    convert.add_argument("--format", required=True, help="fp8, bf16 (and, for routed experts, int8, int4)")
+    convert = sub.add_parser("convert", help="re-store a checkpoint's weights in another format",
+                             formatter_class=HelpFormatter)
+    convert.add_argument("source", help="checkpoint path, repo id or name")
+    convert.add_argument("destination", help="directory of the new checkpoint")
+    convert.add_argument("--format", required=True, choices=WEIGHT_FORMATS,
+                         help="fp8 or bf16 weights; int8 or int4 routed experts (the rest bf16)")
+    convert.add_argument("--force", action="store_true", help="replace a destination that is not empty")
     convert.set_defaults(run=cmd_convert)
     return parser
+
+
+def _error(message, status: int) -> int:
+    print(f"hybridjit: error: {message}", file=sys.stderr)
+    return status
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (`| head`): end quietly, as a program that SIGPIPE kills would.
+
+    stdout is pointed at devnull so that Python's flush at exit does not fail again (the recipe of the
+    `signal` module's documentation). The status is 141 (128 + SIGPIPE), what shells report for such a
+    program: scripts under `set -o pipefail` can tell it from a failure, which 1 would say.
+    """
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError) as e:  # our errors name the file/tensor/argument at fault
-        print(f"hybridjit: error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        if sys.stderr.isatty():  # the cursor is after the echoed ^C: start the line afresh
+            print(file=sys.stderr)
+        return _error("interrupted", 130)
+    except BrokenPipeError:
+        return _stdout_closed()
+    except (ValueError, FileNotFoundError) as e:  # ours name the file, tensor or argument at fault
+        return _error(e, 2)
+    except Exception as e:  # not foreseen: still one line, naming the exception for the bug report
+        return _error(f"{type(e).__name__}: {e}", 1)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ experts only "int8" / "int4". The int formats, as written (and read by hybridjit
 """
 
 import json
+import secrets
 import shutil
 from pathlib import Path
 
@@ -54,18 +55,28 @@ def quantize_int_groups(weight: np.ndarray, bits: int, group_size: int) -> tuple
 
 
 def convert_checkpoint(
-    src, dst, weight_format: str, block: tuple[int, int] = (128, 128), group_size: int = 128
+    src,
+    dst,
+    weight_format: str,
+    block: tuple[int, int] = (128, 128),
+    group_size: int = 128,
+    overwrite: bool = False,
 ) -> Path:
     """Re-stores every projection matrix (those real DeepSeek-V3 checkpoints quantize) as `weight_format`:
     "fp8" (E4M3FN with float32 per-`block` scales) or "bf16"; "int8"/"int4" quantize the routed experts in
     groups of `group_size` input columns and store the other projections as bf16 (format in the module
-    docstring). Other tensors are copied unchanged."""
+    docstring). Other tensors are copied unchanged.
+
+    `dst` must not be, be inside, or hold the source; an existing non-empty `dst` is replaced only with
+    `overwrite`, and only once the new checkpoint is complete (it is written next to it, then renamed).
+    """
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight format {weight_format!r} is not supported ({', '.join(WEIGHT_FORMATS)})")
     bits = {"int8": 8, "int4": 4}.get(weight_format)
     if bits and (group_size <= 0 or group_size % 128):
         raise ValueError(f"group_size must be a positive multiple of 128, got {group_size}")
     src, dst = Path(src), Path(dst)
+    _check_destination(src, dst, overwrite)
     raw = json.loads((src / "config.json").read_text())
     cfg = ModelConfig.from_hf_config(raw, source=str(src / "config.json"))
     ckpt = Checkpoint(src)
@@ -96,11 +107,50 @@ def convert_checkpoint(
             "group_size": group_size,
             "modules": "routed_experts",
         }
-    save_checkpoint(dst, raw, tensors)
-    for name in TOKENIZER_FILES:
-        if (src / name).exists():
-            shutil.copy(src / name, dst / name)
+    _write_in_place_of(dst.resolve(), src, raw, tensors)
     return dst
+
+
+def _check_destination(src: Path, dst: Path, overwrite: bool):
+    """Refuses a destination that is the source, is inside it or holds it (replacing it would delete the
+    source), compared by real path; and a non-empty one unless `overwrite`."""
+    target = dst.resolve()
+    # Hugging Face cache snapshots are directories of links into the repository's blobs/: those are source too.
+    for source in [src.resolve(), *(f.resolve() for f in src.iterdir())]:
+        if source == target or source in target.parents:
+            raise ValueError(f"destination {dst} is the source checkpoint {src} or inside it")
+        if target in source.parents:
+            raise ValueError(f"destination {dst} contains the source checkpoint ({source}): replacing it deletes it")
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"destination {dst} exists and is not a directory")
+    if target.exists() and any(target.iterdir()) and not overwrite:
+        raise ValueError(f"destination {dst} is not empty; replace its contents with --force (overwrite=True)")
+
+
+def _write_in_place_of(target: Path, src: Path, config: dict, tensors: dict[str, np.ndarray]):
+    """Writes the checkpoint (with src's tokenizer files) next to `target`, then renames it to `target`: an
+    interrupted or failed conversion leaves `target` as it was, and no partial checkpoint."""
+    staging = target.with_name(f".{target.name}.partial-{secrets.token_hex(4)}")
+    try:
+        save_checkpoint(staging, config, tensors)
+        for name in TOKENIZER_FILES:
+            if (src / name).exists():
+                shutil.copyfile(src / name, staging / name)  # not copy(): the usual new-file mode, not src's
+        _move_into_place(staging, target)
+    except BaseException:  # Ctrl-C included
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _move_into_place(staging: Path, target: Path):
+    """Renames the finished checkpoint to `target`; an existing `target` is moved aside first and deleted last."""
+    if not target.exists() or not any(target.iterdir()):
+        staging.replace(target)  # an empty directory is replaced as a whole
+        return
+    old = staging.with_name(staging.name + "-old")
+    target.rename(old)
+    staging.rename(target)
+    shutil.rmtree(old)
 
 
 def _dequantize_int_groups(stored: np.ndarray, scale: np.ndarray, int_quant, shape) -> np.ndarray:

@@ -1,6 +1,7 @@
 """Writes checkpoints in the Hugging Face layout: config.json, safetensors shards and their index."""
 
 import json
+import stat
 from pathlib import Path
 
 import jax
@@ -52,14 +53,12 @@ def save_checkpoint(
         shards[-1].append(name)
         size += tensors[name].nbytes
     if len(shards) == 1:
-        save_file(
-            {n: np.ascontiguousarray(tensors[n]) for n in shards[0]}, str(directory / "model.safetensors")
-        )
+        _save_shard(directory / "model.safetensors", tensors, shards[0])
     else:
         weight_map = {}
         for i, names in enumerate(shards):
             file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file({n: np.ascontiguousarray(tensors[n]) for n in names}, str(directory / file_name))
+            _save_shard(directory / file_name, tensors, names)
             weight_map.update(dict.fromkeys(names, file_name))
         index = {
             "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
@@ -68,3 +67,15 @@ def save_checkpoint(
         (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return directory
+
+
+def _save_shard(path: Path, tensors: dict[str, np.ndarray], names: list[str]):
+    """One safetensors file, with the mode any new file gets (0666 less the umask).
+
+    safetensors writes a private temporary file (mode 0600) and renames it over `path`: so `path` is first
+    created the usual way, and the written file is given that file's mode.
+    """
+    path.touch()
+    mode = stat.S_IMODE(path.stat().st_mode)
+    save_file({n: np.ascontiguousarray(tensors[n]) for n in names}, str(path))
+    path.chmod(mode)

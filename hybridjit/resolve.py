@@ -2,7 +2,8 @@
 
 No downloads: a name resolves to weights already on disk, in the models directory ($HYBRIDJIT_MODELS,
 default ~/.cache/hybridjit/models) or in the Hugging Face hub cache. When nothing is found the error lists
-every place that was searched and how to put the weights there.
+every place that was searched and how to put the weights there. An argument written as a path (./x, /x,
+~/x, ...) is never looked up as a name.
 """
 
 import os
@@ -57,14 +58,24 @@ def _hub_snapshot(repo_id: str) -> tuple[Path | None, Path]:
     return (snapshots[-1] if snapshots else None), repo
 
 
+def _is_name(text: str) -> bool:
+    """Whether an argument is a bare name or an org/name repo id, the two things that are looked up.
+
+    Anything else is written as a path (`/...`, `./...`, `../...`, `~...`, `.`, `..`, `a/b/c`, `dir/`) and
+    means that path only: a typo must not find a model of that name, nor be suggested for download.
+    """
+    parts = text.split("/")
+    return len(parts) <= 2 and not {"", os.curdir, os.pardir} & set(parts) and not text.startswith("~")
+
+
 def resolve_model(name_or_path: str | os.PathLike | None) -> Path:
+    """The checkpoint directory of a path (a directory, or text written as a path, or an os.PathLike), a
+    known name, a repo id or a name in the models directory; None is the embedded model."""
     if name_or_path is None:
         return default_model_dir()
     path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"{path} is a directory but has no config.json: not a checkpoint")
-        return path
+    if path.is_dir() or not (isinstance(name_or_path, str) and _is_name(name_or_path)):
+        return _checkpoint_dir(path, shown=os.path.expanduser(name_or_path))
     name = str(name_or_path)
     repo_id = ALIASES.get(name.lower(), name if "/" in name else None)
     candidates = [models_dir() / name]
@@ -89,3 +100,12 @@ def resolve_model(name_or_path: str | os.PathLike | None) -> Path:
         f"set HYBRIDJIT_MODELS to the directory that holds it, or pass the checkpoint's path. "
         f"Known names: {', '.join(ALIASES)}."
     )
+
+
+def _checkpoint_dir(path: Path, shown: str) -> Path:
+    if not path.is_dir():
+        state = "is not a directory" if path.exists() else "does not exist"
+        raise ModelNotFoundError(f"{shown} {state}: a checkpoint is a directory with config.json and *.safetensors")
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"{shown} is a directory but has no config.json: not a checkpoint")
+    return path

@@ -1,0 +1,7 @@
+"""`python -m hybridjit`: the `hybridjit` command."""
+
+import sys
+
+from hybridjit.cli import main
+
+sys.exit(main())

@@ -1,0 +1,62 @@
+"""The `hybridjit` command as a process: Ctrl-C, a reader that goes away early, and argv bytes that are not
+UTF-8. Each ends with one line on stderr (or none) and a conventional exit status, never a traceback."""
+
+import contextlib
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LONG_RUN = ["generate", "--max-new-tokens", "2000", "def fibonacci(n):"]  # seconds of output on a CPU
+
+
+@contextlib.contextmanager
+def hybridjit(*argv):
+    """`python -m hybridjit ...` of this source tree, with pipes; killed if the test leaves it running."""
+    # A child inherits an ignored SIGINT (a shell's background job) but not a handler: while it starts, the
+    # handler is set, so that the child's Python raises KeyboardInterrupt on SIGINT as it does in a terminal.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hybridjit", *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_ctrl_c_ends_with_one_line_and_status_130():
+    with hybridjit(*LONG_RUN) as proc:
+        streamed = proc.stdout.readline() + proc.stdout.readline()  # generation is under way
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    assert b"Traceback" not in err and err.decode().splitlines()[-1] == "hybridjit: error: interrupted"
+    assert streamed == b'\n    """\n'  # what was streamed before the interrupt stays
+
+
+def test_a_closed_stdout_ends_quietly_with_status_141():
+    with hybridjit(*LONG_RUN) as proc:
+        proc.stdout.read(1)
+        proc.stdout.close()  # `| head -c 1`
+        err = proc.stderr.read()
+        assert proc.wait(timeout=120) == 141
+    assert b"Traceback" not in err and b"error" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, argument", [([b"caf\xe9"], "prompt"), ([b"--stop", b"\xff", b"def f("], "--stop")], ids=["prompt", "stop"]
+)
+def test_argv_bytes_that_are_not_utf8_are_a_usage_error(argv, argument):
+    with hybridjit("generate", *argv) as proc:
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert b"Traceback" not in err
+    assert err.decode().splitlines()[-1] == f"hybridjit generate: error: argument {argument}: not valid UTF-8 text"
