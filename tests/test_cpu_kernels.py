@@ -240,7 +240,7 @@ def test_scales_are_read_only_within_the_matrix(family, fmt, block, tokens):
     rng = np.random.default_rng(3)
 
     def nan_after_scales(made):
-        for p, matrices in made.items():
+        for matrices in made.values():
             for i, (stored, scale, dense) in enumerate(matrices):
                 padded = np.full((scale.shape[0] + 1, scale.shape[1]), np.nan, np.float32)
                 padded[:-1] = scale
