@@ -101,7 +101,7 @@ def cmd_generate(args) -> int:
     for delta in model.stream(args.prompt, **options):
         print(delta, end="", flush=True)
         stats.tick()
-    print()
+    print(flush=True)  # the completion ends before the statistics, also when both go to one file
     _note(args, stats.summary(len(model.tokenizer.encode(args.prompt))))
     return 0
 
