@@ -144,6 +144,74 @@ def test_unsupported_config(ckpt, change, message):
         hybridjit.load(ckpt)
 
 
+YARN = tiny_config("v3")["rope_scaling"]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        # Values that used to load and then compute NaN, pick masked experts or end in a bare JAX error.
+        ({"rms_norm_eps": -1}, r"rms_norm_eps must be a finite number > 0, got -1"),
+        ({"rms_norm_eps": 0}, r"rms_norm_eps must be a finite number > 0, got 0"),
+        ({"topk_group": 5}, r"topk_group must be an integer in 1\.\.4 \(n_group\), got 5"),
+        ({"topk_group": 0}, r"topk_group must be an integer in 1\.\.4 \(n_group\), got 0"),
+        ({"num_experts_per_tok": 17}, r"num_experts_per_tok must be an integer in 1\.\.16 \(n_routed_experts\)"),
+        ({"topk_group": 1, "num_experts_per_tok": 5}, r"num_experts_per_tok 5 exceeds the 4 experts"),
+        ({"n_group": 16, "topk_group": 8}, r"noaux_tc ranks each group by its top-2 scores"),
+        ({"vocab_size": 0}, r"vocab_size must be a positive integer, got 0"),
+        ({"hidden_size": -200}, r"hidden_size must be a positive integer, got -200"),
+        ({"intermediate_size": 0}, r"intermediate_size must be a positive integer"),
+        ({"moe_intermediate_size": 0}, r"moe_intermediate_size must be a positive integer"),
+        ({"num_hidden_layers": 0}, r"num_hidden_layers must be a positive integer"),
+        ({"num_attention_heads": 0}, r"num_attention_heads must be a positive integer"),
+        ({"kv_lora_rank": 0}, r"kv_lora_rank must be a positive integer"),
+        ({"q_lora_rank": 0}, r"q_lora_rank must be a positive integer"),
+        ({"qk_nope_head_dim": 0}, r"qk_nope_head_dim must be a positive integer"),
+        ({"qk_rope_head_dim": 15}, r"qk_rope_head_dim must be even \(rope rotates pairs\), got 15"),
+        ({"v_head_dim": 0}, r"v_head_dim must be a positive integer"),
+        ({"max_position_embeddings": 0}, r"max_position_embeddings must be a positive integer"),
+        ({"n_shared_experts": -1}, r"n_shared_experts must be an integer >= 0, got -1"),
+        ({"first_k_dense_replace": 5}, r"first_k_dense_replace must be an integer in 0\.\.4 \(num_hidden_layers\)"),
+        ({"first_k_dense_replace": -1}, r"first_k_dense_replace must be an integer in 0\.\.4"),
+        ({"routed_scaling_factor": 0}, r"routed_scaling_factor must be a finite number > 0, got 0"),
+        ({"routed_scaling_factor": float("inf")}, r"routed_scaling_factor must be a finite number > 0, got inf"),
+        ({"rope_theta": 0}, r"rope_theta must be a finite number > 1"),
+        ({"rope_scaling": {**YARN, "factor": 0.5}}, r"rope_scaling\.factor must be a finite number >= 1, got 0\.5"),
+        ({"rope_scaling": {**YARN, "beta_fast": 0}}, r"rope_scaling\.beta_fast must be a finite number > 0"),
+        (
+            {"rope_scaling": {**YARN, "original_max_position_embeddings": 0}},
+            r"rope_scaling\.original_max_position_embeddings must be a positive integer",
+        ),
+        ({"eos_token_id": 300}, r"eos_token_id must be a token id in 0\.\.299 \(vocab_size - 1\), got 300"),
+        ({"bos_token_id": -1}, r"bos_token_id must be a token id in 0\.\.299"),
+        # Wrong types: a string, a bool or a float where an integer belongs, a string for a flag, and so on.
+        ({"hidden_size": "big"}, r"hidden_size must be an integer, got 'big'"),
+        ({"num_hidden_layers": True}, r"num_hidden_layers must be an integer, got True"),
+        ({"n_routed_experts": 16.5}, r"n_routed_experts must be an integer, got 16\.5"),
+        ({"rms_norm_eps": "1e-6"}, r"rms_norm_eps must be a number, got '1e-6'"),
+        ({"norm_topk_prob": "false"}, r"norm_topk_prob must be true or false, got 'false'"),
+        ({"eos_token_id": "1"}, r"eos_token_id must be an integer or a list of integers, got '1'"),
+        ({"eos_token_id": [1, "2"]}, r"eos_token_id must be an integer or a list of integers"),
+        ({"topk_method": ["noaux_tc"]}, r"topk_method must be a string, got \['noaux_tc'\]"),
+        ({"rope_scaling": "yarn"}, r"rope_scaling must be an object, got 'yarn'"),
+        ({"quantization_config": ["fp8"]}, r"quantization_config must be an object"),
+    ],
+)
+def test_config_values_out_of_range_or_of_the_wrong_type(ckpt, change, message):
+    config = json.loads((ckpt / "config.json").read_text())
+    config.update(change)
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=rf"{ckpt / 'config.json'}: {message}"):
+        hybridjit.load(ckpt)
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", '"config"', "null", "3"])
+def test_config_not_an_object(ckpt, content):
+    (ckpt / "config.json").write_text(content)
+    with pytest.raises(ConfigError, match=rf"{ckpt / 'config.json'}: must hold a JSON object"):
+        hybridjit.load(ckpt)
+
+
 def test_config_not_json(ckpt):
     (ckpt / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="config.json: not valid JSON"):
