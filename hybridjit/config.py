@@ -92,6 +92,9 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     int_quant: IntQuantConfig | None = None
+    # Multi-token-prediction layers stored after the decoder layers (model.layers.{num_hidden_layers}.* on):
+    # the model does not run them; loading skips their tensors.
+    num_nextn_predict_layers: int = 0
 
     @property
     def qk_head_dim(self) -> int:
@@ -197,6 +200,7 @@ class ModelConfig:
             bos_token_id=f.token_id("bos_token_id", vocab),
             eos_token_ids=f.token_ids("eos_token_id", vocab),
             int_quant=_int_config(f),
+            num_nextn_predict_layers=f.integer("num_nextn_predict_layers", 0, minimum=0),
         )
 
 

@@ -15,7 +15,10 @@ from hybridjit.config import ConfigError
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("ckpt"), tiny_config("v3"), seed=5, weight_format="fp8")
+    # With the multi-token-prediction layer, which config.json then declares (num_nextn_predict_layers 1).
+    return write_checkpoint(
+        tmp_path_factory.mktemp("ckpt"), tiny_config("v3"), seed=5, weight_format="fp8", with_mtp_layer=True
+    )
 
 
 @pytest.fixture
@@ -117,6 +120,32 @@ def test_config_inconsistent_with_weights(ckpt):
         hybridjit.load(ckpt)
 
 
+def _edit_config(ckpt, **changes):
+    config = json.loads((ckpt / "config.json").read_text())
+    config.update(changes)
+    (ckpt / "config.json").write_text(json.dumps(config))
+
+
+def test_too_few_layers_in_the_config_is_not_a_silent_truncation(ckpt):
+    # The checkpoint has decoder layers 0..3 and the MTP layer 4. With 3 decoder layers declared, the declared
+    # MTP layer is layer 3, and layer 4 is neither: its tensors are unexpected (they were all skipped).
+    _edit_config(ckpt, num_hidden_layers=3)
+    with pytest.raises(CheckpointError, match=r"unexpected tensor model\.layers\.4\.") as error:
+        hybridjit.load(ckpt)
+    assert "num_hidden_layers 3 + num_nextn_predict_layers 1" in str(error.value)
+
+
+def test_undeclared_mtp_layer_is_unexpected(ckpt):
+    _edit_config(ckpt, num_nextn_predict_layers=0)
+    with pytest.raises(CheckpointError, match=r"unexpected tensor model\.layers\.4\.embed_tokens\.weight"):
+        hybridjit.load(ckpt)
+
+
+def test_declared_mtp_layers_may_be_absent(ckpt):
+    _edit_config(ckpt, num_nextn_predict_layers=2)  # declares layers 4 and 5; the checkpoint has only 4
+    hybridjit.load(ckpt).close()
+
+
 def test_fp8_weights_without_quantization_config(ckpt):
     config = json.loads((ckpt / "config.json").read_text())
     del config["quantization_config"]
@@ -171,6 +200,7 @@ YARN = tiny_config("v3")["rope_scaling"]
         ({"v_head_dim": 0}, r"v_head_dim must be a positive integer"),
         ({"max_position_embeddings": 0}, r"max_position_embeddings must be a positive integer"),
         ({"n_shared_experts": -1}, r"n_shared_experts must be an integer >= 0, got -1"),
+        ({"num_nextn_predict_layers": -1}, r"num_nextn_predict_layers must be an integer >= 0, got -1"),
         ({"first_k_dense_replace": 5}, r"first_k_dense_replace must be an integer in 0\.\.4 \(num_hidden_layers\)"),
         ({"first_k_dense_replace": -1}, r"first_k_dense_replace must be an integer in 0\.\.4"),
         ({"routed_scaling_factor": 0}, r"routed_scaling_factor must be a finite number > 0, got 0"),
