@@ -1,6 +1,6 @@
 """hybridjit: CPU-GPU hybrid inference of large Mixture-of-Experts models as compiled JAX/XLA programs."""
 
-from hybridjit.engine import Model, load
+from hybridjit.engine import Model, NonFiniteLogitsError, load
 
 __version__ = "0.1.0"
-__all__ = ["Model", "load", "__version__"]
+__all__ = ["Model", "NonFiniteLogitsError", "load", "__version__"]

@@ -27,32 +27,47 @@ from hybridjit.weights import Progress, WeightLoader
 MIN_BUCKET = 8
 
 
+class NonFiniteLogitsError(ValueError):
+    """Logits with NaN or infinity: the weights are corrupt, or config.json holds values that break the math.
+    Raised instead of returning tokens (a row of NaN logits would sample token 0 every step)."""
+
+
+def _sample_checked(logits, key, temperature, top_k, top_p):
+    """Sampled next tokens [b] and whether each row of logits [b, vocab] is all finite [b]: computed on the
+    device next to sampling, so checking it costs the host no extra wait."""
+    return sample(logits, key, temperature, top_k, top_p), jnp.isfinite(logits).all(axis=-1)
+
+
 @partial(jax.jit, static_argnums=0)
 def _logits_program(cfg, weights, tokens):
-    return dsv3.prefill(cfg, weights, tokens)[0]
+    logits = dsv3.prefill(cfg, weights, tokens)[0]
+    return logits, jnp.isfinite(logits).all(axis=-1)
 
 
 @partial(jax.jit, static_argnums=0, donate_argnames="cache")
 def _prefill_program(cfg, weights, tokens, lengths, cache, key, temperature, top_k, top_p):
     logits, cache = dsv3.prefill(cfg, weights, tokens, cache)
     last = logits[jnp.arange(tokens.shape[0]), lengths - 1]
-    return sample(last, key, temperature, top_k, top_p), cache
+    return _sample_checked(last, key, temperature, top_k, top_p), cache
 
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnames="cache")
 def _decode_program(cfg, schedule, weights, tokens, positions, cache, key, temperature, top_k, top_p):
     logits, cache = dsv3.decode_step(cfg, weights, tokens, positions, cache, schedule)
-    return sample(logits, key, temperature, top_k, top_p), cache
+    return _sample_checked(logits, key, temperature, top_k, top_p), cache
 
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnames="caches")
 def _decode_dual_program(cfg, schedule, weights, tokens, positions, caches, key, temperature, top_k, top_p):
     logits, caches = dsv3.decode_step_dual(cfg, weights, tokens, positions, caches, schedule)
     keys = jax.random.split(key)
-    return tuple(sample(lg, k, temperature, top_k, top_p) for lg, k in zip(logits, keys, strict=True)), caches
+    return tuple(
+        _sample_checked(lg, k, temperature, top_k, top_p) for lg, k in zip(logits, keys, strict=True)
+    ), caches
 
 
-_sample_program = jax.jit(sample)
+_sample_program = jax.jit(_sample_checked)
+_finite_stages_program = jax.jit(dsv3.finite_stages, static_argnums=0)
 
 
 def _bucket(n: int) -> int:
@@ -128,8 +143,13 @@ class Model:
         longest = max(len(s) for s in seqs)
         self._check_context(longest)
         tokens = _right_padded(seqs, _bucket(longest))
-        logits = np.asarray(_logits_program(self.config, self.weights, tokens))[:, :longest]
+        logits, finite = _logits_program(self.config, self.weights, tokens)
+        logits, finite = np.asarray(logits)[:, :longest], np.asarray(finite)
         raise_gpu_errors()
+        for i, seq in enumerate(seqs):
+            if not finite[i, : len(seq)].all():
+                position = int(np.argmin(finite[i]))
+                raise self._non_finite(seq[: position + 1], f"sequence {i} at position {position}")
         return logits
 
     def _check_context(self, length: int):
@@ -138,6 +158,18 @@ class Model:
                 f"{length} tokens exceed the model's context of {self.config.max_position_embeddings} "
                 f"(max_position_embeddings in {self.path / 'config.json'})"
             )
+
+    def _non_finite(self, tokens: list[int], where: str) -> NonFiniteLogitsError:
+        """The error for logits at `where` that are not finite, `tokens` the sequence that produced them.
+
+        On this error path only, a diagnostic forward pass over `tokens` finds the first stage (embeddings,
+        layer, final norm and LM head) whose output is not finite.
+        """
+        finite = np.asarray(_finite_stages_program(self.config, self.weights, np.asarray([tokens], np.int32)))
+        return NonFiniteLogitsError(
+            f"{self.path}: the logits of {where} are not finite (NaN or infinity); {_stage_at_fault(finite)}. "
+            "The weights are corrupt, or config.json holds values that break the math"
+        )
 
     # ----------------------------------------------------------------------------- generation
 
@@ -174,22 +206,30 @@ class Model:
             current.append(first)
             caches.append(cache)
         positions = [lengths[rows] for rows in groups]
+        produced = []  # the tokens of each step so far, for the diagnosis of logits that are not finite
         for step in range(max_new_tokens):
             if step + 1 < max_new_tokens:  # dispatch the next step before waiting on this one's tokens
                 step_key = jax.random.fold_in(key, step + 1)
+                last = tuple(t for t, _ in current)
                 if len(groups) == 2:
                     upcoming, caches = _decode_dual_program(
-                        self.config, self.expert_schedule, self.weights, tuple(current),
+                        self.config, self.expert_schedule, self.weights, last,
                         tuple(p + step for p in positions), tuple(caches), step_key, *sampling,
                     )
                 else:
                     upcoming, cache = _decode_program(
-                        self.config, self.expert_schedule, self.weights, current[0], positions[0] + step,
+                        self.config, self.expert_schedule, self.weights, last[0], positions[0] + step,
                         caches[0], step_key, *sampling,
                     )
                     upcoming, caches = (upcoming,), [cache]
-            tokens = np.concatenate([np.asarray(c) for c in current])
+            tokens = np.concatenate([np.asarray(t) for t, _ in current])
+            finite = np.concatenate([np.asarray(f) for _, f in current])
             raise_gpu_errors()  # a CPU expert job that failed while the GPU waited: its step is garbage
+            if not finite.all():
+                row = int(np.argmin(finite))
+                sequence = seqs[row] + [int(t[row]) for t in produced]
+                raise self._non_finite(sequence, f"sequence {row}, new token {step + 1},")
+            produced.append(tokens)
             yield tokens
             if step + 1 < max_new_tokens:
                 current = list(upcoming)
@@ -257,6 +297,18 @@ class Model:
                 yield token
             elif delta := decoder.push(token):
                 yield delta
+
+
+def _stage_at_fault(finite: np.ndarray) -> str:
+    """Names the first False of dsv3.finite_stages: embeddings, layers, then final norm and LM head."""
+    bad = np.flatnonzero(~finite)
+    if not bad.size:
+        return "layer unknown (a whole-sequence forward pass over this sequence is finite)"
+    if bad[0] == 0:
+        return "the token embeddings are not finite (model.embed_tokens.weight)"
+    if bad[0] < finite.size - 1:
+        return f"the first layer whose output is not finite is layer {bad[0] - 1} (model.layers.{bad[0] - 1}.*)"
+    return "every layer's output is finite but the final norm or the LM head is not (model.norm.weight, lm_head.weight)"
 
 
 def _cut_at_stop(text: str, stops: list[str]) -> str:

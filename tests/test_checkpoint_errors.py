@@ -11,6 +11,7 @@ from safetensors.numpy import save_file
 import hybridjit
 from hybridjit.checkpoint import Checkpoint, CheckpointError
 from hybridjit.config import ConfigError
+from hybridjit.engine import NonFiniteLogitsError
 
 
 @pytest.fixture(scope="module")
@@ -246,3 +247,54 @@ def test_config_not_json(ckpt):
     (ckpt / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="config.json: not valid JSON"):
         hybridjit.load(ckpt)
+
+
+def _overwrite(ckpt, name, rows=None, byte=0xFF):
+    """Overwrites a tensor's stored bytes (rows `rows` of it, default all) in its file: 0xFF bytes are NaN in
+    float32, bfloat16 and float8_e4m3fn alike."""
+    info = Checkpoint(ckpt).info(name)
+    begin, end = info.begin, info.end
+    if rows is not None:
+        row_bytes = info.nbytes // info.shape[0]
+        begin, end = begin + rows.start * row_bytes, begin + rows.stop * row_bytes
+    with open(info.file, "r+b") as f:
+        f.seek(begin)
+        f.write(bytes([byte]) * (end - begin))
+
+
+PROMPT = [5, 17, 42, 99, 3, 250, 7]
+
+
+def test_nan_experts_raise_naming_the_model_and_the_layer(ckpt):
+    for e in range(16):  # every routed expert of layer 2, so that whatever the routing, some token meets one
+        _overwrite(ckpt, f"model.layers.2.mlp.experts.{e}.gate_proj.weight")
+    model = hybridjit.load(ckpt)
+    try:
+        layer = r"are not finite \(NaN or infinity\); the first layer whose output is not finite is layer 2 \(model"
+        step = rf"{ckpt}: the logits of sequence 0, new token 1, {layer}"
+        with pytest.raises(NonFiniteLogitsError, match=step):
+            model.generate(PROMPT, max_new_tokens=4)
+        with pytest.raises(NonFiniteLogitsError, match=step):
+            list(model.stream(PROMPT, max_new_tokens=4))
+        with pytest.raises(NonFiniteLogitsError, match=rf"{ckpt}: the logits of sequence 0 at position \d+ {layer}"):
+            model.logits([PROMPT])
+    finally:
+        model.close()
+
+
+def test_nan_met_only_by_a_decode_step_raises_too(ckpt):
+    model = hybridjit.load(ckpt)
+    first = model.generate(PROMPT, max_new_tokens=1)[0]
+    model.close()
+    assert first not in PROMPT
+    # The embedding of the first new token is NaN: prefill is finite, the decode step that reads it is not.
+    _overwrite(ckpt, "model.embed_tokens.weight", rows=range(first, first + 1))
+    model = hybridjit.load(ckpt)
+    try:
+        with pytest.raises(
+            NonFiniteLogitsError,
+            match=rf"{ckpt}: the logits of sequence 1, new token 2, are not finite .* the token embeddings",
+        ):
+            model.generate([[11, 12, 13], PROMPT], max_new_tokens=4)  # two sequences: the dual-batch decode
+    finally:
+        model.close()
