@@ -19,7 +19,7 @@ from hybridjit.models import deepseek_v3 as dsv3
 from hybridjit.ops.async_experts import raise_gpu_errors
 from hybridjit.placement import Placement
 from hybridjit.resolve import resolve_model
-from hybridjit.sampling import SamplingParams, sample
+from hybridjit.sampling import SamplingParams, integer, is_integer, sample
 from hybridjit.stream_prefill import choose_prefill_path, stream_prefill
 from hybridjit.tokenizer import IncrementalDecoder, load_tokenizer
 from hybridjit.weights import Progress, WeightLoader
@@ -105,30 +105,45 @@ class Model:
 
     # ---------------------------------------------------------------------------------- inputs
 
-    def _check_ids(self, sequences: Sequence[Sequence[int]]) -> list[list[int]]:
-        out = []
-        for i, seq in enumerate(sequences):
-            seq = [int(t) for t in seq]
-            if not seq:
-                raise ValueError(f"sequence {i} is empty")
-            bad = [t for t in seq if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"sequence {i}: token id {bad[0]} outside the vocabulary [0, {self.config.vocab_size})"
-                )
-            out.append(seq)
-        return out
+    def _check_ids(self, sequences) -> list[list[int]]:
+        """Token-id sequences (lists or arrays of integers) as lists, each checked against the vocabulary."""
+        if not _is_array_like(sequences):
+            raise TypeError(f"token_ids must be a list of token-id lists, got {sequences!r:.60}")
+        if not len(sequences):
+            raise ValueError("token_ids is empty")
+        return [self._token_ids(i, seq) for i, seq in enumerate(sequences)]
+
+    def _token_ids(self, i: int, seq) -> list[int]:
+        if not _is_array_like(seq):
+            raise TypeError(f"sequence {i} must be a list of token ids, got {seq!r:.60}")
+        if isinstance(seq, np.ndarray | jax.Array):
+            if seq.dtype.kind not in "iu":
+                raise TypeError(f"sequence {i} must hold token ids (integers), got an array of {seq.dtype}")
+        elif bad := [t for t in seq if not is_integer(t)]:
+            raise TypeError(f"sequence {i} must hold token ids (integers), got {bad[0]!r}")
+        seq = [int(t) for t in seq]
+        if not seq:
+            raise ValueError(f"sequence {i} is empty")
+        bad = [t for t in seq if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"sequence {i}: token id {bad[0]} outside the vocabulary [0, {self.config.vocab_size})")
+        return seq
 
     def _encode(self, prompt) -> tuple[list[list[int]], str]:
         """Normalises a prompt to token-id lists and says what shape the answer takes."""
         if isinstance(prompt, str):
             return [self._tokenize(prompt)], "text"
-        prompt = list(prompt)
-        if prompt and all(isinstance(p, str) for p in prompt):
+        if isinstance(prompt, bytes | bytearray):
+            raise TypeError("prompt is bytes: decode it to a str (prompt.decode()) or pass a list of token ids")
+        if not _is_array_like(prompt):
+            raise TypeError(f"prompt must be {PROMPT_KINDS}, got {prompt!r:.60}")
+        if not len(prompt):
+            raise ValueError(f"prompt is empty: pass {PROMPT_KINDS}")
+        if all(isinstance(p, str) for p in prompt):
             return [self._tokenize(p) for p in prompt], "texts"
-        if prompt and all(isinstance(p, (int, np.integer)) for p in prompt):
-            return self._check_ids([prompt]), "ids"
-        return self._check_ids(prompt), "id_lists"
+        if any(_is_array_like(p) for p in prompt):
+            return self._check_ids(prompt), "id_lists"
+        return self._check_ids([prompt]), "ids"
 
     def _tokenize(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -173,21 +188,24 @@ class Model:
 
     # ----------------------------------------------------------------------------- generation
 
-    def _steps(self, seqs: list[list[int]], max_new_tokens: int, params: SamplingParams) -> Iterator[np.ndarray]:
+    def _steps(self, seqs: list[list[int]], max_new_tokens, params: SamplingParams) -> Iterator[np.ndarray]:
+        """Checks max_new_tokens and the context now, and returns the iterator of _run over the request."""
+        max_new_tokens = _check_max_new_tokens(max_new_tokens)
+        self._check_context(max(len(s) for s in seqs) + max_new_tokens)
+        return self._run(seqs, max_new_tokens, params)
+
+    def _run(self, seqs: list[list[int]], max_new_tokens: int, params: SamplingParams) -> Iterator[np.ndarray]:
         """Yields the next token of every sequence, step after step, up to max_new_tokens steps.
 
         Two or more sequences decode as two micro-batches interleaved in one program (dual_batch), so
         that each one's GPU work hides the other's CPU experts.
         """
-        if max_new_tokens < 1:
-            return
         lengths = np.array([len(s) for s in seqs], np.int32)
         longest = int(lengths.max())
-        self._check_context(longest + max_new_tokens)
         cache_len = min(_bucket(longest + max_new_tokens), self.config.max_position_embeddings)
         half = -(-len(seqs) // 2)
         groups = [range(half), range(half, len(seqs))] if self.dual_batch and len(seqs) > 1 else [range(len(seqs))]
-        key = jax.random.key(params.seed)
+        key = params.key()
         prefill_key = jax.random.fold_in(key, 0)  # decode step n uses fold_in(key, n + 1)
         sampling = params.device_args()
         current, caches = [], []
@@ -283,13 +301,18 @@ class Model:
         top_k: int = 0,
         seed: int = 0,
     ) -> Iterator:
-        """Like generate for one prompt, yielding text deltas (text prompt) or token ids as they come."""
+        """Like generate for one prompt, yielding text deltas (text prompt) or token ids as they come.
+
+        The arguments are checked by this call, before the iterator it returns runs the first step.
+        """
         seqs, kind = self._encode(prompt)
         if len(seqs) != 1:
             raise ValueError("stream takes one prompt")
-        decoder = IncrementalDecoder(self.tokenizer) if kind == "text" else None
-        params = SamplingParams(temperature, top_k, top_p, seed)
-        for tokens in self._steps(seqs, max_new_tokens, params):
+        steps = self._steps(seqs, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed))
+        return self._stream(steps, IncrementalDecoder(self.tokenizer) if kind == "text" else None)
+
+    def _stream(self, steps: Iterator[np.ndarray], decoder: IncrementalDecoder | None) -> Iterator:
+        for tokens in steps:
             token = int(tokens[0])
             if token in self.config.eos_token_ids:
                 return
@@ -297,6 +320,21 @@ class Model:
                 yield token
             elif delta := decoder.push(token):
                 yield delta
+
+
+PROMPT_KINDS = "a str, a list of str, a list of token ids or a list of token-id lists"
+
+
+def _is_array_like(value) -> bool:
+    """A sequence of items (list, tuple, numpy or JAX array), not text."""
+    return isinstance(value, Sequence | np.ndarray | jax.Array) and not isinstance(value, str | bytes | bytearray)
+
+
+def _check_max_new_tokens(max_new_tokens) -> int:
+    max_new_tokens = integer("max_new_tokens", max_new_tokens)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    return max_new_tokens
 
 
 def _stage_at_fault(finite: np.ndarray) -> str:

@@ -12,6 +12,7 @@ from kernel_choice import EXACT_FLOAT32_FAMILY, kernel_family
 
 import hybridjit
 from hybridjit.models import deepseek_v3 as dsv3
+from hybridjit.sampling import SamplingParams
 
 # Relative RMS error between two float32 computations of the same logits by different association
 # orders (expanded vs absorbed attention): rounding only.
@@ -125,7 +126,7 @@ def test_generation_stops_at_eos(model):
             r"sequence 1: token id 300 outside the vocabulary \[0, 300\)",
         ),
         (lambda m: m.generate([[1, 2], []]), "sequence 1 is empty"),
-        (lambda m: m.generate([1, 2], temperature=-1.0), "temperature must be >= 0"),
+        (lambda m: m.generate([1, 2], temperature=-1.0), "temperature must be a finite number >= 0"),
         (lambda m: m.generate([1, 2], top_p=0.0), r"top_p must be in \(0, 1\]"),
         (lambda m: m.generate("text"), "has no tokenizer.json: pass token ids"),
     ],
@@ -133,3 +134,75 @@ def test_generation_stops_at_eos(model):
 def test_bad_requests_raise_clear_errors(model, call, message):
     with pytest.raises(ValueError, match=message):
         call(model)
+
+
+PROMPT_KINDS = "a str, a list of str, a list of token ids or a list of token-id lists"
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        # Prompts that used to fail deep inside (None, []) or were silently misread (bytes as token ids).
+        (lambda m: m.generate(None), TypeError, rf"prompt must be {PROMPT_KINDS}, got None"),
+        (lambda m: m.generate(5), TypeError, rf"prompt must be {PROMPT_KINDS}, got 5"),
+        (lambda m: m.generate([]), ValueError, r"prompt is empty"),
+        (lambda m: m.generate(b"def f("), TypeError, r"prompt is bytes: decode it to a str"),
+        (lambda m: m.stream(None), TypeError, rf"prompt must be {PROMPT_KINDS}, got None"),
+        (lambda m: m.logits(None), TypeError, r"token_ids must be a list of token-id lists, got None"),
+        (lambda m: m.logits([]), ValueError, r"token_ids is empty"),
+        (lambda m: m.generate([1.0, 2.0]), TypeError, r"sequence 0 must hold token ids \(integers\), got 1\.0"),
+        (lambda m: m.generate([True, 2]), TypeError, r"sequence 0 must hold token ids \(integers\), got True"),
+        (lambda m: m.generate([[1, 2], [3, 4.5]]), TypeError, r"sequence 1 must hold token ids .*got 4\.5"),
+        (lambda m: m.generate([[1, 2], "ab"]), TypeError, r"sequence 1 must be a list of token ids, got 'ab'"),
+        (lambda m: m.logits(np.array([[1.0, 2.0]])), TypeError, r"sequence 0 must hold token ids .*float64"),
+        # max_new_tokens: -1 used to return nothing, 1.5 to raise an AttributeError.
+        (lambda m: m.generate([1, 2], max_new_tokens=-1), ValueError, r"max_new_tokens must be >= 1, got -1"),
+        (lambda m: m.generate([1, 2], max_new_tokens=0), ValueError, r"max_new_tokens must be >= 1, got 0"),
+        (lambda m: m.generate([1, 2], max_new_tokens=1.5), TypeError, r"max_new_tokens must be an integer, got 1\.5"),
+        (lambda m: m.generate([1, 2], max_new_tokens=True), TypeError, r"max_new_tokens must be an integer"),
+        (lambda m: m.stream([1, 2], max_new_tokens=-1), ValueError, r"max_new_tokens must be >= 1"),
+        (lambda m: m.stream([1, 2], top_k=0.5), TypeError, r"top_k must be an integer"),
+        # Sampling: nan used to mean greedy, top_k=1.5 to mean 1, seed 2**63 to overflow.
+        (lambda m: m.generate([1, 2], temperature=float("nan")), ValueError, r"temperature must be a finite .*got nan"),
+        (lambda m: m.generate([1, 2], temperature=float("inf")), ValueError, r"temperature must be a finite .*got inf"),
+        (lambda m: m.generate([1, 2], temperature="1"), TypeError, r"temperature must be a number, got '1'"),
+        (lambda m: m.generate([1, 2], top_k=1.5), TypeError, r"top_k must be an integer, got 1\.5"),
+        (lambda m: m.generate([1, 2], top_k=True), TypeError, r"top_k must be an integer, got True"),
+        (lambda m: m.generate([1, 2], top_k=-1), ValueError, r"top_k must be >= 0"),
+        (lambda m: m.generate([1, 2], top_p=float("nan")), ValueError, r"top_p must be in \(0, 1\], got nan"),
+        (lambda m: m.generate([1, 2], top_p=None), TypeError, r"top_p must be a number, got None"),
+        (lambda m: m.generate([1, 2], seed=-1), ValueError, r"seed must be a non-negative integer, got -1"),
+        (lambda m: m.generate([1, 2], seed=1.0), TypeError, r"seed must be an integer, got 1\.0"),
+        (lambda m: m.generate([1, 2], seed=False), TypeError, r"seed must be an integer, got False"),
+    ],
+)
+def test_bad_arguments_name_the_argument(model, call, error, message):
+    with pytest.raises(error, match=message):
+        call(model)
+
+
+def test_numpy_scalars_and_arrays_are_arguments_like_python_ones(model):
+    prompt = PROMPTS[0]
+    expected = model.generate(prompt, max_new_tokens=3, temperature=0.5, top_k=5, top_p=0.9, seed=7)
+    assert expected == model.generate(
+        np.array(prompt, np.int64), max_new_tokens=np.int64(3), temperature=np.float32(0.5), top_k=np.int32(5),
+        top_p=np.float64(0.9), seed=np.uint64(7),
+    )
+
+
+def test_seeds_beyond_32_bits_are_distinct_and_accepted(model):
+    prompt, sampled = PROMPTS[1], dict(max_new_tokens=8, temperature=1.0)
+    low = model.generate(prompt, seed=1, **sampled)
+    assert low == model.generate(prompt, seed=1, **sampled)
+    assert model.generate(prompt, seed=2**32 + 1, **sampled) != low  # was the same key as seed 1
+    for seed in (2**63, 2**64 - 1, 2**64 + 1):  # 2**63 used to raise OverflowError
+        assert model.generate(prompt, seed=seed, **sampled) == model.generate(prompt, seed=seed, **sampled)
+
+
+def test_seed_keys_are_distinct_beyond_32_bits_and_unchanged_below():
+    def words(seed):
+        return tuple(np.asarray(jax.random.key_data(SamplingParams(seed=seed).key())).tolist())
+
+    assert words(12345) == tuple(np.asarray(jax.random.key_data(jax.random.key(12345))).tolist())
+    seeds = [1, 2**32 + 1, 2**33 + 1, 2**32, 2**64, 2**64 + 2**32, 2**63, 2**64 - 1, 2**96 + 1]
+    assert len({words(s) for s in seeds}) == len(seeds)
