@@ -155,8 +155,8 @@ class Model:
     def logits(self, token_ids: Sequence[Sequence[int]]) -> np.ndarray:
         """float32 logits [batch, max_len, vocab] of whole sequences (right-padded; padding rows unspecified)."""
         seqs = self._check_ids(token_ids)
+        self._check_context(seqs)
         longest = max(len(s) for s in seqs)
-        self._check_context(longest)
         tokens = _right_padded(seqs, _bucket(longest))
         logits, finite = _logits_program(self.config, self.weights, tokens)
         logits, finite = np.asarray(logits)[:, :longest], np.asarray(finite)
@@ -167,12 +167,21 @@ class Model:
                 raise self._non_finite(seq[: position + 1], f"sequence {i} at position {position}")
         return logits
 
-    def _check_context(self, length: int):
-        if length > self.config.max_position_embeddings:
-            raise ValueError(
-                f"{length} tokens exceed the model's context of {self.config.max_position_embeddings} "
-                f"(max_position_embeddings in {self.path / 'config.json'})"
-            )
+    def _check_context(self, seqs: list[list[int]], max_new_tokens: int = 0):
+        """Raises when the longest sequence, plus the max_new_tokens to generate after it, exceeds the context."""
+        row = max(range(len(seqs)), key=lambda i: len(seqs[i]))
+        length, context = len(seqs[row]), self.config.max_position_embeddings
+        if length + max_new_tokens <= context:
+            return
+        if not max_new_tokens:
+            what = f"sequence {row} of {length} tokens"
+        else:
+            prompt = f"longest prompt (sequence {row})" if len(seqs) > 1 else "prompt"
+            what = f"{prompt} of {length} tokens + max_new_tokens {max_new_tokens} = {length + max_new_tokens}"
+        raise ValueError(
+            f"{what} exceeds the model's context of {context} "
+            f"(max_position_embeddings in {self.path / 'config.json'})"
+        )
 
     def _non_finite(self, tokens: list[int], where: str) -> NonFiniteLogitsError:
         """The error for logits at `where` that are not finite, `tokens` the sequence that produced them.
@@ -191,7 +200,7 @@ class Model:
     def _steps(self, seqs: list[list[int]], max_new_tokens, params: SamplingParams) -> Iterator[np.ndarray]:
         """Checks max_new_tokens and the context now, and returns the iterator of _run over the request."""
         max_new_tokens = _check_max_new_tokens(max_new_tokens)
-        self._check_context(max(len(s) for s in seqs) + max_new_tokens)
+        self._check_context(seqs, max_new_tokens)
         return self._run(seqs, max_new_tokens, params)
 
     def _run(self, seqs: list[list[int]], max_new_tokens: int, params: SamplingParams) -> Iterator[np.ndarray]:

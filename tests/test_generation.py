@@ -119,8 +119,23 @@ def test_generation_stops_at_eos(model):
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda m: m.generate([1] * 1000, max_new_tokens=100), r"exceed the model's context of 1024"),
-        (lambda m: m.logits([[1] * 1025]), r"1025 tokens exceed the model's context"),
+        (
+            lambda m: m.generate([1] * 1000, max_new_tokens=100),
+            r"prompt of 1000 tokens \+ max_new_tokens 100 = 1100 exceeds the model's context of 1024 "
+            r"\(max_position_embeddings in \S+config\.json\)",
+        ),
+        (
+            lambda m: m.generate([[1] * 10, [1] * 1020], max_new_tokens=5),
+            r"longest prompt \(sequence 1\) of 1020 tokens \+ max_new_tokens 5 = 1025 exceeds the model's context",
+        ),
+        (
+            lambda m: m.stream([1] * 1024, max_new_tokens=1),
+            r"prompt of 1024 tokens \+ max_new_tokens 1 = 1025 exceeds the model's context of 1024",
+        ),
+        (
+            lambda m: m.logits([[1] * 3, [1] * 1025]),
+            r"sequence 1 of 1025 tokens exceeds the model's context of 1024 \(max_position_embeddings in",
+        ),
         (
             lambda m: m.generate([[1, 2], [3, 300]]),
             r"sequence 1: token id 300 outside the vocabulary \[0, 300\)",
