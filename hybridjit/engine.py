@@ -17,11 +17,11 @@ from hybridjit.checkpoint import Checkpoint
 from hybridjit.config import ModelConfig
 from hybridjit.models import deepseek_v3 as dsv3
 from hybridjit.ops.async_experts import raise_gpu_errors
-from hybridjit.placement import Placement
+from hybridjit.placement import Placement, compute_dtype
 from hybridjit.resolve import resolve_model
 from hybridjit.sampling import SamplingParams, integer, is_integer, sample
 from hybridjit.stream_prefill import choose_prefill_path, stream_prefill
-from hybridjit.tokenizer import IncrementalDecoder, load_tokenizer
+from hybridjit.tokenizer import IncrementalDecoder, first_stop, load_tokenizer
 from hybridjit.weights import Progress, WeightLoader
 
 MIN_BUCKET = 8
@@ -278,9 +278,7 @@ class Model:
         (text outputs end before it) or after max_new_tokens. temperature=0 is greedy and deterministic.
         """
         seqs, kind = self._encode(prompt)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if stops and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this checkpoint has no tokenizer.json")
+        stops = self._stop_strings(stop)
         params = SamplingParams(temperature, top_k, top_p, seed)
         new = [[] for _ in seqs]
         done = [False] * len(seqs)
@@ -290,7 +288,7 @@ class Model:
                     continue
                 new[i].append(token)
                 done[i] = token in self.config.eos_token_ids or (
-                    bool(stops) and any(s in self.tokenizer.decode(new[i]) for s in stops)
+                    bool(stops) and first_stop(self.tokenizer.decode(new[i]), stops) is not None
                 )
             if all(done):
                 break
@@ -298,7 +296,7 @@ class Model:
             return new[0]
         if kind == "id_lists":
             return new
-        texts = [_cut_at_stop(self.tokenizer.decode(ids), stops) for ids in new]
+        texts = [text[: first_stop(text, stops)] for text in map(self.tokenizer.decode, new)]
         return texts[0] if kind == "text" else texts
 
     def stream(
@@ -308,27 +306,51 @@ class Model:
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
+        stop: str | Sequence[str] | None = None,
         seed: int = 0,
     ) -> Iterator:
         """Like generate for one prompt, yielding text deltas (text prompt) or token ids as they come.
 
+        With stop strings (text prompts only) the text ends before the first one, as in generate: the
+        deltas never hold any part of it, since a tail that may begin one is held back until it is clear.
         The arguments are checked by this call, before the iterator it returns runs the first step.
         """
         seqs, kind = self._encode(prompt)
         if len(seqs) != 1:
             raise ValueError("stream takes one prompt")
+        stops = self._stop_strings(stop)
+        if stops and kind != "text":
+            raise ValueError("stop strings need a text prompt in stream (a token-id prompt streams token ids)")
         steps = self._steps(seqs, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed))
-        return self._stream(steps, IncrementalDecoder(self.tokenizer) if kind == "text" else None)
+        return self._stream(steps, IncrementalDecoder(self.tokenizer, stops) if kind == "text" else None)
 
     def _stream(self, steps: Iterator[np.ndarray], decoder: IncrementalDecoder | None) -> Iterator:
         for tokens in steps:
             token = int(tokens[0])
             if token in self.config.eos_token_ids:
-                return
+                break
             if decoder is None:
                 yield token
-            elif delta := decoder.push(token):
+                continue
+            if delta := decoder.push(token):
                 yield delta
+            if decoder.stopped:
+                return
+        if decoder is not None and (rest := decoder.flush()):
+            yield rest
+
+    def _stop_strings(self, stop) -> list[str]:
+        """generate's and stream's `stop` (a str, a list of str or None) as a list of non-empty strings."""
+        stops = [stop] if isinstance(stop, str) else stop
+        if stops is None:
+            return []
+        if not isinstance(stops, Sequence) or not all(isinstance(s, str) for s in stops):
+            raise TypeError(f"stop must be a str or a list of str, got {stop!r:.60}")
+        if not all(stops):
+            raise ValueError(f"stop strings must not be empty (one would match at once), got {stop!r:.60}")
+        if stops and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this checkpoint has no tokenizer.json")
+        return list(stops)
 
 
 PROMPT_KINDS = "a str, a list of str, a list of token ids or a list of token-id lists"
@@ -358,19 +380,19 @@ def _stage_at_fault(finite: np.ndarray) -> str:
     return "every layer's output is finite but the final norm or the LM head is not (model.norm.weight, lm_head.weight)"
 
 
-def _cut_at_stop(text: str, stops: list[str]) -> str:
-    cuts = [text.index(s) for s in stops if s in text]
-    return text[: min(cuts)] if cuts else text
-
-
 def load(
     name_or_path=None, *, dtype=None, placement: Placement | None = None, progress: Progress | None = None
 ) -> Model:
     """Loads a checkpoint by path, Hugging Face repo id or known name; no argument loads the embedded model.
 
     `placement` says where the parts run (default: Placement.default(dtype): the first accelerator, else
-    the CPU, with routed experts in host memory); `dtype` ("float32", "bfloat16") sets its compute dtype.
+    the CPU, with routed experts in host memory); `dtype` ("float32" or "bfloat16", or jnp.float32,
+    jnp.bfloat16) sets its compute dtype.
     """
+    if dtype is not None:
+        dtype = compute_dtype(dtype)
+        if placement is not None and placement.dtype != dtype:
+            raise ValueError(f"dtype {dtype.name!r} contradicts placement.dtype {placement.dtype}: pass one of them")
     path = resolve_model(name_or_path)
     config = ModelConfig.from_json_file(path / "config.json")
     placement = placement or Placement.default(dtype)

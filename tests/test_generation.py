@@ -5,6 +5,7 @@ decode step (absorbed MLA over the latent cache) must reproduce them token by to
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from checkpoint_factory import tiny_config, write_checkpoint
@@ -12,6 +13,7 @@ from kernel_choice import EXACT_FLOAT32_FAMILY, kernel_family
 
 import hybridjit
 from hybridjit.models import deepseek_v3 as dsv3
+from hybridjit.placement import Placement
 from hybridjit.sampling import SamplingParams
 
 # Relative RMS error between two float32 computations of the same logits by different association
@@ -221,3 +223,20 @@ def test_seed_keys_are_distinct_beyond_32_bits_and_unchanged_below():
     assert words(12345) == tuple(np.asarray(jax.random.key_data(jax.random.key(12345))).tolist())
     seeds = [1, 2**32 + 1, 2**33 + 1, 2**32, 2**64, 2**64 + 2**32, 2**63, 2**64 - 1, 2**96 + 1]
     assert len({words(s) for s in seeds}) == len(seeds)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "fp32", "bf16", jnp.float16, np.float64, 32, True])
+def test_load_rejects_other_dtypes_naming_the_allowed_ones(dtype):
+    allowed = r"dtype must be 'float32' or 'bfloat16' \(or jnp\.float32, jnp\.bfloat16\), got"
+    with pytest.raises(ValueError, match=allowed):
+        hybridjit.load(dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", jnp.float32, jnp.bfloat16, np.float32])
+def test_compute_dtypes(dtype):
+    assert Placement.default(dtype).dtype == jnp.dtype(dtype)
+
+
+def test_load_rejects_a_dtype_that_contradicts_the_placement():
+    with pytest.raises(ValueError, match=r"dtype 'bfloat16' contradicts placement\.dtype float32"):
+        hybridjit.load(dtype="bfloat16", placement=Placement.default("float32"))
