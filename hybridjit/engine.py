@@ -17,12 +17,13 @@ from hybridjit.checkpoint import Checkpoint
 from hybridjit.config import ModelConfig
 from hybridjit.models import deepseek_v3 as dsv3
 from hybridjit.ops.async_experts import raise_gpu_errors
+from hybridjit.pinned_experts import size_host_memory_pool
 from hybridjit.placement import Placement, compute_dtype
 from hybridjit.resolve import resolve_model
 from hybridjit.sampling import SamplingParams, integer, is_integer, sample
 from hybridjit.stream_prefill import choose_prefill_path, stream_prefill
 from hybridjit.tokenizer import IncrementalDecoder, first_stop, load_tokenizer
-from hybridjit.weights import Progress, WeightLoader
+from hybridjit.weights import Progress, WeightLoader, routed_expert_bytes
 
 MIN_BUCKET = 8
 
@@ -395,7 +396,10 @@ def load(
             raise ValueError(f"dtype {dtype.name!r} contradicts placement.dtype {placement.dtype}: pass one of them")
     path = resolve_model(name_or_path)
     config = ModelConfig.from_json_file(path / "config.json")
+    ckpt = Checkpoint(path)
+    if placement is None or placement.pinned_experts:  # before Placement.default touches a device
+        size_host_memory_pool(routed_expert_bytes(config, ckpt), placement and placement.device)
     placement = placement or Placement.default(dtype)
-    weights, expert_layers = WeightLoader(config, Checkpoint(path), placement, progress).load()
+    weights, expert_layers = WeightLoader(config, ckpt, placement, progress).load()
     tokenizer = load_tokenizer(path, config.bos_token_id)
     return Model(path, config, weights, expert_layers, tokenizer, placement)

@@ -36,6 +36,9 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _ROTARY_CACHE = re.compile(r".*rotary_emb\.inv_freq$")
 ROUTED_EXPERT_WEIGHT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+_ROUTED_EXPERT_TENSOR = re.compile(
+    r"model\.layers\.(\d+)\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight(_scale_inv)?$"
+)
 
 Progress = Callable[[int, int], None]
 
@@ -159,6 +162,16 @@ def check_checkpoint(cfg: ModelConfig, ckpt) -> None:
         raise CheckpointError(
             f"{ckpt.directory} does not match its config.json ({len(problems)} problems):\n  {shown}"
         )
+
+
+def routed_expert_bytes(cfg: ModelConfig, ckpt) -> int:
+    """The bytes of the routed experts of the decoder layers (weights and their scales), which loading keeps in
+    host memory: from the checkpoint's headers, without reading any data."""
+    return sum(
+        info.nbytes
+        for name, info in ckpt.tensors.items()
+        if (m := _ROUTED_EXPERT_TENSOR.match(name)) and int(m.group(1)) < cfg.num_hidden_layers
+    )
 
 
 def _layer_index(name: str, default: int) -> int:
