@@ -118,8 +118,8 @@ class Model:
         if not _is_array_like(seq):
             raise TypeError(f"sequence {i} must be a list of token ids, got {seq!r:.60}")
         if isinstance(seq, np.ndarray | jax.Array):
-            if seq.dtype.kind not in "iu":
-                raise TypeError(f"sequence {i} must hold token ids (integers), got an array of {seq.dtype}")
+            if seq.ndim != 1 or seq.dtype.kind not in "iu":
+                raise TypeError(f"sequence {i} must hold token ids (integers), got an array {seq.dtype}{seq.shape}")
         elif bad := [t for t in seq if not is_integer(t)]:
             raise TypeError(f"sequence {i} must hold token ids (integers), got {bad[0]!r}")
         seq = [int(t) for t in seq]
@@ -138,6 +138,8 @@ class Model:
             raise TypeError("prompt is bytes: decode it to a str (prompt.decode()) or pass a list of token ids")
         if not _is_array_like(prompt):
             raise TypeError(f"prompt must be {PROMPT_KINDS}, got {prompt!r:.60}")
+        if isinstance(prompt, jax.Array):
+            prompt = np.asarray(prompt)  # whose items are numpy scalars or rows, not 0-d JAX arrays
         if not len(prompt):
             raise ValueError(f"prompt is empty: pass {PROMPT_KINDS}")
         if all(isinstance(p, str) for p in prompt):
