@@ -174,7 +174,7 @@ def step_times(model: engine.Model, batch: int, context: int, steps: int, rng) -
             _ffi.take_gpu_handoff_stats()
             window_start = now
         last = now
-        current = list(upcoming)
+        current = [tokens for tokens, _finite in upcoming]  # (next tokens, logits finite) per micro-batch
     for c in current:
         np.asarray(c)
     return step_ms, (time.perf_counter() - window_start if ON_GPU else 0.0)

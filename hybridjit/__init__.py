@@ -10,11 +10,12 @@ not start JAX.
 import importlib
 
 __version__ = "0.1.0"
-__all__ = ["Model", "load", "kernel_info", "__version__"]
+__all__ = ["Model", "NonFiniteLogitsError", "load", "kernel_info", "__version__"]
 
 _LAZY = {
     "Model": "hybridjit.engine",
     "load": "hybridjit.engine",
+    "NonFiniteLogitsError": "hybridjit.engine",
     "kernel_info": "hybridjit.ops.routed_experts",
 }
 

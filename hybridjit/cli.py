@@ -16,6 +16,7 @@ from hybridjit.checkpoint import Checkpoint
 from hybridjit.config import ModelConfig
 from hybridjit.convert import WEIGHT_FORMATS, convert_checkpoint
 from hybridjit.resolve import resolve_model
+from hybridjit.weights import routed_expert_bytes
 
 MAX_SEED = 2**64  # the API's seeds: non-negative integers below this
 
@@ -87,18 +88,18 @@ def cmd_generate(args) -> int:
 
     model = hybridjit.load(args.model, dtype=args.dtype, progress=None if args.quiet else LoadingProgress())
     model.expert_schedule = ExpertSchedule(n_deferred=args.deferred_experts)
-    options = dict(
+    completion = model.stream(
+        args.prompt,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        stop=args.stop,
         seed=args.seed,
     )
-    if args.stop:  # only when asked: Model.stream takes stop= from the issue20-engine branch on
-        options["stop"] = args.stop
     _note(args, "compiling the model's programs (the first token waits for it)...")
     stats = GenerationStats()
-    for delta in model.stream(args.prompt, **options):
+    for delta in completion:
         print(delta, end="", flush=True)
         stats.tick()
     print(flush=True)  # the completion ends before the statistics, also when both go to one file
@@ -119,11 +120,9 @@ def cmd_info(args) -> int:
     cfg = ModelConfig.from_json_file(path / "config.json")
     ckpt = Checkpoint(path)
     by_dtype = collections.Counter()
-    expert_bytes = 0
     for info in ckpt.tensors.values():
         by_dtype[info.dtype] += info.nbytes
-        if ".mlp.experts." in info.name:
-            expert_bytes += info.nbytes
+    expert_bytes = routed_expert_bytes(cfg, ckpt)
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     lines = [
         f"checkpoint      {path}",

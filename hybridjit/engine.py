@@ -17,42 +17,58 @@ from hybridjit.checkpoint import Checkpoint
 from hybridjit.config import ModelConfig
 from hybridjit.models import deepseek_v3 as dsv3
 from hybridjit.ops.async_experts import raise_gpu_errors
-from hybridjit.placement import Placement
+from hybridjit.pinned_experts import size_host_memory_pool
+from hybridjit.placement import Placement, compute_dtype
 from hybridjit.resolve import resolve_model
-from hybridjit.sampling import SamplingParams, sample
+from hybridjit.sampling import SamplingParams, integer, is_integer, sample
 from hybridjit.stream_prefill import choose_prefill_path, stream_prefill
-from hybridjit.tokenizer import IncrementalDecoder, load_tokenizer
-from hybridjit.weights import Progress, WeightLoader
+from hybridjit.tokenizer import IncrementalDecoder, first_stop, load_tokenizer
+from hybridjit.weights import Progress, WeightLoader, routed_expert_bytes
 
 MIN_BUCKET = 8
 
 
+class NonFiniteLogitsError(ValueError):
+    """Logits with NaN or infinity: the weights are corrupt, or config.json holds values that break the math.
+    Raised instead of returning tokens (a row of NaN logits would sample token 0 every step)."""
+
+
+def _sample_checked(logits, key, temperature, top_k, top_p):
+    """Sampled next tokens [b] and whether each row of logits [b, vocab] is all finite [b]: computed on the
+    device next to sampling, so checking it costs the host no extra wait."""
+    return sample(logits, key, temperature, top_k, top_p), jnp.isfinite(logits).all(axis=-1)
+
+
 @partial(jax.jit, static_argnums=0)
 def _logits_program(cfg, weights, tokens):
-    return dsv3.prefill(cfg, weights, tokens)[0]
+    logits = dsv3.prefill(cfg, weights, tokens)[0]
+    return logits, jnp.isfinite(logits).all(axis=-1)
 
 
 @partial(jax.jit, static_argnums=0, donate_argnames="cache")
 def _prefill_program(cfg, weights, tokens, lengths, cache, key, temperature, top_k, top_p):
     logits, cache = dsv3.prefill(cfg, weights, tokens, cache)
     last = logits[jnp.arange(tokens.shape[0]), lengths - 1]
-    return sample(last, key, temperature, top_k, top_p), cache
+    return _sample_checked(last, key, temperature, top_k, top_p), cache
 
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnames="cache")
 def _decode_program(cfg, schedule, weights, tokens, positions, cache, key, temperature, top_k, top_p):
     logits, cache = dsv3.decode_step(cfg, weights, tokens, positions, cache, schedule)
-    return sample(logits, key, temperature, top_k, top_p), cache
+    return _sample_checked(logits, key, temperature, top_k, top_p), cache
 
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnames="caches")
 def _decode_dual_program(cfg, schedule, weights, tokens, positions, caches, key, temperature, top_k, top_p):
     logits, caches = dsv3.decode_step_dual(cfg, weights, tokens, positions, caches, schedule)
     keys = jax.random.split(key)
-    return tuple(sample(lg, k, temperature, top_k, top_p) for lg, k in zip(logits, keys, strict=True)), caches
+    return tuple(
+        _sample_checked(lg, k, temperature, top_k, top_p) for lg, k in zip(logits, keys, strict=True)
+    ), caches
 
 
-_sample_program = jax.jit(sample)
+_sample_program = jax.jit(_sample_checked)
+_finite_stages_program = jax.jit(dsv3.finite_stages, static_argnums=0)
 
 
 def _bucket(n: int) -> int:
@@ -90,30 +106,47 @@ class Model:
 
     # ---------------------------------------------------------------------------------- inputs
 
-    def _check_ids(self, sequences: Sequence[Sequence[int]]) -> list[list[int]]:
-        out = []
-        for i, seq in enumerate(sequences):
-            seq = [int(t) for t in seq]
-            if not seq:
-                raise ValueError(f"sequence {i} is empty")
-            bad = [t for t in seq if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"sequence {i}: token id {bad[0]} outside the vocabulary [0, {self.config.vocab_size})"
-                )
-            out.append(seq)
-        return out
+    def _check_ids(self, sequences) -> list[list[int]]:
+        """Token-id sequences (lists or arrays of integers) as lists, each checked against the vocabulary."""
+        if not _is_array_like(sequences):
+            raise TypeError(f"token_ids must be a list of token-id lists, got {sequences!r:.60}")
+        if not len(sequences):
+            raise ValueError("token_ids is empty")
+        return [self._token_ids(i, seq) for i, seq in enumerate(sequences)]
+
+    def _token_ids(self, i: int, seq) -> list[int]:
+        if not _is_array_like(seq):
+            raise TypeError(f"sequence {i} must be a list of token ids, got {seq!r:.60}")
+        if isinstance(seq, np.ndarray | jax.Array):
+            if seq.ndim != 1 or seq.dtype.kind not in "iu":
+                raise TypeError(f"sequence {i} must hold token ids (integers), got an array {seq.dtype}{seq.shape}")
+        elif bad := [t for t in seq if not is_integer(t)]:
+            raise TypeError(f"sequence {i} must hold token ids (integers), got {bad[0]!r}")
+        seq = [int(t) for t in seq]
+        if not seq:
+            raise ValueError(f"sequence {i} is empty")
+        bad = [t for t in seq if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"sequence {i}: token id {bad[0]} outside the vocabulary [0, {self.config.vocab_size})")
+        return seq
 
     def _encode(self, prompt) -> tuple[list[list[int]], str]:
         """Normalises a prompt to token-id lists and says what shape the answer takes."""
         if isinstance(prompt, str):
             return [self._tokenize(prompt)], "text"
-        prompt = list(prompt)
-        if prompt and all(isinstance(p, str) for p in prompt):
+        if isinstance(prompt, bytes | bytearray):
+            raise TypeError("prompt is bytes: decode it to a str (prompt.decode()) or pass a list of token ids")
+        if not _is_array_like(prompt):
+            raise TypeError(f"prompt must be {PROMPT_KINDS}, got {prompt!r:.60}")
+        if isinstance(prompt, jax.Array):
+            prompt = np.asarray(prompt)  # whose items are numpy scalars or rows, not 0-d JAX arrays
+        if not len(prompt):
+            raise ValueError(f"prompt is empty: pass {PROMPT_KINDS}")
+        if all(isinstance(p, str) for p in prompt):
             return [self._tokenize(p) for p in prompt], "texts"
-        if prompt and all(isinstance(p, (int, np.integer)) for p in prompt):
-            return self._check_ids([prompt]), "ids"
-        return self._check_ids(prompt), "id_lists"
+        if any(_is_array_like(p) for p in prompt):
+            return self._check_ids(prompt), "id_lists"
+        return self._check_ids([prompt]), "ids"
 
     def _tokenize(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -125,37 +158,66 @@ class Model:
     def logits(self, token_ids: Sequence[Sequence[int]]) -> np.ndarray:
         """float32 logits [batch, max_len, vocab] of whole sequences (right-padded; padding rows unspecified)."""
         seqs = self._check_ids(token_ids)
+        self._check_context(seqs)
         longest = max(len(s) for s in seqs)
-        self._check_context(longest)
         tokens = _right_padded(seqs, _bucket(longest))
-        logits = np.asarray(_logits_program(self.config, self.weights, tokens))[:, :longest]
+        logits, finite = _logits_program(self.config, self.weights, tokens)
+        logits, finite = np.asarray(logits)[:, :longest], np.asarray(finite)
         raise_gpu_errors()
+        for i, seq in enumerate(seqs):
+            if not finite[i, : len(seq)].all():
+                position = int(np.argmin(finite[i]))
+                raise self._non_finite(seq[: position + 1], f"sequence {i} at position {position}")
         return logits
 
-    def _check_context(self, length: int):
-        if length > self.config.max_position_embeddings:
-            raise ValueError(
-                f"{length} tokens exceed the model's context of {self.config.max_position_embeddings} "
-                f"(max_position_embeddings in {self.path / 'config.json'})"
-            )
+    def _check_context(self, seqs: list[list[int]], max_new_tokens: int = 0):
+        """Raises when the longest sequence, plus the max_new_tokens to generate after it, exceeds the context."""
+        row = max(range(len(seqs)), key=lambda i: len(seqs[i]))
+        length, context = len(seqs[row]), self.config.max_position_embeddings
+        if length + max_new_tokens <= context:
+            return
+        if not max_new_tokens:
+            what = f"sequence {row} of {length} tokens"
+        else:
+            prompt = f"longest prompt (sequence {row})" if len(seqs) > 1 else "prompt"
+            what = f"{prompt} of {length} tokens + max_new_tokens {max_new_tokens} = {length + max_new_tokens}"
+        raise ValueError(
+            f"{what} exceeds the model's context of {context} "
+            f"(max_position_embeddings in {self.path / 'config.json'})"
+        )
+
+    def _non_finite(self, tokens: list[int], where: str) -> NonFiniteLogitsError:
+        """The error for logits at `where` that are not finite, `tokens` the sequence that produced them.
+
+        On this error path only, a diagnostic forward pass over `tokens` finds the first stage (embeddings,
+        layer, final norm and LM head) whose output is not finite.
+        """
+        finite = np.asarray(_finite_stages_program(self.config, self.weights, np.asarray([tokens], np.int32)))
+        return NonFiniteLogitsError(
+            f"{self.path}: the logits of {where} are not finite (NaN or infinity); {_stage_at_fault(finite)}. "
+            "The weights are corrupt, or config.json holds values that break the math"
+        )
 
     # ----------------------------------------------------------------------------- generation
 
-    def _steps(self, seqs: list[list[int]], max_new_tokens: int, params: SamplingParams) -> Iterator[np.ndarray]:
+    def _steps(self, seqs: list[list[int]], max_new_tokens, params: SamplingParams) -> Iterator[np.ndarray]:
+        """Checks max_new_tokens and the context now, and returns the iterator of _run over the request."""
+        max_new_tokens = _check_max_new_tokens(max_new_tokens)
+        self._check_context(seqs, max_new_tokens)
+        return self._run(seqs, max_new_tokens, params)
+
+    def _run(self, seqs: list[list[int]], max_new_tokens: int, params: SamplingParams) -> Iterator[np.ndarray]:
         """Yields the next token of every sequence, step after step, up to max_new_tokens steps.
 
         Two or more sequences decode as two micro-batches interleaved in one program (dual_batch), so
         that each one's GPU work hides the other's CPU experts.
         """
-        if max_new_tokens < 1:
-            return
         lengths = np.array([len(s) for s in seqs], np.int32)
         longest = int(lengths.max())
-        self._check_context(longest + max_new_tokens)
         cache_len = min(_bucket(longest + max_new_tokens), self.config.max_position_embeddings)
         half = -(-len(seqs) // 2)
         groups = [range(half), range(half, len(seqs))] if self.dual_batch and len(seqs) > 1 else [range(len(seqs))]
-        key = jax.random.key(params.seed)
+        key = params.key()
         prefill_key = jax.random.fold_in(key, 0)  # decode step n uses fold_in(key, n + 1)
         sampling = params.device_args()
         current, caches = [], []
@@ -174,22 +236,30 @@ class Model:
             current.append(first)
             caches.append(cache)
         positions = [lengths[rows] for rows in groups]
+        produced = []  # the tokens of each step so far, for the diagnosis of logits that are not finite
         for step in range(max_new_tokens):
             if step + 1 < max_new_tokens:  # dispatch the next step before waiting on this one's tokens
                 step_key = jax.random.fold_in(key, step + 1)
+                last = tuple(t for t, _ in current)
                 if len(groups) == 2:
                     upcoming, caches = _decode_dual_program(
-                        self.config, self.expert_schedule, self.weights, tuple(current),
+                        self.config, self.expert_schedule, self.weights, last,
                         tuple(p + step for p in positions), tuple(caches), step_key, *sampling,
                     )
                 else:
                     upcoming, cache = _decode_program(
-                        self.config, self.expert_schedule, self.weights, current[0], positions[0] + step,
+                        self.config, self.expert_schedule, self.weights, last[0], positions[0] + step,
                         caches[0], step_key, *sampling,
                     )
                     upcoming, caches = (upcoming,), [cache]
-            tokens = np.concatenate([np.asarray(c) for c in current])
+            tokens = np.concatenate([np.asarray(t) for t, _ in current])
+            finite = np.concatenate([np.asarray(f) for _, f in current])
             raise_gpu_errors()  # a CPU expert job that failed while the GPU waited: its step is garbage
+            if not finite.all():
+                row = int(np.argmin(finite))
+                sequence = seqs[row] + [int(t[row]) for t in produced]
+                raise self._non_finite(sequence, f"sequence {row}, new token {step + 1},")
+            produced.append(tokens)
             yield tokens
             if step + 1 < max_new_tokens:
                 current = list(upcoming)
@@ -211,9 +281,7 @@ class Model:
         (text outputs end before it) or after max_new_tokens. temperature=0 is greedy and deterministic.
         """
         seqs, kind = self._encode(prompt)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if stops and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this checkpoint has no tokenizer.json")
+        stops = self._stop_strings(stop)
         params = SamplingParams(temperature, top_k, top_p, seed)
         new = [[] for _ in seqs]
         done = [False] * len(seqs)
@@ -223,7 +291,7 @@ class Model:
                     continue
                 new[i].append(token)
                 done[i] = token in self.config.eos_token_ids or (
-                    bool(stops) and any(s in self.tokenizer.decode(new[i]) for s in stops)
+                    bool(stops) and first_stop(self.tokenizer.decode(new[i]), stops) is not None
                 )
             if all(done):
                 break
@@ -231,7 +299,7 @@ class Model:
             return new[0]
         if kind == "id_lists":
             return new
-        texts = [_cut_at_stop(self.tokenizer.decode(ids), stops) for ids in new]
+        texts = [text[: first_stop(text, stops)] for text in map(self.tokenizer.decode, new)]
         return texts[0] if kind == "text" else texts
 
     def stream(
@@ -241,27 +309,78 @@ class Model:
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
+        stop: str | Sequence[str] | None = None,
         seed: int = 0,
     ) -> Iterator:
-        """Like generate for one prompt, yielding text deltas (text prompt) or token ids as they come."""
+        """Like generate for one prompt, yielding text deltas (text prompt) or token ids as they come.
+
+        With stop strings (text prompts only) the text ends before the first one, as in generate: the
+        deltas never hold any part of it, since a tail that may begin one is held back until it is clear.
+        The arguments are checked by this call, before the iterator it returns runs the first step.
+        """
         seqs, kind = self._encode(prompt)
         if len(seqs) != 1:
             raise ValueError("stream takes one prompt")
-        decoder = IncrementalDecoder(self.tokenizer) if kind == "text" else None
-        params = SamplingParams(temperature, top_k, top_p, seed)
-        for tokens in self._steps(seqs, max_new_tokens, params):
+        stops = self._stop_strings(stop)
+        if stops and kind != "text":
+            raise ValueError("stop strings need a text prompt in stream (a token-id prompt streams token ids)")
+        steps = self._steps(seqs, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed))
+        return self._stream(steps, IncrementalDecoder(self.tokenizer, stops) if kind == "text" else None)
+
+    def _stream(self, steps: Iterator[np.ndarray], decoder: IncrementalDecoder | None) -> Iterator:
+        for tokens in steps:
             token = int(tokens[0])
             if token in self.config.eos_token_ids:
-                return
+                break
             if decoder is None:
                 yield token
-            elif delta := decoder.push(token):
+                continue
+            if delta := decoder.push(token):
                 yield delta
+            if decoder.stopped:
+                return
+        if decoder is not None and (rest := decoder.flush()):
+            yield rest
+
+    def _stop_strings(self, stop) -> list[str]:
+        """generate's and stream's `stop` (a str, a list of str or None) as a list of non-empty strings."""
+        stops = [stop] if isinstance(stop, str) else stop
+        if stops is None:
+            return []
+        if not isinstance(stops, Sequence) or not all(isinstance(s, str) for s in stops):
+            raise TypeError(f"stop must be a str or a list of str, got {stop!r:.60}")
+        if not all(stops):
+            raise ValueError(f"stop strings must not be empty (one would match at once), got {stop!r:.60}")
+        if stops and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this checkpoint has no tokenizer.json")
+        return list(stops)
 
 
-def _cut_at_stop(text: str, stops: list[str]) -> str:
-    cuts = [text.index(s) for s in stops if s in text]
-    return text[: min(cuts)] if cuts else text
+PROMPT_KINDS = "a str, a list of str, a list of token ids or a list of token-id lists"
+
+
+def _is_array_like(value) -> bool:
+    """A sequence of items (list, tuple, numpy or JAX array), not text."""
+    return isinstance(value, Sequence | np.ndarray | jax.Array) and not isinstance(value, str | bytes | bytearray)
+
+
+def _check_max_new_tokens(max_new_tokens) -> int:
+    max_new_tokens = integer("max_new_tokens", max_new_tokens)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    return max_new_tokens
+
+
+def _stage_at_fault(finite: np.ndarray) -> str:
+    """Names the first False of dsv3.finite_stages: embeddings, layers, then final norm and LM head."""
+    bad = np.flatnonzero(~finite)
+    if not bad.size:
+        return "layer unknown (a whole-sequence forward pass over this sequence is finite)"
+    if bad[0] == 0:
+        return "the token embeddings are not finite (model.embed_tokens.weight)"
+    if bad[0] < finite.size - 1:
+        return f"the first layer whose output is not finite is layer {bad[0] - 1} (model.layers.{bad[0] - 1}.*)"
+    return "every layer's output is finite but the final norm or the LM head is not (model.norm.weight, lm_head.weight)"
 
 
 def load(
@@ -270,11 +389,19 @@ def load(
     """Loads a checkpoint by path, Hugging Face repo id or known name; no argument loads the embedded model.
 
     `placement` says where the parts run (default: Placement.default(dtype): the first accelerator, else
-    the CPU, with routed experts in host memory); `dtype` ("float32", "bfloat16") sets its compute dtype.
+    the CPU, with routed experts in host memory); `dtype` ("float32" or "bfloat16", or jnp.float32,
+    jnp.bfloat16) sets its compute dtype.
     """
+    if dtype is not None:
+        dtype = compute_dtype(dtype)
+        if placement is not None and placement.dtype != dtype:
+            raise ValueError(f"dtype {dtype.name!r} contradicts placement.dtype {placement.dtype}: pass one of them")
     path = resolve_model(name_or_path)
     config = ModelConfig.from_json_file(path / "config.json")
+    ckpt = Checkpoint(path)
+    if placement is None or placement.pinned_experts:  # before Placement.default touches a device
+        size_host_memory_pool(routed_expert_bytes(config, ckpt), placement and placement.device)
     placement = placement or Placement.default(dtype)
-    weights, expert_layers = WeightLoader(config, Checkpoint(path), placement, progress).load()
+    weights, expert_layers = WeightLoader(config, ckpt, placement, progress).load()
     tokenizer = load_tokenizer(path, config.bos_token_id)
     return Model(path, config, weights, expert_layers, tokenizer, placement)

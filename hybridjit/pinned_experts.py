@@ -10,11 +10,14 @@ the very bytes that stream-loaded prefill sends to the GPU: no second copy of th
 
 import ctypes
 import dataclasses
+import math
+import os
 import weakref
 from collections.abc import Sequence
 
 import jax
 import numpy as np
+from jax._src import xla_bridge
 from jax.sharding import SingleDeviceSharding
 
 from hybridjit.ops.routed_experts import ExpertLayer, register_layer
@@ -62,6 +65,66 @@ class PinnedExperts:
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.blocks)
+
+
+# XLA's GPU client takes its pinned host memory pool's size from this variable (GiB, an integer; 64 when unset or
+# not an integer), once, when the backend starts: the pinned copy of the routed experts must fit in it.
+HOST_MEMORY_LIMIT_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+XLA_DEFAULT_HOST_MEMORY_LIMIT_GB = 64
+
+
+def host_memory_limit_gb(expert_bytes: int) -> int:
+    """The pool size load() sets for `expert_bytes` of routed experts: 10% + 2 GiB of headroom for the pool's
+    fragmentation and the other pinned buffers (staging of host-device copies)."""
+    return math.ceil(1.1 * expert_bytes / 2**30) + 2
+
+
+def host_memory_limit_action(expert_bytes: int, current: str | None, started: bool, platform: str | None) -> int | None:
+    """What load() does about HOST_MEMORY_LIMIT_VAR for `expert_bytes` of routed experts in pinned host memory,
+    given the variable's value, whether the JAX backend has started and its platform ("gpu", "cpu", ...; None
+    when it has not started and JAX_PLATFORMS does not say): the value to set, or None to leave it.
+
+    Nothing on the CPU. Before the backend starts, a value below host_memory_limit_gb is raised to it (also
+    when the platform is not known yet: on a machine without a GPU nothing reads the variable). Once a GPU
+    backend has started the pool's size is fixed: one that cannot hold the experts is a ValueError giving the
+    setting to use; one with less headroom than load() would give is left as it is.
+    """
+    if platform == "cpu" or not expert_bytes:
+        return None
+    limit, wanted = _limit_gb(current), host_memory_limit_gb(expert_bytes)
+    if limit >= wanted:
+        return None
+    if not started:
+        return wanted
+    if platform == "gpu" and limit * 2**30 < expert_bytes:
+        now = f"{HOST_MEMORY_LIMIT_VAR}={current}" if current else f"{HOST_MEMORY_LIMIT_VAR} unset"
+        raise ValueError(
+            f"the routed experts take {expert_bytes / 2**30:.1f} GiB of pinned host memory, but the JAX GPU backend "
+            f"started with {now} ({limit} GiB): set {HOST_MEMORY_LIMIT_VAR}={wanted} in the environment before JAX "
+            "starts (or load the model before any other use of JAX in the process)"
+        )
+    return None
+
+
+def size_host_memory_pool(expert_bytes: int, device: jax.Device | None = None) -> None:
+    """Applies host_memory_limit_action to this process for `expert_bytes` of routed experts to be pinned for
+    `device` (None: the default device): call it before anything touches a device."""
+    started = xla_bridge.backends_are_initialized()  # jax 0.11 has no public way to ask without starting it
+    if started:
+        platform = (device or jax.devices()[0]).platform
+    else:
+        platform = "cpu" if jax.config.jax_platforms == "cpu" else None
+    value = host_memory_limit_action(expert_bytes, os.environ.get(HOST_MEMORY_LIMIT_VAR), started, platform)
+    if value is not None:
+        os.environ[HOST_MEMORY_LIMIT_VAR] = str(value)
+
+
+def _limit_gb(value: str | None) -> int:
+    """The pool size XLA takes from the variable's value."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return XLA_DEFAULT_HOST_MEMORY_LIMIT_GB
 
 
 # Bank layer id -> its pinned experts, for as long as the bank layer holds them (see host_view).

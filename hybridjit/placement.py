@@ -12,6 +12,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+COMPUTE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def compute_dtype(dtype) -> jnp.dtype:
+    """`dtype` as a compute dtype: "float32" or "bfloat16", or jnp.float32 / jnp.bfloat16; else a ValueError."""
+    try:
+        resolved = None if isinstance(dtype, bool) else jnp.dtype(dtype)
+    except (TypeError, ValueError):
+        resolved = None
+    if resolved not in COMPUTE_DTYPES:
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16' (or jnp.float32, jnp.bfloat16), got {dtype!r}")
+    return resolved
+
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
@@ -34,7 +47,7 @@ class Placement:
             dtype = jnp.bfloat16 if on_gpu else jnp.float32
         # On a GPU the routed experts live in one pinned host copy, read by the CPU kernels during decode
         # and streamed to the GPU for long prompts (stream-loaded prefill).
-        return cls(device=device, dtype=jnp.dtype(dtype), pinned_experts=on_gpu)
+        return cls(device=device, dtype=compute_dtype(dtype), pinned_experts=on_gpu)
 
     def put(self, array: np.ndarray, dtype=None) -> jax.Array:
         """A host array on the device in `dtype` (default: the compute dtype), converted on the host."""

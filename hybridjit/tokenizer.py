@@ -1,6 +1,7 @@
 """Text <-> token ids through the checkpoint's tokenizer.json (the `tokenizers` library)."""
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -32,21 +33,46 @@ class Tokenizer:
 
 
 class IncrementalDecoder:
-    """Turns a growing token list into text deltas, holding back incomplete UTF-8 sequences."""
+    """Turns a growing token list into text deltas. Holds back an incomplete UTF-8 sequence, and any tail of
+    the text that may still turn out to begin a stop string; once a stop string appears, `stopped` is set and
+    no part of it is ever emitted."""
 
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = ()):
+        self.tokenizer, self.stops = tokenizer, tuple(stops)
         self.ids: list[int] = []
+        self.text = ""  # the decoded text, as of its last complete character
         self.emitted = 0
+        self.stopped = False
 
     def push(self, token: int) -> str:
         self.ids.append(token)
         text = self.tokenizer.decode(self.ids)
         if text.endswith("\ufffd"):
             return ""
-        delta = text[self.emitted :]
-        self.emitted = len(text)
+        self.text = text
+        cut = first_stop(text, self.stops)
+        self.stopped = cut is not None
+        return self._emit(cut if self.stopped else len(text) - _stop_prefix_length(text, self.stops))
+
+    def flush(self) -> str:
+        """What was held back for a stop string that never came: call it once generation has ended."""
+        return "" if self.stopped else self._emit(len(self.text))
+
+    def _emit(self, end: int) -> str:
+        delta = self.text[self.emitted : end]
+        self.emitted = max(self.emitted, end)
         return delta
+
+
+def first_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Where the first stop string in `text` begins (None: there is none), so that text[:first_stop] is the
+    text before it."""
+    return min((text.index(s) for s in stops if s in text), default=None)
+
+
+def _stop_prefix_length(text: str, stops: Sequence[str]) -> int:
+    """The length of the longest tail of `text` that begins a stop string (and so may still become one)."""
+    return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
 
 
 def load_tokenizer(directory: Path, bos_token_id: int | None) -> Tokenizer | None:

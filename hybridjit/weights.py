@@ -31,11 +31,14 @@ FLOAT_DTYPES = ("F32", "BF16", "F16", "F8_E4M3")
 EXPERT_DTYPES = ("F32", "BF16", "F8_E4M3", "I8", "U8")  # I8/U8: int8/int4 checkpoints (cfg.int_quant)
 SCALE_SUFFIX = "_scale_inv"
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-# Real checkpoints also carry the multi-token-prediction layer(s) after the last decoder layer
-# (model.layers.61.* in V3) and, in old exports, rotary caches: the model uses neither.
+# Real checkpoints also carry the multi-token-prediction layer(s) that config.json declares after the last
+# decoder layer (model.layers.61.* in V3) and, in old exports, rotary caches: the model uses neither.
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _ROTARY_CACHE = re.compile(r".*rotary_emb\.inv_freq$")
 ROUTED_EXPERT_WEIGHT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+_ROUTED_EXPERT_TENSOR = re.compile(
+    r"model\.layers\.(\d+)\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight(_scale_inv)?$"
+)
 
 Progress = Callable[[int, int], None]
 
@@ -140,9 +143,10 @@ def check_checkpoint(cfg: ModelConfig, ckpt) -> None:
                 f"{list(shape)} for block {block}"
             )
 
+    layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers  # decoder layers, then the MTP ones
+
     def skipped(name):
-        m = _LAYER.match(name)
-        return (m is not None and int(m.group(1)) >= cfg.num_hidden_layers) or _ROTARY_CACHE.match(name)
+        return cfg.num_hidden_layers <= _layer_index(name, -1) < layers or _ROTARY_CACHE.match(name)
 
     unexpected = [n for n in ckpt.tensors if n not in layout and n not in expected_scales and not skipped(n)]
     problems += [f"unexpected tensor {n}" for n in sorted(unexpected)]
@@ -150,9 +154,30 @@ def check_checkpoint(cfg: ModelConfig, ckpt) -> None:
         shown = "\n  ".join(problems[:12]) + (
             f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
         )
+        if any(_layer_index(n, -1) >= layers for n in unexpected):
+            shown += (
+                f"\n  (layers past the {layers} that config.json declares: num_hidden_layers "
+                f"{cfg.num_hidden_layers} + num_nextn_predict_layers {cfg.num_nextn_predict_layers})"
+            )
         raise CheckpointError(
             f"{ckpt.directory} does not match its config.json ({len(problems)} problems):\n  {shown}"
         )
+
+
+def routed_expert_bytes(cfg: ModelConfig, ckpt) -> int:
+    """The bytes of the routed experts of the decoder layers (weights and their scales), which loading keeps in
+    host memory: from the checkpoint's headers, without reading any data."""
+    return sum(
+        info.nbytes
+        for name, info in ckpt.tensors.items()
+        if (m := _ROUTED_EXPERT_TENSOR.match(name)) and int(m.group(1)) < cfg.num_hidden_layers
+    )
+
+
+def _layer_index(name: str, default: int) -> int:
+    """The layer a model.layers.<i>.* tensor belongs to; `default` for other tensors."""
+    m = _LAYER.match(name)
+    return default if m is None else int(m.group(1))
 
 
 class WeightLoader:

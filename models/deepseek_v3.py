@@ -439,25 +439,42 @@ def forward(cfg: ModelConfig, w: Weights, tokens: jax.Array, cache: list[LayerCa
     new_cache, expert_ids = [], []
     for i, layer in enumerate(w.layers):
         with jax.named_scope(f"layer{i}"):
-            h, (latent, k_rope) = attention_prefill(
-                cfg, layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), causal_attention
-            )
-            x, ids = _feed_forward(cfg, layer, x + h)
+            x, layer_cache, ids = forward_layer(cfg, layer, x, None if cache is None else cache[i])
             if ids is not None:
                 expert_ids.append(ids)
-            if cache is not None:
-                c = cache[i]
-                new_cache.append(
-                    LayerCache(
-                        latent=jax.lax.dynamic_update_slice(
-                            c.latent, latent.astype(c.latent.dtype), (0, 0, 0)
-                        ),
-                        k_rope=jax.lax.dynamic_update_slice(
-                            c.k_rope, k_rope.astype(c.k_rope.dtype), (0, 0, 0)
-                        ),
-                    )
-                )
+            new_cache.append(layer_cache)
     return _logits(cfg, w, x), (new_cache if cache is not None else None), expert_ids
+
+
+def forward_layer(cfg: ModelConfig, layer: Layer, x: jax.Array, cache: LayerCache | None):
+    """One layer of `forward` on x [b, t, d] -> (its output, the layer's cache with the prompt written at
+    positions [0, t) or None when cache=None, the experts chosen per token [b*t, k] or None in a dense layer)."""
+    h, (latent, k_rope) = attention_prefill(
+        cfg, layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), causal_attention
+    )
+    x, ids = _feed_forward(cfg, layer, x + h)
+    return x, (None if cache is None else _write_prompt(cache, latent, k_rope)), ids
+
+
+def _write_prompt(cache: LayerCache, latent: jax.Array, k_rope: jax.Array) -> LayerCache:
+    """A layer's cache with a prompt's latents [b, t, r] and roped keys [b, t, p] written at positions [0, t)."""
+    return LayerCache(
+        latent=jax.lax.dynamic_update_slice(cache.latent, latent.astype(cache.latent.dtype), (0, 0, 0)),
+        k_rope=jax.lax.dynamic_update_slice(cache.k_rope, k_rope.astype(cache.k_rope.dtype), (0, 0, 0)),
+    )
+
+
+def finite_stages(cfg: ModelConfig, w: Weights, tokens: jax.Array) -> jax.Array:
+    """Whether the hidden states are all finite after each stage of `forward` over tokens [b, t]: bool
+    [num_hidden_layers + 2] for the embeddings, each layer's output, then the logits. A diagnostic, run once
+    logits were found not finite: the first False names the stage (weights, or config) that made them so."""
+    x = w.embed[tokens]
+    finite = [jnp.isfinite(x).all()]
+    for layer in w.layers:
+        x = forward_layer(cfg, layer, x, None)[0]
+        finite.append(jnp.isfinite(x).all())
+    finite.append(jnp.isfinite(_logits(cfg, w, x)).all())
+    return jnp.stack(finite)
 
 
 def prefill(cfg: ModelConfig, w: Weights, tokens: jax.Array, cache: list[LayerCache] | None = None):
@@ -634,11 +651,7 @@ def prefill_attention_layer(cfg: ModelConfig, layer: Layer, x: jax.Array, cache:
     """The attention half of one layer of `forward`: (x + attention, the layer's cache with the prompt written
     at positions [0, t))."""
     h, (latent, k_rope) = attention_prefill(cfg, layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), attend)
-    cache = LayerCache(
-        latent=jax.lax.dynamic_update_slice(cache.latent, latent.astype(cache.latent.dtype), (0, 0, 0)),
-        k_rope=jax.lax.dynamic_update_slice(cache.k_rope, k_rope.astype(cache.k_rope.dtype), (0, 0, 0)),
-    )
-    return x + h, cache
+    return x + h, _write_prompt(cache, latent, k_rope)
 
 
 def dequantize_blocks(w: jax.Array, scale: jax.Array, block: tuple[int, int], dtype) -> jax.Array:

@@ -11,11 +11,15 @@ from safetensors.numpy import save_file
 import hybridjit
 from hybridjit.checkpoint import Checkpoint, CheckpointError
 from hybridjit.config import ConfigError
+from hybridjit.engine import NonFiniteLogitsError
 
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("ckpt"), tiny_config("v3"), seed=5, weight_format="fp8")
+    # With the multi-token-prediction layer, which config.json then declares (num_nextn_predict_layers 1).
+    return write_checkpoint(
+        tmp_path_factory.mktemp("ckpt"), tiny_config("v3"), seed=5, weight_format="fp8", with_mtp_layer=True
+    )
 
 
 @pytest.fixture
@@ -117,6 +121,32 @@ def test_config_inconsistent_with_weights(ckpt):
         hybridjit.load(ckpt)
 
 
+def _edit_config(ckpt, **changes):
+    config = json.loads((ckpt / "config.json").read_text())
+    config.update(changes)
+    (ckpt / "config.json").write_text(json.dumps(config))
+
+
+def test_too_few_layers_in_the_config_is_not_a_silent_truncation(ckpt):
+    # The checkpoint has decoder layers 0..3 and the MTP layer 4. With 3 decoder layers declared, the declared
+    # MTP layer is layer 3, and layer 4 is neither: its tensors are unexpected (they were all skipped).
+    _edit_config(ckpt, num_hidden_layers=3)
+    with pytest.raises(CheckpointError, match=r"unexpected tensor model\.layers\.4\.") as error:
+        hybridjit.load(ckpt)
+    assert "num_hidden_layers 3 + num_nextn_predict_layers 1" in str(error.value)
+
+
+def test_undeclared_mtp_layer_is_unexpected(ckpt):
+    _edit_config(ckpt, num_nextn_predict_layers=0)
+    with pytest.raises(CheckpointError, match=r"unexpected tensor model\.layers\.4\.embed_tokens\.weight"):
+        hybridjit.load(ckpt)
+
+
+def test_declared_mtp_layers_may_be_absent(ckpt):
+    _edit_config(ckpt, num_nextn_predict_layers=2)  # declares layers 4 and 5; the checkpoint has only 4
+    hybridjit.load(ckpt).close()
+
+
 def test_fp8_weights_without_quantization_config(ckpt):
     config = json.loads((ckpt / "config.json").read_text())
     del config["quantization_config"]
@@ -144,7 +174,127 @@ def test_unsupported_config(ckpt, change, message):
         hybridjit.load(ckpt)
 
 
+YARN = tiny_config("v3")["rope_scaling"]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        # Values that used to load and then compute NaN, pick masked experts or end in a bare JAX error.
+        ({"rms_norm_eps": -1}, r"rms_norm_eps must be a finite number > 0, got -1"),
+        ({"rms_norm_eps": 0}, r"rms_norm_eps must be a finite number > 0, got 0"),
+        ({"topk_group": 5}, r"topk_group must be an integer in 1\.\.4 \(n_group\), got 5"),
+        ({"topk_group": 0}, r"topk_group must be an integer in 1\.\.4 \(n_group\), got 0"),
+        ({"num_experts_per_tok": 17}, r"num_experts_per_tok must be an integer in 1\.\.16 \(n_routed_experts\)"),
+        ({"topk_group": 1, "num_experts_per_tok": 5}, r"num_experts_per_tok 5 exceeds the 4 experts"),
+        ({"n_group": 16, "topk_group": 8}, r"noaux_tc ranks each group by its top-2 scores"),
+        ({"vocab_size": 0}, r"vocab_size must be a positive integer, got 0"),
+        ({"hidden_size": -200}, r"hidden_size must be a positive integer, got -200"),
+        ({"intermediate_size": 0}, r"intermediate_size must be a positive integer"),
+        ({"moe_intermediate_size": 0}, r"moe_intermediate_size must be a positive integer"),
+        ({"num_hidden_layers": 0}, r"num_hidden_layers must be a positive integer"),
+        ({"num_attention_heads": 0}, r"num_attention_heads must be a positive integer"),
+        ({"kv_lora_rank": 0}, r"kv_lora_rank must be a positive integer"),
+        ({"q_lora_rank": 0}, r"q_lora_rank must be a positive integer"),
+        ({"qk_nope_head_dim": 0}, r"qk_nope_head_dim must be a positive integer"),
+        ({"qk_rope_head_dim": 15}, r"qk_rope_head_dim must be even \(rope rotates pairs\), got 15"),
+        ({"v_head_dim": 0}, r"v_head_dim must be a positive integer"),
+        ({"max_position_embeddings": 0}, r"max_position_embeddings must be a positive integer"),
+        ({"n_shared_experts": -1}, r"n_shared_experts must be an integer >= 0, got -1"),
+        ({"num_nextn_predict_layers": -1}, r"num_nextn_predict_layers must be an integer >= 0, got -1"),
+        ({"first_k_dense_replace": 5}, r"first_k_dense_replace must be an integer in 0\.\.4 \(num_hidden_layers\)"),
+        ({"first_k_dense_replace": -1}, r"first_k_dense_replace must be an integer in 0\.\.4"),
+        ({"routed_scaling_factor": 0}, r"routed_scaling_factor must be a finite number > 0, got 0"),
+        ({"routed_scaling_factor": float("inf")}, r"routed_scaling_factor must be a finite number > 0, got inf"),
+        ({"rope_theta": 0}, r"rope_theta must be a finite number > 1"),
+        ({"rope_scaling": {**YARN, "factor": 0.5}}, r"rope_scaling\.factor must be a finite number >= 1, got 0\.5"),
+        ({"rope_scaling": {**YARN, "beta_fast": 0}}, r"rope_scaling\.beta_fast must be a finite number > 0"),
+        (
+            {"rope_scaling": {**YARN, "original_max_position_embeddings": 0}},
+            r"rope_scaling\.original_max_position_embeddings must be a positive integer",
+        ),
+        ({"eos_token_id": 300}, r"eos_token_id must be a token id in 0\.\.299 \(vocab_size - 1\), got 300"),
+        ({"bos_token_id": -1}, r"bos_token_id must be a token id in 0\.\.299"),
+        # Wrong types: a string, a bool or a float where an integer belongs, a string for a flag, and so on.
+        ({"hidden_size": "big"}, r"hidden_size must be an integer, got 'big'"),
+        ({"num_hidden_layers": True}, r"num_hidden_layers must be an integer, got True"),
+        ({"n_routed_experts": 16.5}, r"n_routed_experts must be an integer, got 16\.5"),
+        ({"rms_norm_eps": "1e-6"}, r"rms_norm_eps must be a number, got '1e-6'"),
+        ({"norm_topk_prob": "false"}, r"norm_topk_prob must be true or false, got 'false'"),
+        ({"eos_token_id": "1"}, r"eos_token_id must be an integer or a list of integers, got '1'"),
+        ({"eos_token_id": [1, "2"]}, r"eos_token_id must be an integer or a list of integers"),
+        ({"topk_method": ["noaux_tc"]}, r"topk_method must be a string, got \['noaux_tc'\]"),
+        ({"rope_scaling": "yarn"}, r"rope_scaling must be an object, got 'yarn'"),
+        ({"quantization_config": ["fp8"]}, r"quantization_config must be an object"),
+    ],
+)
+def test_config_values_out_of_range_or_of_the_wrong_type(ckpt, change, message):
+    config = json.loads((ckpt / "config.json").read_text())
+    config.update(change)
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=rf"{ckpt / 'config.json'}: {message}"):
+        hybridjit.load(ckpt)
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", '"config"', "null", "3"])
+def test_config_not_an_object(ckpt, content):
+    (ckpt / "config.json").write_text(content)
+    with pytest.raises(ConfigError, match=rf"{ckpt / 'config.json'}: must hold a JSON object"):
+        hybridjit.load(ckpt)
+
+
 def test_config_not_json(ckpt):
     (ckpt / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="config.json: not valid JSON"):
         hybridjit.load(ckpt)
+
+
+def _overwrite(ckpt, name, rows=None, byte=0xFF):
+    """Overwrites a tensor's stored bytes (rows `rows` of it, default all) in its file: 0xFF bytes are NaN in
+    float32, bfloat16 and float8_e4m3fn alike."""
+    info = Checkpoint(ckpt).info(name)
+    begin, end = info.begin, info.end
+    if rows is not None:
+        row_bytes = info.nbytes // info.shape[0]
+        begin, end = begin + rows.start * row_bytes, begin + rows.stop * row_bytes
+    with open(info.file, "r+b") as f:
+        f.seek(begin)
+        f.write(bytes([byte]) * (end - begin))
+
+
+PROMPT = [5, 17, 42, 99, 3, 250, 7]
+
+
+def test_nan_experts_raise_naming_the_model_and_the_layer(ckpt):
+    for e in range(16):  # every routed expert of layer 2, so that whatever the routing, some token meets one
+        _overwrite(ckpt, f"model.layers.2.mlp.experts.{e}.gate_proj.weight")
+    model = hybridjit.load(ckpt)
+    try:
+        layer = r"are not finite \(NaN or infinity\); the first layer whose output is not finite is layer 2 \(model"
+        step = rf"{ckpt}: the logits of sequence 0, new token 1, {layer}"
+        with pytest.raises(NonFiniteLogitsError, match=step):
+            model.generate(PROMPT, max_new_tokens=4)
+        with pytest.raises(NonFiniteLogitsError, match=step):
+            list(model.stream(PROMPT, max_new_tokens=4))
+        with pytest.raises(NonFiniteLogitsError, match=rf"{ckpt}: the logits of sequence 0 at position \d+ {layer}"):
+            model.logits([PROMPT])
+    finally:
+        model.close()
+
+
+def test_nan_met_only_by_a_decode_step_raises_too(ckpt):
+    model = hybridjit.load(ckpt)
+    first = model.generate(PROMPT, max_new_tokens=1)[0]
+    model.close()
+    assert first not in PROMPT
+    # The embedding of the first new token is NaN: prefill is finite, the decode step that reads it is not.
+    _overwrite(ckpt, "model.embed_tokens.weight", rows=range(first, first + 1))
+    model = hybridjit.load(ckpt)
+    try:
+        with pytest.raises(
+            NonFiniteLogitsError,
+            match=rf"{ckpt}: the logits of sequence 1, new token 2, are not finite .* the token embeddings",
+        ):
+            model.generate([[11, 12, 13], PROMPT], max_new_tokens=4)  # two sequences: the dual-batch decode
+    finally:
+        model.close()

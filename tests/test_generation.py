@@ -5,6 +5,7 @@ decode step (absorbed MLA over the latent cache) must reproduce them token by to
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from checkpoint_factory import tiny_config, write_checkpoint
@@ -12,6 +13,8 @@ from kernel_choice import EXACT_FLOAT32_FAMILY, kernel_family
 
 import hybridjit
 from hybridjit.models import deepseek_v3 as dsv3
+from hybridjit.placement import Placement
+from hybridjit.sampling import SamplingParams
 
 # Relative RMS error between two float32 computations of the same logits by different association
 # orders (expanded vs absorbed attention): rounding only.
@@ -25,12 +28,12 @@ def model(tmp_path_factory):
     path = write_checkpoint(
         tmp_path_factory.mktemp("v3"), tiny_config("v3", eos_token_id=None), seed=7, weight_format="bf16"
     )
-    m = hybridjit.load(path, dtype="float32")
-    # Same-math comparisons: on AVX-512 and AMX hosts the expert kernel (and with it the bfloat16 rounding
-    # of activations) depends on the tokens per expert, which differ between a batch and one sequence.
+    # Same-math comparisons at float32 rounding: experts on a kernel that keeps float32 activations (AVX-512
+    # and AMX round them to bfloat16, 2^-8 relative, far above SAME_MATH_RTOL).
     with kernel_family(EXACT_FLOAT32_FAMILY):
+        m = hybridjit.load(path, dtype="float32")
         yield m
-    m.close()
+        m.close()
 
 
 def rel_rms(a, b):
@@ -118,14 +121,29 @@ def test_generation_stops_at_eos(model):
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda m: m.generate([1] * 1000, max_new_tokens=100), r"exceed the model's context of 1024"),
-        (lambda m: m.logits([[1] * 1025]), r"1025 tokens exceed the model's context"),
+        (
+            lambda m: m.generate([1] * 1000, max_new_tokens=100),
+            r"prompt of 1000 tokens \+ max_new_tokens 100 = 1100 exceeds the model's context of 1024 "
+            r"\(max_position_embeddings in \S+config\.json\)",
+        ),
+        (
+            lambda m: m.generate([[1] * 10, [1] * 1020], max_new_tokens=5),
+            r"longest prompt \(sequence 1\) of 1020 tokens \+ max_new_tokens 5 = 1025 exceeds the model's context",
+        ),
+        (
+            lambda m: m.stream([1] * 1024, max_new_tokens=1),
+            r"prompt of 1024 tokens \+ max_new_tokens 1 = 1025 exceeds the model's context of 1024",
+        ),
+        (
+            lambda m: m.logits([[1] * 3, [1] * 1025]),
+            r"sequence 1 of 1025 tokens exceeds the model's context of 1024 \(max_position_embeddings in",
+        ),
         (
             lambda m: m.generate([[1, 2], [3, 300]]),
             r"sequence 1: token id 300 outside the vocabulary \[0, 300\)",
         ),
         (lambda m: m.generate([[1, 2], []]), "sequence 1 is empty"),
-        (lambda m: m.generate([1, 2], temperature=-1.0), "temperature must be >= 0"),
+        (lambda m: m.generate([1, 2], temperature=-1.0), "temperature must be a finite number >= 0"),
         (lambda m: m.generate([1, 2], top_p=0.0), r"top_p must be in \(0, 1\]"),
         (lambda m: m.generate("text"), "has no tokenizer.json: pass token ids"),
     ],
@@ -133,3 +151,95 @@ def test_generation_stops_at_eos(model):
 def test_bad_requests_raise_clear_errors(model, call, message):
     with pytest.raises(ValueError, match=message):
         call(model)
+
+
+PROMPT_KINDS = "a str, a list of str, a list of token ids or a list of token-id lists"
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        # Prompts that used to fail deep inside (None, []) or were silently misread (bytes as token ids).
+        (lambda m: m.generate(None), TypeError, rf"prompt must be {PROMPT_KINDS}, got None"),
+        (lambda m: m.generate(5), TypeError, rf"prompt must be {PROMPT_KINDS}, got 5"),
+        (lambda m: m.generate([]), ValueError, r"prompt is empty"),
+        (lambda m: m.generate(b"def f("), TypeError, r"prompt is bytes: decode it to a str"),
+        (lambda m: m.stream(None), TypeError, rf"prompt must be {PROMPT_KINDS}, got None"),
+        (lambda m: m.logits(None), TypeError, r"token_ids must be a list of token-id lists, got None"),
+        (lambda m: m.logits([]), ValueError, r"token_ids is empty"),
+        (lambda m: m.generate([1.0, 2.0]), TypeError, r"sequence 0 must hold token ids \(integers\), got 1\.0"),
+        (lambda m: m.generate([True, 2]), TypeError, r"sequence 0 must hold token ids \(integers\), got True"),
+        (lambda m: m.generate([[1, 2], [3, 4.5]]), TypeError, r"sequence 1 must hold token ids .*got 4\.5"),
+        (lambda m: m.generate([[1, 2], "ab"]), TypeError, r"sequence 1 must be a list of token ids, got 'ab'"),
+        (lambda m: m.logits(np.array([[1.0, 2.0]])), TypeError, r"sequence 0 must hold .*array float64\(2,\)"),
+        # max_new_tokens: -1 used to return nothing, 1.5 to raise an AttributeError.
+        (lambda m: m.generate([1, 2], max_new_tokens=-1), ValueError, r"max_new_tokens must be >= 1, got -1"),
+        (lambda m: m.generate([1, 2], max_new_tokens=0), ValueError, r"max_new_tokens must be >= 1, got 0"),
+        (lambda m: m.generate([1, 2], max_new_tokens=1.5), TypeError, r"max_new_tokens must be an integer, got 1\.5"),
+        (lambda m: m.generate([1, 2], max_new_tokens=True), TypeError, r"max_new_tokens must be an integer"),
+        (lambda m: m.stream([1, 2], max_new_tokens=-1), ValueError, r"max_new_tokens must be >= 1"),
+        (lambda m: m.stream([1, 2], top_k=0.5), TypeError, r"top_k must be an integer"),
+        # Sampling: nan used to mean greedy, top_k=1.5 to mean 1, seed 2**63 to overflow.
+        (lambda m: m.generate([1, 2], temperature=float("nan")), ValueError, r"temperature must be a finite .*got nan"),
+        (lambda m: m.generate([1, 2], temperature=float("inf")), ValueError, r"temperature must be a finite .*got inf"),
+        (lambda m: m.generate([1, 2], temperature="1"), TypeError, r"temperature must be a number, got '1'"),
+        (lambda m: m.generate([1, 2], top_k=1.5), TypeError, r"top_k must be an integer, got 1\.5"),
+        (lambda m: m.generate([1, 2], top_k=True), TypeError, r"top_k must be an integer, got True"),
+        (lambda m: m.generate([1, 2], top_k=-1), ValueError, r"top_k must be >= 0"),
+        (lambda m: m.generate([1, 2], top_p=float("nan")), ValueError, r"top_p must be in \(0, 1\], got nan"),
+        (lambda m: m.generate([1, 2], top_p=None), TypeError, r"top_p must be a number, got None"),
+        (lambda m: m.generate([1, 2], seed=-1), ValueError, r"seed must be a non-negative integer, got -1"),
+        (lambda m: m.generate([1, 2], seed=1.0), TypeError, r"seed must be an integer, got 1\.0"),
+        (lambda m: m.generate([1, 2], seed=False), TypeError, r"seed must be an integer, got False"),
+    ],
+)
+def test_bad_arguments_name_the_argument(model, call, error, message):
+    with pytest.raises(error, match=message):
+        call(model)
+
+
+def test_numpy_scalars_and_arrays_are_arguments_like_python_ones(model):
+    prompt = PROMPTS[0]
+    expected = model.generate(prompt, max_new_tokens=3, temperature=0.5, top_k=5, top_p=0.9, seed=7)
+    assert expected == model.generate(
+        np.array(prompt, np.int64), max_new_tokens=np.int64(3), temperature=np.float32(0.5), top_k=np.int32(5),
+        top_p=np.float64(0.9), seed=np.uint64(7),
+    )
+    greedy = model.generate(prompt, max_new_tokens=2)
+    assert model.generate(jnp.array(prompt), max_new_tokens=2) == greedy
+    assert model.generate(jnp.array([prompt, prompt]), max_new_tokens=2) == [greedy, greedy]
+
+
+def test_seeds_beyond_32_bits_are_distinct_and_accepted(model):
+    prompt, sampled = PROMPTS[1], dict(max_new_tokens=8, temperature=1.0)
+    low = model.generate(prompt, seed=1, **sampled)
+    assert low == model.generate(prompt, seed=1, **sampled)
+    assert model.generate(prompt, seed=2**32 + 1, **sampled) != low  # was the same key as seed 1
+    for seed in (2**63, 2**64 - 1, 2**64 + 1):  # 2**63 used to raise OverflowError
+        assert model.generate(prompt, seed=seed, **sampled) == model.generate(prompt, seed=seed, **sampled)
+
+
+def test_seed_keys_are_distinct_beyond_32_bits_and_unchanged_below():
+    def words(seed):
+        return tuple(np.asarray(jax.random.key_data(SamplingParams(seed=seed).key())).tolist())
+
+    assert words(12345) == tuple(np.asarray(jax.random.key_data(jax.random.key(12345))).tolist())
+    seeds = [1, 2**32 + 1, 2**33 + 1, 2**32, 2**64, 2**64 + 2**32, 2**63, 2**64 - 1, 2**96 + 1]
+    assert len({words(s) for s in seeds}) == len(seeds)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "fp32", "bf16", jnp.float16, np.float64, 32, True])
+def test_load_rejects_other_dtypes_naming_the_allowed_ones(dtype):
+    allowed = r"dtype must be 'float32' or 'bfloat16' \(or jnp\.float32, jnp\.bfloat16\), got"
+    with pytest.raises(ValueError, match=allowed):
+        hybridjit.load(dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", jnp.float32, jnp.bfloat16, np.float32])
+def test_compute_dtypes(dtype):
+    assert Placement.default(dtype).dtype == jnp.dtype(dtype)
+
+
+def test_load_rejects_a_dtype_that_contradicts_the_placement():
+    with pytest.raises(ValueError, match=r"dtype 'bfloat16' contradicts placement\.dtype float32"):
+        hybridjit.load(dtype="bfloat16", placement=Placement.default("float32"))

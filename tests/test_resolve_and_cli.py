@@ -1,7 +1,6 @@
 """Model-name resolution (models directory, Hugging Face cache) and the `hybridjit` command."""
 
 import argparse
-import inspect
 import os
 import re
 
@@ -205,10 +204,6 @@ def test_statistics_summary():
     assert stats.summary(5) == "prompt 5 tokens, first token 1.25 s, 41 tokens at 20.0 tok/s"
 
 
-@pytest.mark.skipif(
-    "stop" not in inspect.signature(hybridjit.Model.stream).parameters,
-    reason="needs Model.stream(stop=), which comes with the issue20-engine branch",
-)
 def test_stop_strings_end_the_completion_before_the_first_of_them(capsys):
     argv = ["generate", "--quiet", "--stop", "file", "--stop", "string", "def fibonacci(n):"]
     assert cli.main(argv) == 0

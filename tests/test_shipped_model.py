@@ -52,3 +52,49 @@ def test_greedy_completion_is_deterministic_python():
     first = model.generate("def fibonacci(n):", max_new_tokens=24)
     assert first == model.generate("def fibonacci(n):", max_new_tokens=24)
     assert first.strip() and "\n    " in first  # an indented body
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return hybridjit.load()
+
+
+PROMPT = "def fibonacci(n):"
+
+
+def test_stream_stops_before_a_stop_string_and_never_emits_part_of_it(shipped):
+    text = shipped.generate(PROMPT, max_new_tokens=24)
+    assert len(text) > 12
+    for stop in (text[4:9], text[-3:], [text[7:11], "\x00never"]):
+        deltas = list(shipped.stream(PROMPT, max_new_tokens=24, stop=stop))
+        first = min(text.index(s) for s in ([stop] if isinstance(stop, str) else stop) if s in text)
+        # Deltas only ever extend the text: their sum ending before the stop string means no part of it went out.
+        assert "".join(deltas) == text[:first] == shipped.generate(PROMPT, max_new_tokens=24, stop=stop)
+
+
+def test_text_held_back_for_a_stop_string_that_never_comes_is_released(shipped):
+    text = shipped.generate(PROMPT, max_new_tokens=24)
+    almost = text[-3:] + "\x00"  # each tail of the text may begin it until the end: all is held back, then let go
+    assert "".join(shipped.stream(PROMPT, max_new_tokens=24, stop=almost)) == text
+    assert "".join(shipped.stream(PROMPT, max_new_tokens=24)) == text
+
+
+@pytest.mark.parametrize(
+    ("stop", "error", "message"),
+    [
+        (5, TypeError, r"stop must be a str or a list of str, got 5"),
+        (["a", 3], TypeError, r"stop must be a str or a list of str, got \['a', 3\]"),
+        ("", ValueError, r"stop strings must not be empty"),
+        (b"x", TypeError, r"stop must be a str or a list of str"),
+    ],
+)
+def test_bad_stop_strings(shipped, stop, error, message):
+    with pytest.raises(error, match=message):
+        shipped.generate(PROMPT, max_new_tokens=2, stop=stop)
+    with pytest.raises(error, match=message):
+        shipped.stream(PROMPT, max_new_tokens=2, stop=stop)
+
+
+def test_stream_stop_strings_need_a_text_prompt(shipped):
+    with pytest.raises(ValueError, match=r"stop strings need a text prompt in stream"):
+        shipped.stream([5, 6, 7], max_new_tokens=2, stop="x")
