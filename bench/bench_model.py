@@ -6,7 +6,7 @@ import time
 
 from hybridjit import engine
 from hybridjit.checkpoint import Checkpoint
-from hybridjit.config import ModelConfig
+from hybridjit.models.registry import config_from_json
 from hybridjit.placement import Placement
 from hybridjit.resolve import resolve_model
 from hybridjit.synthetic import GEOMETRIES, SyntheticCheckpoint, geometry_config
@@ -25,7 +25,7 @@ def load_model(args, placement: Placement, weight_format: str, synthetic=Synthet
     `synthetic` (a SyntheticCheckpoint class), truncated to --layers."""
     if args.checkpoint:
         path = resolve_model(args.checkpoint)
-        cfg = full = ModelConfig.from_json_file(path / "config.json")
+        cfg = full = config_from_json(path / "config.json")
         ckpt, name = Checkpoint(path), str(path)
     else:
         cfg = geometry_config(args.geometry, layers=args.layers, weight_format=weight_format)

@@ -44,8 +44,8 @@ import hybridjit_ffi as _ffi
 from bench_model import add_model_arguments, load_model
 from floors import ReadFloor, floors_line, machine, memory_floors, vmstat
 from hybridjit import engine
-from hybridjit.config import ModelConfig
 from hybridjit.models import deepseek_v3 as dsv3
+from hybridjit.models.registry import ModelConfig
 from hybridjit.ops.async_experts import submit_routed_experts, wait_routed_experts
 from hybridjit.ops.routed_experts import configure_threads, kernel_info, register_layer, routed_experts
 from hybridjit.placement import Placement

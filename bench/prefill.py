@@ -41,8 +41,8 @@ from bench_model import add_model_arguments, load_model
 from hybridjit import engine
 from hybridjit import stream_prefill as sp
 from hybridjit.checkpoint import DTYPES
-from hybridjit.config import ModelConfig
 from hybridjit.models import deepseek_v3 as dsv3
+from hybridjit.models.registry import ModelConfig
 from hybridjit.ops.routed_experts import routed_experts
 from hybridjit.pinned_experts import pinned_layer
 from hybridjit.placement import Placement
@@ -171,7 +171,7 @@ def stream_case(model: engine.Model, full: ModelConfig, length: int, floors: dic
     # Where a steady MoE layer's time goes, and the rates of its two big phases (their FLOPs by layer_flops).
     phases = {p: statistics.median(stats.layer_phase_s[i].get(p, 0.0) for i in steady_layers)
               for p in stats.layer_phase_s[moe[0]]}
-    part = sp.layer_flops(cfg, 1, length)
+    part = model.family.layer_flops(cfg, 1, length)
     front_flops = part["projections"] + part["attention core"] + part["router+shared"]
     core_s = attention_core_seconds(cfg, stats.plan.attention, length, device)
     layer_bytes = pinned_layer(model.weights.layers[moe[0]].mlp.expert_layer).nbytes

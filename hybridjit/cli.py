@@ -13,8 +13,8 @@ import time
 
 from hybridjit import __version__
 from hybridjit.checkpoint import Checkpoint
-from hybridjit.config import ModelConfig
 from hybridjit.convert import WEIGHT_FORMATS, convert_checkpoint
+from hybridjit.models.registry import ModelConfig, config_from_json
 from hybridjit.resolve import resolve_model
 from hybridjit.weights import routed_expert_bytes
 
@@ -117,7 +117,7 @@ def _weight_format(cfg: ModelConfig) -> str:
 
 def cmd_info(args) -> int:
     path = resolve_model(args.checkpoint)
-    cfg = ModelConfig.from_json_file(path / "config.json")
+    cfg = config_from_json(path / "config.json")
     ckpt = Checkpoint(path)
     by_dtype = collections.Counter()
     for info in ckpt.tensors.values():

@@ -1,8 +1,6 @@
-"""The static model configuration, read from a Hugging Face `config.json`.
-
-One frozen, hashable dataclass serves every DeepSeek-V3-family checkpoint (DeepSeek-V2, V2-Lite, V3, R1,
-V3.1, Kimi-K2): the families differ only in values (router scoring, q_lora_rank, rope scaling), so the
-model code branches on fields, never on the family name. Being hashable, it is a static argument of jit.
+"""Reading a Hugging Face `config.json`: typed field access whose errors name the file and the field, and the
+weight-format sections (`quantization_config`) that every family shares. Each family's own config class
+(models/<family>/config.py) is built from these; models/registry.py picks the family.
 """
 
 import dataclasses
@@ -10,32 +8,22 @@ import json
 import math
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")
-ROUTER_METHODS = {
-    # topk_method -> scoring function it implies
-    "noaux_tc": "sigmoid",  # V3/R1/Kimi-K2: sigmoid, correction bias, group-limited by top-2 sums
-    "greedy": "softmax",  # V2-Lite: plain top-k of softmax
-    "group_limited_greedy": "softmax",  # V2: groups ranked by their max score
-}
-
 
 class ConfigError(ValueError):
     """A config.json this engine cannot run, with the file and the field named."""
 
 
-@dataclasses.dataclass(frozen=True)
-class RopeConfig:
-    theta: float
-    dim: int  # qk_rope_head_dim
-    interleave: bool
-    # YaRN (None when the checkpoint uses plain RoPE)
-    yarn_factor: float | None = None
-    original_max_position: int | None = None
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool = True
+def read_config_json(path: str | Path) -> dict:
+    """The object in a config.json, with a ConfigError naming the file when it is missing or not JSON."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no config.json; a checkpoint directory must contain one") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e})") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,154 +48,10 @@ class IntQuantConfig:
         return shape[0], -(-shape[1] // self.group_size)
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    moe_intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    n_routed_experts: int
-    n_shared_experts: int
-    num_experts_per_tok: int
-    first_k_dense_replace: int
-    topk_method: str
-    n_group: int
-    topk_group: int
-    norm_topk_prob: bool
-    routed_scaling_factor: float
-    rms_norm_eps: float
-    max_position_embeddings: int
-    attention_bias: bool
-    tie_word_embeddings: bool
-    rope: RopeConfig
-    fp8: Fp8Config | None
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
-    int_quant: IntQuantConfig | None = None
-    # Multi-token-prediction layers stored after the decoder layers (model.layers.{num_hidden_layers}.* on):
-    # the model does not run them; loading skips their tensors.
-    num_nextn_predict_layers: int = 0
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def scoring_func(self) -> str:
-        return ROUTER_METHODS[self.topk_method]
-
-    @property
-    def use_correction_bias(self) -> bool:
-        return self.topk_method == "noaux_tc"
-
-    def is_moe_layer(self, layer: int) -> bool:
-        return layer >= self.first_k_dense_replace
-
-    @property
-    def softmax_scale(self) -> float:
-        """qk_head_dim^-1/2, times YaRN's mscale(factor, mscale_all_dim)^2 when rope is scaled."""
-        scale = self.qk_head_dim**-0.5
-        if self.rope.yarn_factor is not None and self.rope.mscale_all_dim:
-            m = yarn_mscale(self.rope.yarn_factor, self.rope.mscale_all_dim)
-            scale *= m * m
-        return scale
-
-    @classmethod
-    def from_json_file(cls, path: str | Path) -> "ModelConfig":
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no config.json; a checkpoint directory must contain one") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_hf_config(raw, source=str(path))
-
-    @classmethod
-    def from_hf_config(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
-        f = _Fields(raw, source)
-        model_type = f.text("model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        topk_method = f.text("topk_method", "noaux_tc" if model_type != "deepseek_v2" else "greedy")
-        if topk_method not in ROUTER_METHODS:
-            raise ConfigError(
-                f"{source}: topk_method {topk_method!r} is not supported ({', '.join(ROUTER_METHODS)})"
-            )
-        scoring = f.text("scoring_func", ROUTER_METHODS[topk_method])
-        if scoring != ROUTER_METHODS[topk_method]:
-            raise ConfigError(
-                f"{source}: scoring_func {scoring!r} with topk_method {topk_method!r} is not supported"
-            )
-        if f.text("hidden_act", "silu") != "silu":
-            raise ConfigError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (silu only)")
-        if raw.get("moe_layer_freq", 1) != 1:
-            raise ConfigError(f"{source}: moe_layer_freq {raw['moe_layer_freq']} is not supported (1 only)")
-        if raw.get("mlp_bias"):
-            raise ConfigError(f"{source}: mlp_bias=true is not supported")
-
-        layers = f.integer("num_hidden_layers", minimum=1)
-        n_routed, n_group = f.integer("n_routed_experts", minimum=1), f.integer("n_group", 1, minimum=1)
-        if n_routed % n_group:
-            raise ConfigError(f"{source}: n_routed_experts {n_routed} is not divisible by n_group {n_group}")
-        topk_group = f.integer("topk_group", n_group, minimum=1, maximum=(n_group, "n_group"))
-        top_k = f.integer("num_experts_per_tok", minimum=1, maximum=(n_routed, "n_routed_experts"))
-        _check_group_limits(source, topk_method, n_routed, n_group, topk_group, top_k)
-        vocab = f.integer("vocab_size", minimum=1)
-        rope_dim = f.integer("qk_rope_head_dim", minimum=1)
-        if rope_dim % 2:
-            raise ConfigError(f"{source}: qk_rope_head_dim must be even (rope rotates pairs), got {rope_dim}")
-        return cls(
-            model_type=model_type,
-            vocab_size=vocab,
-            hidden_size=f.integer("hidden_size", minimum=1),
-            intermediate_size=f.integer("intermediate_size", minimum=1),
-            moe_intermediate_size=f.integer("moe_intermediate_size", minimum=1),
-            num_hidden_layers=layers,
-            num_attention_heads=f.integer("num_attention_heads", minimum=1),
-            q_lora_rank=f.integer("q_lora_rank", None, minimum=1),
-            kv_lora_rank=f.integer("kv_lora_rank", minimum=1),
-            qk_nope_head_dim=f.integer("qk_nope_head_dim", minimum=1),
-            qk_rope_head_dim=rope_dim,
-            v_head_dim=f.integer("v_head_dim", minimum=1),
-            n_routed_experts=n_routed,
-            n_shared_experts=f.integer("n_shared_experts", 0, minimum=0),
-            num_experts_per_tok=top_k,
-            first_k_dense_replace=f.integer(
-                "first_k_dense_replace", 0, minimum=0, maximum=(layers, "num_hidden_layers")
-            ),
-            topk_method=topk_method,
-            n_group=n_group,
-            topk_group=topk_group,
-            norm_topk_prob=f.flag("norm_topk_prob", False),
-            routed_scaling_factor=f.number("routed_scaling_factor", 1.0, above=0),
-            rms_norm_eps=f.number("rms_norm_eps", 1e-6, above=0),
-            max_position_embeddings=f.integer("max_position_embeddings", minimum=1),
-            attention_bias=f.flag("attention_bias", False),
-            tie_word_embeddings=f.flag("tie_word_embeddings", False),
-            rope=_rope_config(f, rope_dim),
-            fp8=_fp8_config(f),
-            bos_token_id=f.token_id("bos_token_id", vocab),
-            eos_token_ids=f.token_ids("eos_token_id", vocab),
-            int_quant=_int_config(f),
-            num_nextn_predict_layers=f.integer("num_nextn_predict_layers", 0, minimum=0),
-        )
-
-
 _REQUIRED = object()
 
 
-class _Fields:
+class ConfigFields:
     """Typed reads of a config.json object's fields: each error names the file, the field and what is allowed.
 
     Values are never coerced (a string "12" is not the integer 12, nor "false" a false flag): a value of the
@@ -263,10 +107,10 @@ class _Fields:
         value = self._value(key, default, (str,), "a string")
         return default if value is None else value
 
-    def section(self, key: str) -> "_Fields | None":
+    def section(self, key: str) -> "ConfigFields | None":
         """A nested object's fields, or None when absent."""
         value = self._value(key, None, (dict,), "an object")
-        return None if value is None else _Fields(value, self.source, f"{self.prefix}{key}.")
+        return None if value is None else ConfigFields(value, self.source, f"{self.prefix}{key}.")
 
     def token_id(self, key: str, vocab_size: int) -> int | None:
         value = self.integer(key, None)
@@ -286,54 +130,7 @@ class _Fields:
         return tuple(ids)
 
 
-def _check_group_limits(source: str, method: str, n_routed: int, n_group: int, topk_group: int, top_k: int):
-    """Group-limited routing keeps only the experts of topk_group groups: they must be enough to choose from."""
-    if method not in ("noaux_tc", "group_limited_greedy") or n_group == 1:
-        return
-    per_group = n_routed // n_group
-    if method == "noaux_tc" and per_group < 2:
-        raise ConfigError(
-            f"{source}: noaux_tc ranks each group by its top-2 scores: n_routed_experts / n_group must be >= 2, "
-            f"got {n_routed} / {n_group}"
-        )
-    if top_k > topk_group * per_group:
-        raise ConfigError(
-            f"{source}: num_experts_per_tok {top_k} exceeds the {topk_group * per_group} experts of the topk_group "
-            f"{topk_group} groups of {per_group} that routing keeps"
-        )
-
-
-def yarn_mscale(factor: float, mscale: float) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def _rope_config(f: _Fields, dim: int) -> RopeConfig:
-    # Real DeepSeek configs use the legacy key "rope_scaling" ({"type": "yarn", ...}); newer ones
-    # "rope_parameters" ({"rope_type": ..., "rope_theta": ...}).
-    params = f.section("rope_parameters") or f.section("rope_scaling") or _Fields({}, f.source)
-    rope_type = params.text("rope_type", None) or params.text("type", "default")
-    # theta > 1: the frequencies theta^(-2i/dim) must fall with i, and YaRN divides by log(theta).
-    theta = params.number("rope_theta", None, above=1) or f.number("rope_theta", 10000.0, above=1)
-    base = dict(theta=theta, dim=dim, interleave=f.flag("rope_interleave", True))
-    if rope_type == "default":
-        return RopeConfig(**base)
-    if rope_type != "yarn":
-        raise ConfigError(f"{f.source}: rope type {rope_type!r} is not supported (default, yarn)")
-    if "original_max_position_embeddings" not in params.raw:
-        raise ConfigError(f"{f.source}: yarn rope scaling needs original_max_position_embeddings")
-    return RopeConfig(
-        **base,
-        yarn_factor=params.number("factor", at_least=1),
-        original_max_position=params.integer("original_max_position_embeddings", minimum=1),
-        beta_fast=params.number("beta_fast", 32.0, above=0),
-        beta_slow=params.number("beta_slow", 1.0, above=0),
-        mscale=params.number("mscale", None),
-        mscale_all_dim=params.number("mscale_all_dim", None),
-        truncate=params.flag("truncate", True),
-    )
-
-
-def _fp8_config(f: _Fields) -> Fp8Config | None:
+def fp8_config(f: ConfigFields) -> Fp8Config | None:
     q = f.section("quantization_config")
     if q is None or q.raw.get("quant_method") == INT_QUANT_METHOD:
         return None
@@ -350,7 +147,7 @@ def _fp8_config(f: _Fields) -> Fp8Config | None:
 INT_QUANT_METHOD = "hybridjit_int"
 
 
-def _int_config(f: _Fields) -> IntQuantConfig | None:
+def int_config(f: ConfigFields) -> IntQuantConfig | None:
     q = f.section("quantization_config")
     if q is None or q.raw.get("quant_method") != INT_QUANT_METHOD:
         return None

@@ -15,7 +15,6 @@ experts only "int8" / "int4". The int formats, as written (and read by hybridjit
   "modules": "routed_experts"}`` with G a multiple of 128 (G >= the input size: one scale per row).
 """
 
-import json
 import secrets
 import shutil
 from pathlib import Path
@@ -24,10 +23,11 @@ import ml_dtypes
 import numpy as np
 
 from hybridjit.checkpoint import Checkpoint
-from hybridjit.config import INT_QUANT_METHOD, ModelConfig
+from hybridjit.config import INT_QUANT_METHOD, read_config_json
 from hybridjit.export import save_checkpoint
+from hybridjit.models.registry import config_from_hf, family_of
 from hybridjit.quant import dequantize_fp8_blocks, quantize_fp8_blocks
-from hybridjit.weights import ROUTED_EXPERT_WEIGHT, SCALE_SUFFIX, check_checkpoint, checkpoint_layout
+from hybridjit.weights import ROUTED_EXPERT_WEIGHT, SCALE_SUFFIX, check_checkpoint
 
 FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -77,12 +77,12 @@ def convert_checkpoint(
         raise ValueError(f"group_size must be a positive multiple of 128, got {group_size}")
     src, dst = Path(src), Path(dst)
     _check_destination(src, dst, overwrite)
-    raw = json.loads((src / "config.json").read_text())
-    cfg = ModelConfig.from_hf_config(raw, source=str(src / "config.json"))
+    raw = read_config_json(src / "config.json")
+    cfg = config_from_hf(raw, source=str(src / "config.json"))
     ckpt = Checkpoint(src)
     check_checkpoint(cfg, ckpt)
     tensors = {}
-    for name, spec in checkpoint_layout(cfg).items():
+    for name, spec in family_of(cfg).checkpoint_layout(cfg).items():
         w = np.asarray(ckpt.get(name))
         if not spec.quantizable:
             tensors[name] = w.copy()

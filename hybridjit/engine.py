@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridjit.checkpoint import Checkpoint
-from hybridjit.config import ModelConfig
-from hybridjit.models import deepseek_v3 as dsv3
+from hybridjit.models.common.moe import ExpertSchedule
+from hybridjit.models.registry import ModelConfig, config_from_json, family_of
 from hybridjit.ops.async_experts import raise_gpu_errors
 from hybridjit.pinned_experts import size_host_memory_pool
 from hybridjit.placement import Placement, compute_dtype
@@ -41,26 +41,26 @@ def _sample_checked(logits, key, temperature, top_k, top_p):
 
 @partial(jax.jit, static_argnums=0)
 def _logits_program(cfg, weights, tokens):
-    logits = dsv3.prefill(cfg, weights, tokens)[0]
+    logits = family_of(cfg).prefill(cfg, weights, tokens)[0]
     return logits, jnp.isfinite(logits).all(axis=-1)
 
 
 @partial(jax.jit, static_argnums=0, donate_argnames="cache")
 def _prefill_program(cfg, weights, tokens, lengths, cache, key, temperature, top_k, top_p):
-    logits, cache = dsv3.prefill(cfg, weights, tokens, cache)
+    logits, cache = family_of(cfg).prefill(cfg, weights, tokens, cache)
     last = logits[jnp.arange(tokens.shape[0]), lengths - 1]
     return _sample_checked(last, key, temperature, top_k, top_p), cache
 
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnames="cache")
 def _decode_program(cfg, schedule, weights, tokens, positions, cache, key, temperature, top_k, top_p):
-    logits, cache = dsv3.decode_step(cfg, weights, tokens, positions, cache, schedule)
+    logits, cache = family_of(cfg).decode_step(cfg, weights, tokens, positions, cache, schedule)
     return _sample_checked(logits, key, temperature, top_k, top_p), cache
 
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnames="caches")
 def _decode_dual_program(cfg, schedule, weights, tokens, positions, caches, key, temperature, top_k, top_p):
-    logits, caches = dsv3.decode_step_dual(cfg, weights, tokens, positions, caches, schedule)
+    logits, caches = family_of(cfg).decode_step_dual(cfg, weights, tokens, positions, caches, schedule)
     keys = jax.random.split(key)
     return tuple(
         _sample_checked(lg, k, temperature, top_k, top_p) for lg, k in zip(logits, keys, strict=True)
@@ -68,7 +68,9 @@ def _decode_dual_program(cfg, schedule, weights, tokens, positions, caches, key,
 
 
 _sample_program = jax.jit(_sample_checked)
-_finite_stages_program = jax.jit(dsv3.finite_stages, static_argnums=0)
+@partial(jax.jit, static_argnums=0)
+def _finite_stages_program(cfg, weights, tokens):
+    return family_of(cfg).finite_stages(cfg, weights, tokens)
 
 
 def _bucket(n: int) -> int:
@@ -83,7 +85,8 @@ def _right_padded(seqs: list[list[int]], width: int) -> np.ndarray:
 
 
 class Model:
-    """A loaded checkpoint. `weights` and `config` compose with `hybridjit.models.deepseek_v3` functions."""
+    """A loaded checkpoint. `weights` and `config` compose with the functions of its family
+    (`family`: hybridjit.models.<family>, e.g. deepseek_v3)."""
 
     def __init__(self, path: Path, config: ModelConfig, weights, expert_layers, tokenizer, placement: Placement):
         self.path, self.config, self.weights = path, config, weights
@@ -94,7 +97,12 @@ class Model:
         # Prompt tokens (batch x length) from which prefill streams the experts to the GPU instead of
         # running them on the CPU; None: decided by the cost model (stream_prefill.choose_prefill_path).
         self.stream_prefill_threshold: int | None = None
-        self.expert_schedule = dsv3.ExpertSchedule()  # Expert Deferral / Skipping: off (they change the model)
+        self.expert_schedule = ExpertSchedule()  # Expert Deferral / Skipping: off (they change the model)
+
+    @property
+    def family(self):
+        """The model family package (hybridjit.models.<family>) whose functions the programs run."""
+        return family_of(self.config)
 
     @property
     def dtype(self):
@@ -223,7 +231,7 @@ class Model:
         current, caches = [], []
         for g, rows in enumerate(groups):
             tokens = _right_padded([seqs[row] for row in rows], min(_bucket(longest), cache_len))
-            cache = dsv3.init_cache(self.config, len(rows), cache_len, self.dtype, self.placement.device)
+            cache = self.family.init_cache(self.config, len(rows), cache_len, self.dtype, self.placement.device)
             group_key = jax.random.fold_in(prefill_key, g)
             path = choose_prefill_path(self, *tokens.shape, threshold=self.stream_prefill_threshold)
             if path == "stream":
@@ -372,7 +380,7 @@ def _check_max_new_tokens(max_new_tokens) -> int:
 
 
 def _stage_at_fault(finite: np.ndarray) -> str:
-    """Names the first False of dsv3.finite_stages: embeddings, layers, then final norm and LM head."""
+    """Names the first False of a family's finite_stages: embeddings, layers, then final norm and LM head."""
     bad = np.flatnonzero(~finite)
     if not bad.size:
         return "layer unknown (a whole-sequence forward pass over this sequence is finite)"
@@ -397,7 +405,7 @@ def load(
         if placement is not None and placement.dtype != dtype:
             raise ValueError(f"dtype {dtype.name!r} contradicts placement.dtype {placement.dtype}: pass one of them")
     path = resolve_model(name_or_path)
-    config = ModelConfig.from_json_file(path / "config.json")
+    config = config_from_json(path / "config.json")
     ckpt = Checkpoint(path)
     if placement is None or placement.pinned_experts:  # before Placement.default touches a device
         size_host_memory_pool(routed_expert_bytes(config, ckpt), placement and placement.device)

@@ -10,13 +10,13 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from hybridjit.checkpoint import INDEX_FILE
-from hybridjit.config import ModelConfig
-from hybridjit.models import deepseek_v3 as dsv3
-from hybridjit.weights import PROJECTIONS, build_weights
+from hybridjit.models.common.checkpoint_map import PROJECTIONS
+from hybridjit.models.common.moe import Experts
+from hybridjit.models.registry import ModelConfig, family_of
 
 
 def export_tensors(
-    cfg: ModelConfig, weights: dsv3.Weights, dtype=ml_dtypes.bfloat16
+    cfg: ModelConfig, weights, dtype=ml_dtypes.bfloat16
 ) -> dict[str, np.ndarray]:
     """Checkpoint tensors of a weights pytree whose routed experts are JAX-held (e.g. a trained model).
 
@@ -24,9 +24,9 @@ def export_tensors(
     """
 
     def routed(prefix, layer):
-        return dsv3.Experts(*(f"{prefix}.experts.{{}}.{proj}.weight" for proj in PROJECTIONS)), None
+        return Experts(*(f"{prefix}.experts.{{}}.{proj}.weight" for proj in PROJECTIONS)), None
 
-    names = build_weights(cfg, lambda name, dtype=None: name, routed)
+    names = family_of(cfg).build_weights(cfg, lambda name, dtype=None: name, routed)
     tensors = {}
     for name, leaf in zip(jax.tree.leaves(names), jax.tree.leaves(weights), strict=True):
         array = np.asarray(leaf)

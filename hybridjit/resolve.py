@@ -10,17 +10,7 @@ import os
 from importlib import resources
 from pathlib import Path
 
-ALIASES = {
-    "deepseek-v3": "deepseek-ai/DeepSeek-V3",
-    "deepseek-v3-0324": "deepseek-ai/DeepSeek-V3-0324",
-    "deepseek-v3.1": "deepseek-ai/DeepSeek-V3.1",
-    "deepseek-r1": "deepseek-ai/DeepSeek-R1",
-    "deepseek-r1-0528": "deepseek-ai/DeepSeek-R1-0528",
-    "deepseek-v2": "deepseek-ai/DeepSeek-V2",
-    "deepseek-v2-lite": "deepseek-ai/DeepSeek-V2-Lite",
-    "deepseek-v2-lite-chat": "deepseek-ai/DeepSeek-V2-Lite-Chat",
-    "kimi-k2": "moonshotai/Kimi-K2-Instruct",
-}
+from hybridjit.models.registry import NAMES as ALIASES
 
 
 class ModelNotFoundError(FileNotFoundError):

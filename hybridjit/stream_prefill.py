@@ -35,6 +35,7 @@ import collections
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -43,8 +44,10 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from hybridjit.config import ModelConfig
-from hybridjit.models import deepseek_v3 as dsv3
+from hybridjit.models.common.layers import linear, mlp, rms_norm
+from hybridjit.models.common.moe import Experts, MoE, dequantize_blocks, experts_grouped, group_by_expert
+from hybridjit.models.common.routing import route
+from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.pinned_experts import ExpertBlock, PinnedExperts, pinned_layer
 
 # Scores of one query chunk of ChunkedAttention ([b, h, chunk, s] float32, about three live copies) stay
@@ -86,7 +89,7 @@ class RingPlan:
     depth: int  # expert blocks resident on the device at once
     block_bytes: int  # bytes of the largest block, as streamed
     activation_bytes: int  # estimated peak of everything else: activations, scores, dequantized weights
-    attention: dsv3.ChunkedAttention | CudnnAttention
+    attention: Callable  # the attention core: the family's ChunkedAttention or CudnnAttention
     block_slots: int  # the most token slots one pass of an expert block may take (the estimate's assumption)
 
     @property
@@ -110,7 +113,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, length: int, dtype, attention
     residual = n * d * (4 * item + 4)  # x, x after attention, normed tokens, shared experts; float32 sum
     # Queries, keys (the cuDNN path also concatenates both), values and output, all per head.
     attention_phase = n * (h * (4 * qk + 2 * v) + (cfg.q_lora_rank or 0) + 2 * cfg.kv_lora_rank) * item
-    if isinstance(attention, dsv3.ChunkedAttention):
+    if not isinstance(attention, CudnnAttention):  # chunked: [b, h, chunk, s] float32 scores
         attention_phase += 3 * batch * h * attention.chunk * length * 4
     dense_phase = 3 * n * cfg.intermediate_size * item
     slots = block_slots(cfg, n, experts_per_block)
@@ -163,7 +166,7 @@ def _attention(cfg, batch, length, dtype, device, chunk):
     if chunk is None:  # the largest power of two whose scores fit the scratch
         per_query = 3 * batch * cfg.num_attention_heads * length * 4
         chunk = 1 << max(0, (ATTENTION_SCRATCH // per_query).bit_length() - 1)
-    return dsv3.ChunkedAttention(min(chunk, length))
+    return family_of(cfg).ChunkedAttention(min(chunk, length))
 
 
 def _cudnn_has_mla() -> bool:
@@ -187,18 +190,18 @@ def _free_device_memory(device: jax.Device) -> int | None:
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnames="cache")
 def _dense_layer(cfg, attention, layer, x, cache):
-    x, cache = dsv3.prefill_attention_layer(cfg, layer, x, cache, attention)
-    return x + dsv3.mlp(layer.mlp, dsv3.rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)), cache
+    x, cache = family_of(cfg).prefill_attention_layer(cfg, layer, x, cache, attention)
+    return x + mlp(layer.mlp, rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)), cache
 
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnames="cache")
 def _moe_front(cfg, attention, layer, x, cache):
     """Attention, then the router and shared experts: (x, tokens [N, d], ids, weights, shared, counts, cache)."""
-    x, cache = dsv3.prefill_attention_layer(cfg, layer, x, cache, attention)
+    x, cache = family_of(cfg).prefill_attention_layer(cfg, layer, x, cache, attention)
     moe = layer.mlp
-    tokens = dsv3.rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps).reshape(-1, x.shape[-1])
-    ids, weights = dsv3.route(cfg, moe.router, moe.correction_bias, tokens)
-    shared = dsv3.mlp(moe.shared, tokens) if moe.shared is not None else None
+    tokens = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps).reshape(-1, x.shape[-1])
+    ids, weights = route(cfg, moe.router, moe.correction_bias, tokens)
+    shared = mlp(moe.shared, tokens) if moe.shared is not None else None
     counts = jnp.zeros(cfg.n_routed_experts, jnp.int32).at[ids.reshape(-1)].add(1)
     return x, tokens, ids, weights, shared, counts, cache
 
@@ -212,14 +215,14 @@ def _dispatch(plans, tokens, ids, weights, counts):
     behind the block copies on the transfer stream and hold the GPU up."""
     blocks, empty = [], ids.shape[0]
     for plan in plans:
-        first_pass = dsv3.group_by_expert(ids, weights, plan.size, plan.capacity, plan.first)
+        first_pass = group_by_expert(ids, weights, plan.size, plan.capacity, plan.first)
         later = None
         if plan.later:
             left = counts[plan.first : plan.first + plan.size] > plan.capacity
             busy = jnp.nonzero(left, size=plan.busy, fill_value=0)[0]
             real = (jnp.arange(plan.busy) < left.sum())[:, None]  # the padding repeats expert 0: keep it empty
             skips = [plan.capacity + p * plan.later_capacity for p in range(plan.later)]
-            grouped = [dsv3.group_by_expert(ids, weights, plan.size, plan.later_capacity, plan.first, skip)
+            grouped = [group_by_expert(ids, weights, plan.size, plan.later_capacity, plan.first, skip)
                        for skip in skips]
             rows = jnp.stack([jnp.where(real, r[busy], empty) for r, _ in grouped])
             slot_weights = jnp.stack([jnp.where(real, w[busy], 0) for _, w in grouped])
@@ -233,18 +236,18 @@ def _expert_block(quant_block, dtype, tokens, first_pass, later, out, weights, s
     """One block's experts on their tokens, added into out: dequantized once, then one pass at a time, so
     only one pass's gathered tokens and hidden states are live; later passes multiply the busy experts only."""
     if scales is None:
-        experts = dsv3.Experts(*(w.astype(dtype) for w in weights))
+        experts = Experts(*(w.astype(dtype) for w in weights))
     else:
         pairs = zip(weights, scales, strict=True)
-        experts = dsv3.Experts(*(dsv3.dequantize_blocks(w, s, quant_block, dtype) for w, s in pairs))
-    out = dsv3.experts_grouped(experts, tokens, *first_pass, out)
+        experts = Experts(*(dequantize_blocks(w, s, quant_block, dtype) for w, s in pairs))
+    out = experts_grouped(experts, tokens, *first_pass, out)
     if later is None:
         return out
     busy, rows, slot_weights = later
-    busy_experts = dsv3.Experts(experts.gate[busy], experts.up[busy], experts.down[busy])
+    busy_experts = Experts(experts.gate[busy], experts.up[busy], experts.down[busy])
 
     def one_pass(out, slots):
-        return dsv3.experts_grouped(busy_experts, tokens, *slots, out), None
+        return experts_grouped(busy_experts, tokens, *slots, out), None
 
     return jax.lax.scan(one_pass, out, (rows, slot_weights))[0]
 
@@ -260,7 +263,7 @@ def _moe_combine(x, routed, shared):
 @partial(jax.jit, static_argnums=0)
 def _last_logits(cfg, norm, lm_head, x, lengths):
     last = x[jnp.arange(x.shape[0]), lengths - 1]
-    return dsv3.linear(dsv3.rms_norm(last, norm, cfg.rms_norm_eps), lm_head).astype(jnp.float32)
+    return linear(rms_norm(last, norm, cfg.rms_norm_eps), lm_head).astype(jnp.float32)
 
 
 def _capacity(max_count: int) -> int:
@@ -401,7 +404,7 @@ def stream_prefill(
     model,
     tokens,
     lengths,
-    cache: list[dsv3.LayerCache],
+    cache: list,
     *,
     vram_budget: int | None = None,
     depth: int | None = None,
@@ -449,10 +452,10 @@ def stream_prefill(
     return logits, cache
 
 
-def _pinned_layers(weights: dsv3.Weights) -> dict[int, PinnedExperts]:
+def _pinned_layers(weights) -> dict[int, PinnedExperts]:
     pinned = {}
     for i, layer in enumerate(weights.layers):
-        if isinstance(layer.mlp, dsv3.MoE):
+        if isinstance(layer.mlp, MoE):
             experts = pinned_layer(layer.mlp.expert_layer) if layer.mlp.expert_layer is not None else None
             if experts is None:
                 raise ValueError(
@@ -465,7 +468,7 @@ def _pinned_layers(weights: dsv3.Weights) -> dict[int, PinnedExperts]:
     return pinned
 
 
-def _moe_layer(cfg, plan: RingPlan, layer: dsv3.Layer, experts: PinnedExperts, x, cache, ring: _Ring, dtype):
+def _moe_layer(cfg, plan: RingPlan, layer, experts: PinnedExperts, x, cache, ring: _Ring, dtype):
     # The expert-bank layer id is static pytree metadata: drop it so that every MoE layer shares executables.
     layer = dataclasses.replace(layer, mlp=dataclasses.replace(layer.mlp, expert_layer=None))
     x, tokens, ids, weights, shared, counts, cache = ring.run(
@@ -502,26 +505,10 @@ class PrefillRates:
     cpu_expert_tflops: float = 3.8  # the CPU expert kernels on one layer, 4096 tokens routed uniformly
 
 
-def layer_flops(cfg: ModelConfig, batch: int, length: int) -> dict[str, float]:
-    """FLOPs (2 per multiply-add) of one layer's prefill by part: "projections" (MLA's), "attention core"
-    (causal: counted over its lower triangle), "dense mlp" (of a dense layer), "router+shared" and "routed"
-    (of a MoE layer)."""
-    n, d, h = batch * length, cfg.hidden_size, cfg.num_attention_heads
-    qk, v, r, p, f = cfg.qk_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.moe_intermediate_size
-    q_proj = d * cfg.q_lora_rank + cfg.q_lora_rank * h * qk if cfg.q_lora_rank else d * h * qk
-    return {
-        "projections": 2.0 * n * (q_proj + d * (r + p) + r * h * (cfg.qk_nope_head_dim + v) + h * v * d),
-        "attention core": 2.0 * batch * h * length * (length + 1) // 2 * (qk + v),
-        "dense mlp": 2.0 * n * 3 * d * cfg.intermediate_size,
-        "router+shared": 2.0 * n * (3 * d * f * cfg.n_shared_experts + d * cfg.n_routed_experts),
-        "routed": 2.0 * n * cfg.num_experts_per_tok * 3 * d * f,
-    }
-
-
 def prefill_flops(cfg: ModelConfig, batch: int, length: int) -> dict[str, float]:
     """FLOPs of one prefill: {"routed": routed experts, "other": everything else}, by layer_flops, with the LM
     head on the last tokens only."""
-    part = layer_flops(cfg, batch, length)
+    part = family_of(cfg).layer_flops(cfg, batch, length)
     layers = cfg.num_hidden_layers
     moe = sum(cfg.is_moe_layer(i) for i in range(layers))
     other = (

@@ -15,98 +15,14 @@ import ml_dtypes
 import numpy as np
 
 from hybridjit.checkpoint import DTYPES, TensorInfo
-from hybridjit.config import ModelConfig
+from hybridjit.models.registry import GEOMETRIES, ModelConfig, config_from_hf, family_of
 from hybridjit.quant import scale_shape
-from hybridjit.weights import SCALE_SUFFIX, checkpoint_layout
+from hybridjit.weights import SCALE_SUFFIX
 
-# The geometries of the real Hugging Face config.json files.
-GEOMETRIES = {
-    "deepseek-v3": {
-        "model_type": "deepseek_v3",
-        "vocab_size": 129280,
-        "hidden_size": 7168,
-        "intermediate_size": 18432,
-        "moe_intermediate_size": 2048,
-        "num_hidden_layers": 61,
-        "num_attention_heads": 128,
-        "q_lora_rank": 1536,
-        "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
-        "n_routed_experts": 256,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 8,
-        "first_k_dense_replace": 3,
-        "topk_method": "noaux_tc",
-        "scoring_func": "sigmoid",
-        "n_group": 8,
-        "topk_group": 4,
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 2.5,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 163840,
-        "rope_theta": 10000,
-        "rope_scaling": {
-            "type": "yarn",
-            "factor": 40,
-            "original_max_position_embeddings": 4096,
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-        },
-        "quantization_config": {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "activation_scheme": "dynamic",
-            "weight_block_size": [128, 128],
-        },
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "tie_word_embeddings": False,
-    },
-    "deepseek-v2-lite": {
-        "model_type": "deepseek_v2",
-        "vocab_size": 102400,
-        "hidden_size": 2048,
-        "intermediate_size": 10944,
-        "moe_intermediate_size": 1408,
-        "num_hidden_layers": 27,
-        "num_attention_heads": 16,
-        "q_lora_rank": None,
-        "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
-        "n_routed_experts": 64,
-        "n_shared_experts": 2,
-        "num_experts_per_tok": 6,
-        "first_k_dense_replace": 1,
-        "topk_method": "greedy",
-        "scoring_func": "softmax",
-        "n_group": 1,
-        "topk_group": 1,
-        "norm_topk_prob": False,
-        "routed_scaling_factor": 1.0,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 163840,
-        "rope_theta": 10000,
-        "rope_scaling": {
-            "type": "yarn",
-            "factor": 40,
-            "original_max_position_embeddings": 4096,
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "mscale": 0.707,
-            "mscale_all_dim": 0.707,
-        },
-        "bos_token_id": 100000,
-        "eos_token_id": 100001,
-        "tie_word_embeddings": False,
-    },
-}
 WEIGHT_FORMATS = ("fp8", "bf16")
+# The block-scaled FP8 of DeepSeek-V3's release, for geometries asked for in fp8.
+FP8_BLOCK_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                          "weight_block_size": [128, 128]}
 
 
 def geometry_config(name: str, *, layers: int | None = None, weight_format: str | None = None) -> ModelConfig:
@@ -119,10 +35,10 @@ def geometry_config(name: str, *, layers: int | None = None, weight_format: str 
     if weight_format == "bf16":
         raw.pop("quantization_config", None)
     elif weight_format == "fp8":
-        raw.setdefault("quantization_config", GEOMETRIES["deepseek-v3"]["quantization_config"])
+        raw.setdefault("quantization_config", FP8_BLOCK_QUANTIZATION)
     elif weight_format is not None:
         raise ValueError(f"unknown weight format {weight_format!r}; known: {', '.join(WEIGHT_FORMATS)}")
-    return ModelConfig.from_hf_config(raw, source=f"geometry {name}")
+    return config_from_hf(raw, source=f"geometry {name}")
 
 
 class SyntheticCheckpoint:
@@ -132,7 +48,7 @@ class SyntheticCheckpoint:
         self.directory = Path(f"<synthetic {cfg.model_type} seed {seed}>")
         self.cfg, self.seed = cfg, seed
         self.tensors: dict[str, TensorInfo] = {}
-        for name, spec in checkpoint_layout(cfg).items():
+        for name, spec in family_of(cfg).checkpoint_layout(cfg).items():
             if spec.quantizable and cfg.fp8 is not None:
                 self._add(name, "F8_E4M3", spec.shape)
                 self._add(name + SCALE_SUFFIX, "F32", scale_shape(spec.shape, cfg.fp8.block))

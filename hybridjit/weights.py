@@ -8,20 +8,19 @@ checkpoint's own format (FP8 + block scales, BF16 or F32): their bytes stay wher
 them (memory-mapped files).
 """
 
-import dataclasses
 import functools
 import re
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 from hybridjit.checkpoint import CheckpointError
-from hybridjit.config import ModelConfig
-from hybridjit.models import deepseek_v3 as dsv3
+from hybridjit.models.common.checkpoint_map import PROJECTIONS
+from hybridjit.models.common.moe import Experts
+from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.ops.routed_experts import ExpertLayer, register_layer
 from hybridjit.pinned_experts import register_pinned
 from hybridjit.placement import Placement
@@ -30,7 +29,6 @@ from hybridjit.quant import dequantize_fp8_blocks, scale_shape
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F8_E4M3")
 EXPERT_DTYPES = ("F32", "BF16", "F8_E4M3", "I8", "U8")  # I8/U8: int8/int4 checkpoints (cfg.int_quant)
 SCALE_SUFFIX = "_scale_inv"
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # Real checkpoints also carry the multi-token-prediction layer(s) that config.json declares after the last
 # decoder layer (model.layers.61.* in V3) and, in old exports, rotary caches: the model uses neither.
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -43,68 +41,9 @@ _ROUTED_EXPERT_TENSOR = re.compile(
 Progress = Callable[[int, int], None]
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    shape: tuple[int, ...]
-    quantizable: bool  # a projection matrix that FP8 checkpoints store as float8 + block scales
-
-
-def checkpoint_layout(cfg: ModelConfig) -> dict[str, TensorSpec]:
-    """Every tensor the config implies, by its Hugging Face name."""
-    specs: dict[str, TensorSpec] = {}
-    d, h = cfg.hidden_size, cfg.num_attention_heads
-
-    def matrix(name, out, inp, quantizable=True):
-        specs[name] = TensorSpec((out, inp), quantizable)
-
-    def vector(name, size):
-        specs[name] = TensorSpec((size,), False)
-
-    def mlp(prefix, inter):
-        matrix(f"{prefix}.gate_proj.weight", inter, d)
-        matrix(f"{prefix}.up_proj.weight", inter, d)
-        matrix(f"{prefix}.down_proj.weight", d, inter)
-
-    matrix("model.embed_tokens.weight", cfg.vocab_size, d, quantizable=False)
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}"
-        vector(f"{p}.input_layernorm.weight", d)
-        vector(f"{p}.post_attention_layernorm.weight", d)
-        a = f"{p}.self_attn"
-        if cfg.q_lora_rank is None:
-            matrix(f"{a}.q_proj.weight", h * cfg.qk_head_dim, d)
-        else:
-            matrix(f"{a}.q_a_proj.weight", cfg.q_lora_rank, d)
-            vector(f"{a}.q_a_layernorm.weight", cfg.q_lora_rank)
-            matrix(f"{a}.q_b_proj.weight", h * cfg.qk_head_dim, cfg.q_lora_rank)
-            if cfg.attention_bias:
-                vector(f"{a}.q_a_proj.bias", cfg.q_lora_rank)
-        matrix(f"{a}.kv_a_proj_with_mqa.weight", cfg.kv_lora_rank + cfg.qk_rope_head_dim, d)
-        vector(f"{a}.kv_a_layernorm.weight", cfg.kv_lora_rank)
-        matrix(f"{a}.kv_b_proj.weight", h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
-        matrix(f"{a}.o_proj.weight", d, h * cfg.v_head_dim)
-        if cfg.attention_bias:
-            vector(f"{a}.kv_a_proj_with_mqa.bias", cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-            vector(f"{a}.o_proj.bias", d)
-        if not cfg.is_moe_layer(i):
-            mlp(f"{p}.mlp", cfg.intermediate_size)
-            continue
-        matrix(f"{p}.mlp.gate.weight", cfg.n_routed_experts, d, quantizable=False)
-        if cfg.use_correction_bias:
-            vector(f"{p}.mlp.gate.e_score_correction_bias", cfg.n_routed_experts)
-        if cfg.n_shared_experts:
-            mlp(f"{p}.mlp.shared_experts", cfg.moe_intermediate_size * cfg.n_shared_experts)
-        for e in range(cfg.n_routed_experts):
-            mlp(f"{p}.mlp.experts.{e}", cfg.moe_intermediate_size)
-    vector("model.norm.weight", d)
-    if not cfg.tie_word_embeddings:
-        matrix("lm_head.weight", cfg.vocab_size, d, quantizable=False)
-    return specs
-
-
 def check_checkpoint(cfg: ModelConfig, ckpt) -> None:
     """Raises one CheckpointError listing every missing, misshapen, mistyped or unexpected tensor."""
-    layout = checkpoint_layout(cfg)
+    layout = family_of(cfg).checkpoint_layout(cfg)
     problems = []
     expected_scales = {}
     for name, spec in layout.items():
@@ -208,9 +147,9 @@ class WeightLoader:
         """A weight on the placement's device in the compute dtype (FP8 dequantized per block)."""
         return self.placement.put(self._dequantized(name), dtype)
 
-    def device_experts(self, p: str) -> dsv3.Experts:
+    def device_experts(self, p: str) -> Experts:
         """The layer's routed experts stacked on the placement's device, dequantized to the compute dtype."""
-        return dsv3.Experts(*(
+        return Experts(*(
             self.placement.put(np.stack([self._dequantized(f"{p}.experts.{e}.{proj}.weight")
                                          for e in range(self.cfg.n_routed_experts)]))
             for proj in PROJECTIONS
@@ -237,7 +176,7 @@ class WeightLoader:
         block = self.cfg.fp8.block if dtypes == {"F8_E4M3"} else (1, self.cfg.int_quant.group_size)
         return register(*weights, *scales, block=block)
 
-    def load(self) -> tuple[dsv3.Weights, list[ExpertLayer]]:
+    def load(self) -> tuple[Any, list[ExpertLayer]]:
         check_checkpoint(self.cfg, self.ckpt)
         expert_layers: list[ExpertLayer] = []
 
@@ -248,71 +187,10 @@ class WeightLoader:
             return None, expert_layers[-1].id
 
         try:
-            return build_weights(self.cfg, self.tensor, routed), expert_layers
+            return family_of(self.cfg).build_weights(self.cfg, self.tensor, routed), expert_layers
         except BaseException:
             for layer in expert_layers:
                 layer.close()
             raise
 
 
-def build_weights(
-    cfg: ModelConfig,
-    tensor: Callable[..., Any],
-    routed: Callable[[str, int], tuple[dsv3.Experts | None, int | None]],
-) -> dsv3.Weights:
-    """The weights pytree, with each leaf made by tensor(hf_name[, dtype]) and each MoE layer's routed
-    experts by routed(prefix, layer) -> (JAX-held experts or None, expert-bank layer id or None).
-
-    The one place that maps checkpoint names to the pytree: loading passes array readers, exporting
-    passes the identity to get the same tree with names as leaves.
-    """
-
-    def maybe(name, present):
-        return tensor(name) if present else None
-
-    def mla(p):
-        lora, bias = cfg.q_lora_rank is not None, cfg.attention_bias
-        return dsv3.MLA(
-            q_a=maybe(f"{p}.q_a_proj.weight", lora),
-            q_a_bias=maybe(f"{p}.q_a_proj.bias", lora and bias),
-            q_a_norm=maybe(f"{p}.q_a_layernorm.weight", lora),
-            q_b=tensor(f"{p}.q_b_proj.weight" if lora else f"{p}.q_proj.weight"),
-            kv_a=tensor(f"{p}.kv_a_proj_with_mqa.weight"),
-            kv_a_bias=maybe(f"{p}.kv_a_proj_with_mqa.bias", bias),
-            kv_a_norm=tensor(f"{p}.kv_a_layernorm.weight"),
-            kv_b=tensor(f"{p}.kv_b_proj.weight"),
-            o=tensor(f"{p}.o_proj.weight"),
-            o_bias=maybe(f"{p}.o_proj.bias", bias),
-        )
-
-    def mlp(p):
-        return dsv3.MLP(*(tensor(f"{p}.{proj}.weight") for proj in PROJECTIONS))
-
-    def moe(p, layer):
-        experts, bank_layer = routed(p, layer)
-        return dsv3.MoE(
-            router=tensor(f"{p}.gate.weight", jnp.float32),
-            correction_bias=tensor(f"{p}.gate.e_score_correction_bias", jnp.float32)
-            if cfg.use_correction_bias
-            else None,
-            shared=mlp(f"{p}.shared_experts") if cfg.n_shared_experts else None,
-            experts=experts,
-            expert_layer=bank_layer,
-        )
-
-    layers = [
-        dsv3.Layer(
-            attn_norm=tensor(f"model.layers.{i}.input_layernorm.weight"),
-            attn=mla(f"model.layers.{i}.self_attn"),
-            mlp_norm=tensor(f"model.layers.{i}.post_attention_layernorm.weight"),
-            mlp=moe(f"model.layers.{i}.mlp", i) if cfg.is_moe_layer(i) else mlp(f"model.layers.{i}.mlp"),
-        )
-        for i in range(cfg.num_hidden_layers)
-    ]
-    embed = tensor("model.embed_tokens.weight")
-    return dsv3.Weights(
-        embed=embed,
-        layers=layers,
-        norm=tensor("model.norm.weight"),
-        lm_head=embed if cfg.tie_word_embeddings else tensor("lm_head.weight"),
-    )

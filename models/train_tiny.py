@@ -26,11 +26,9 @@ import numpy as np
 import optax
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from hybridjit.config import ModelConfig
 from hybridjit.export import export_tensors, save_checkpoint
 from hybridjit.models import deepseek_v3 as dsv3
 from hybridjit.models.stdlib_corpus import BOS, EOS, corpus_files, read_text, token_stream
-from hybridjit.weights import build_weights, checkpoint_layout
 
 CONFIG = {
     "architectures": ["DeepseekV3ForCausalLM"],
@@ -95,9 +93,9 @@ def train_tokenizer(files: list[Path], vocab_size: int) -> Tokenizer:
     return tok
 
 
-def init_weights(cfg: ModelConfig, seed: int) -> dsv3.Weights:
+def init_weights(cfg: dsv3.DeepseekV3Config, seed: int) -> dsv3.Weights:
     """Random weights: matrices ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norms 1, correction biases 0."""
-    layout = checkpoint_layout(cfg)
+    layout = dsv3.checkpoint_layout(cfg)
     rng = np.random.default_rng(seed)
 
     def tensor(name, dtype=None):
@@ -116,17 +114,17 @@ def init_weights(cfg: ModelConfig, seed: int) -> dsv3.Weights:
 
         return dsv3.Experts(stack("gate_proj"), stack("up_proj"), stack("down_proj")), None
 
-    return build_weights(cfg, tensor, routed)
+    return dsv3.build_weights(cfg, tensor, routed)
 
 
-def next_token_loss(cfg: ModelConfig, w: dsv3.Weights, batch: jax.Array):
+def next_token_loss(cfg: dsv3.DeepseekV3Config, w: dsv3.Weights, batch: jax.Array):
     """Mean cross-entropy of predicting batch[:, 1:] from batch[:, :-1], and each MoE layer's choices."""
     logits, _, expert_ids = dsv3.forward(cfg, w, batch[:, :-1])
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
     return loss, expert_ids
 
 
-def balance_biases(cfg: ModelConfig, w: dsv3.Weights, expert_ids: list[jax.Array]) -> dsv3.Weights:
+def balance_biases(cfg: dsv3.DeepseekV3Config, w: dsv3.Weights, expert_ids: list[jax.Array]) -> dsv3.Weights:
     """Aux-loss-free load balancing: raise the bias of under-used experts, lower that of over-used ones."""
     choices = iter(expert_ids)
 
@@ -140,7 +138,7 @@ def balance_biases(cfg: ModelConfig, w: dsv3.Weights, expert_ids: list[jax.Array
     return dataclasses.replace(w, layers=[balanced(layer) for layer in w.layers])
 
 
-def make_train_step(cfg: ModelConfig, optimizer):
+def make_train_step(cfg: dsv3.DeepseekV3Config, optimizer):
     @jax.jit
     def step(w, opt_state, batch):
         # The correction bias only steers the (non-differentiable) selection: its gradient is zero and
@@ -175,7 +173,7 @@ def main(argv=None):
         flush=True,
     )
 
-    cfg = ModelConfig.from_hf_config(CONFIG, source="train_tiny.CONFIG")
+    cfg = dsv3.DeepseekV3Config.from_hf_config(CONFIG, source="train_tiny.CONFIG")
     w = init_weights(cfg, args.seed)
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, args.lr, min(100, args.steps // 10), args.steps, args.lr / 10

@@ -69,7 +69,7 @@ def reference_step(cfg, w, tensors, tokens, positions, cache, n_deferred, n_skip
             out += carried
         carried = expert_fp64(tensors, i, h64, ids[:, k : k + deferred], weights[:, k : k + deferred])
         x = x + jnp.asarray(out, jnp.float32)[:, None]
-    return np.asarray(dsv3._logits(cfg, w, x)[:, 0])
+    return np.asarray(dsv3.model._logits(cfg, w, x)[:, 0])
 
 
 def prefilled_cache(model, batch):

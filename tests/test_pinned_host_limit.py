@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hybridjit.checkpoint import Checkpoint
-from hybridjit.config import ModelConfig
+from hybridjit.models.registry import config_from_json
 from hybridjit.pinned_experts import HOST_MEMORY_LIMIT_VAR, host_memory_limit_action, host_memory_limit_gb
 from hybridjit.resolve import default_model_dir
 from hybridjit.weights import routed_expert_bytes
@@ -73,5 +73,5 @@ def test_load_sets_the_limit_before_the_backend_starts():
 
 def _shipped_expert_bytes() -> int:
     path = default_model_dir()
-    return routed_expert_bytes(ModelConfig.from_json_file(path / "config.json"), Checkpoint(path))
+    return routed_expert_bytes(config_from_json(path / "config.json"), Checkpoint(path))
 

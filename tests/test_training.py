@@ -5,12 +5,12 @@ import numpy as np
 import optax
 from checkpoint_factory import tiny_config
 
-from hybridjit.config import ModelConfig
 from hybridjit.models import train_tiny
+from hybridjit.models.registry import config_from_hf
 
 
 def test_training_step_learns_and_balances():
-    cfg = ModelConfig.from_hf_config(tiny_config("v3"))
+    cfg = config_from_hf(tiny_config("v3"))
     weights = train_tiny.init_weights(cfg, seed=0)
     optimizer = optax.adam(3e-3)
     state = optimizer.init(weights)

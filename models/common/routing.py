@@ -1,0 +1,41 @@
+"""Routers: which experts each token goes to and with what weight.
+
+A family's config carries the fields read here: scoring_func ("sigmoid" or "softmax"), topk_method
+("noaux_tc": sigmoid with a correction bias and group limits by top-2 sums; "greedy": plain top-k;
+"group_limited_greedy": groups ranked by their max score), n_group, topk_group, num_experts_per_tok,
+norm_topk_prob and routed_scaling_factor.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from hybridjit.models.common.config import ModelConfig
+
+
+def route(cfg: ModelConfig, router: jax.Array, correction_bias: jax.Array | None, x: jax.Array):
+    """Top-k experts of each token x [T, d]: (ids [T, k] int32, weights [T, k] float32).
+
+    Selection may use the correction bias and group limits; the weights are always the unbiased scores.
+    """
+    logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), router.astype(jnp.float32))
+    if cfg.scoring_func == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)
+    choice = scores if correction_bias is None else scores + correction_bias
+    if cfg.topk_method in ("noaux_tc", "group_limited_greedy") and cfg.n_group > 1:
+        grouped = choice.reshape(x.shape[0], cfg.n_group, -1)
+        if cfg.topk_method == "noaux_tc":
+            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
+        else:
+            group_scores = grouped.max(-1)
+        _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)
+        keep = (
+            jnp.zeros_like(group_scores, dtype=bool).at[jnp.arange(x.shape[0])[:, None], top_groups].set(True)
+        )
+        choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(x.shape[0], -1)
+    _, ids = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return ids.astype(jnp.int32), weights * cfg.routed_scaling_factor

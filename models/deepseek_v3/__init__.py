@@ -1,0 +1,61 @@
+"""The DeepSeek-V3 family (DeepSeek-V2, V2-Lite, V3, R1, V3.1, Kimi-K2): Multi-head Latent Attention over a
+compressed latent cache, dense first layers, sigmoid or softmax routing with group limits, shared experts.
+
+A family package holds what the runtime asks of a family (models/registry.py lists it):
+- config.py: the config class built from a Hugging Face config.json, MODEL_TYPES, ARCHITECTURES, the known
+  NAMES and the PRESETS of the released sizes;
+- model.py: the model as pure functions (init_cache, prefill, decode_step, decode_step_dual, finite_stages, and
+  the per-layer pieces stream-loaded prefill runs);
+- ckpt.py: the checkpoint map (checkpoint_layout, build_weights);
+- cost.py: the figures of the path choice (layer_flops).
+"""
+
+# The shared pieces this family composes, here too for whoever composes its functions.
+from hybridjit.models.common.layers import MLP, linear, mlp, rms_norm
+from hybridjit.models.common.moe import (
+    Experts,
+    ExpertSchedule,
+    MoE,
+    dequantize_blocks,
+    experts_grouped,
+    group_by_expert,
+)
+from hybridjit.models.common.routing import route
+from hybridjit.models.deepseek_v3.ckpt import build_weights, checkpoint_layout
+from hybridjit.models.deepseek_v3.config import (
+    ARCHITECTURES,
+    MODEL_TYPES,
+    NAMES,
+    PRESETS,
+    DeepseekV3Config,
+)
+from hybridjit.models.deepseek_v3.cost import layer_flops
+from hybridjit.models.deepseek_v3.model import (
+    MLA,
+    ChunkedAttention,
+    Layer,
+    LayerCache,
+    Weights,
+    attention_absorbed,
+    attention_prefill,
+    causal_attention,
+    decode_step,
+    decode_step_dual,
+    finite_stages,
+    forward,
+    forward_layer,
+    init_cache,
+    prefill,
+    prefill_attention_layer,
+)
+
+CONFIG = DeepseekV3Config
+
+__all__ = [
+    "MLP", "Experts", "MoE", "dequantize_blocks", "experts_grouped", "group_by_expert", "linear", "mlp", "rms_norm",
+    "route",
+    "ARCHITECTURES", "CONFIG", "MLA", "MODEL_TYPES", "NAMES", "PRESETS", "ChunkedAttention", "DeepseekV3Config",
+    "ExpertSchedule", "Layer", "LayerCache", "Weights", "attention_absorbed", "attention_prefill", "build_weights",
+    "causal_attention", "checkpoint_layout", "decode_step", "decode_step_dual", "finite_stages", "forward",
+    "forward_layer", "init_cache", "layer_flops", "prefill", "prefill_attention_layer",
+]

@@ -1,0 +1,19 @@
+"""The DeepSeek-V3 family's cost figures for the choice of path (hybridjit.stream_prefill's model of prefill time)."""
+
+from hybridjit.models.deepseek_v3.config import DeepseekV3Config as ModelConfig
+
+
+def layer_flops(cfg: ModelConfig, batch: int, length: int) -> dict[str, float]:
+    """FLOPs (2 per multiply-add) of one layer's prefill by part: "projections" (MLA's), "attention core"
+    (causal: counted over its lower triangle), "dense mlp" (of a dense layer), "router+shared" and "routed"
+    (of a MoE layer)."""
+    n, d, h = batch * length, cfg.hidden_size, cfg.num_attention_heads
+    qk, v, r, p, f = cfg.qk_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.moe_intermediate_size
+    q_proj = d * cfg.q_lora_rank + cfg.q_lora_rank * h * qk if cfg.q_lora_rank else d * h * qk
+    return {
+        "projections": 2.0 * n * (q_proj + d * (r + p) + r * h * (cfg.qk_nope_head_dim + v) + h * v * d),
+        "attention core": 2.0 * batch * h * length * (length + 1) // 2 * (qk + v),
+        "dense mlp": 2.0 * n * 3 * d * cfg.intermediate_size,
+        "router+shared": 2.0 * n * (3 * d * f * cfg.n_shared_experts + d * cfg.n_routed_experts),
+        "routed": 2.0 * n * cfg.num_experts_per_tok * 3 * d * f,
+    }
