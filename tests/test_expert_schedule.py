@@ -15,6 +15,7 @@ from checkpoint_factory import as_float32, read_tensors, tiny_config, write_chec
 
 import hybridjit
 from hybridjit.models import deepseek_v3 as dsv3
+from hybridjit.models.common import decoder
 from hybridjit.ops.routed_experts import kernel_info
 
 # float32 model vs float64 routed experts in the reference: rounding only; the AVX-512 and AMX kernels also
@@ -69,7 +70,7 @@ def reference_step(cfg, w, tensors, tokens, positions, cache, n_deferred, n_skip
             out += carried
         carried = expert_fp64(tensors, i, h64, ids[:, k : k + deferred], weights[:, k : k + deferred])
         x = x + jnp.asarray(out, jnp.float32)[:, None]
-    return np.asarray(dsv3.model._logits(cfg, w, x)[:, 0])
+    return np.asarray(decoder.logits(cfg, w, x)[:, 0])
 
 
 def prefilled_cache(model, batch):

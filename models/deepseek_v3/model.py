@@ -19,13 +19,13 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from hybridjit.models.common.layers import MLP, linear, masked_softmax, mlp, rms_norm
-from hybridjit.models.common.moe import ExpertSchedule, MoE, MoEInFlight, Started, moe, moe_finish, moe_start
+from hybridjit.models.common import decoder
+from hybridjit.models.common.decoder import Layer, Weights
+from hybridjit.models.common.layers import linear, masked_softmax, rms_norm
 from hybridjit.models.common.pytree import pytree
 from hybridjit.models.common.rope import apply_rope, rope_cos_sin
 from hybridjit.models.deepseek_v3.config import DeepseekV3Config as ModelConfig
 
-NO_SCHEDULE = ExpertSchedule()  # neither deferral nor skipping
 # The q and kv latent norms use a fixed epsilon in DeepSeek's reference code and in transformers,
 # whatever rms_norm_eps says (the released configs happen to agree).
 LATENT_NORM_EPS = 1e-6
@@ -43,22 +43,6 @@ class MLA:
     kv_b: jax.Array  # [h*(n+v), r]
     o: jax.Array  # [d, h*v]
     o_bias: jax.Array | None
-
-
-@pytree
-class Layer:
-    attn_norm: jax.Array
-    attn: MLA
-    mlp_norm: jax.Array
-    mlp: MLP | MoE
-
-
-@pytree
-class Weights:
-    embed: jax.Array  # [vocab, d]
-    layers: list[Layer]
-    norm: jax.Array
-    lm_head: jax.Array  # [vocab, d]
 
 
 @pytree
@@ -140,187 +124,6 @@ def attention_absorbed(cfg: ModelConfig, w: MLA, x: jax.Array, positions: jax.Ar
     return linear(out, w.o, w.o_bias), cache
 
 
-def _feed_forward(cfg: ModelConfig, layer: Layer, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-    h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-    if isinstance(layer.mlp, MoE):
-        out, expert_ids, _ = moe(cfg, layer.mlp, h)
-        return x + out, expert_ids
-    return x + mlp(layer.mlp, h), None
-
-
-def _logits(cfg: ModelConfig, w: Weights, x: jax.Array) -> jax.Array:
-    return linear(rms_norm(x, w.norm, cfg.rms_norm_eps), w.lm_head).astype(jnp.float32)
-
-
-# ----------------------------------------------------------------------------------------- programs
-
-
-def forward(cfg: ModelConfig, w: Weights, tokens: jax.Array, cache: list[LayerCache] | None = None):
-    """Whole sequences tokens [b, t] from position 0 -> (float32 logits [b, t, vocab], the filled cache or
-    None when cache=None, the experts each MoE layer chose [b*t, k]).
-
-    Sequences are right-padded; causality keeps padding out of every real token's attention.
-    """
-    x = w.embed[tokens]
-    new_cache, expert_ids = [], []
-    for i, layer in enumerate(w.layers):
-        with jax.named_scope(f"layer{i}"):
-            x, layer_cache, ids = forward_layer(cfg, layer, x, None if cache is None else cache[i])
-            if ids is not None:
-                expert_ids.append(ids)
-            new_cache.append(layer_cache)
-    return _logits(cfg, w, x), (new_cache if cache is not None else None), expert_ids
-
-
-def forward_layer(cfg: ModelConfig, layer: Layer, x: jax.Array, cache: LayerCache | None):
-    """One layer of `forward` on x [b, t, d] -> (its output, the layer's cache with the prompt written at
-    positions [0, t) or None when cache=None, the experts chosen per token [b*t, k] or None in a dense layer)."""
-    h, (latent, k_rope) = attention_prefill(
-        cfg, layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), causal_attention
-    )
-    x, ids = _feed_forward(cfg, layer, x + h)
-    return x, (None if cache is None else _write_prompt(cache, latent, k_rope)), ids
-
-
-def _write_prompt(cache: LayerCache, latent: jax.Array, k_rope: jax.Array) -> LayerCache:
-    """A layer's cache with a prompt's latents [b, t, r] and roped keys [b, t, p] written at positions [0, t)."""
-    return LayerCache(
-        latent=jax.lax.dynamic_update_slice(cache.latent, latent.astype(cache.latent.dtype), (0, 0, 0)),
-        k_rope=jax.lax.dynamic_update_slice(cache.k_rope, k_rope.astype(cache.k_rope.dtype), (0, 0, 0)),
-    )
-
-
-def finite_stages(cfg: ModelConfig, w: Weights, tokens: jax.Array) -> jax.Array:
-    """Whether the hidden states are all finite after each stage of `forward` over tokens [b, t]: bool
-    [num_hidden_layers + 2] for the embeddings, each layer's output, then the logits. A diagnostic, run once
-    logits were found not finite: the first False names the stage (weights, or config) that made them so."""
-    x = w.embed[tokens]
-    finite = [jnp.isfinite(x).all()]
-    for layer in w.layers:
-        x = forward_layer(cfg, layer, x, None)[0]
-        finite.append(jnp.isfinite(x).all())
-    finite.append(jnp.isfinite(_logits(cfg, w, x)).all())
-    return jnp.stack(finite)
-
-
-def prefill(cfg: ModelConfig, w: Weights, tokens: jax.Array, cache: list[LayerCache] | None = None):
-    """Prompts tokens [b, t] (right-padded) -> (float32 logits [b, t, vocab], the filled cache)."""
-    logits, cache, _ = forward(cfg, w, tokens, cache)
-    return logits, cache
-
-
-def decode_step(
-    cfg: ModelConfig,
-    w: Weights,
-    tokens: jax.Array,
-    positions: jax.Array,
-    cache: list[LayerCache],
-    schedule: ExpertSchedule = NO_SCHEDULE,
-):
-    """One new token per sequence, tokens [b] at positions [b]: float32 logits [b, vocab], updated cache.
-
-    `schedule` (static) turns on Expert Skipping or Expert Deferral; deferred experts alternate between
-    two staging slots, since one layer's are still in flight when the next layer's start.
-    """
-    schedule.check(cfg)
-    moe_layers = [i for i, layer in enumerate(w.layers) if isinstance(layer.mlp, MoE)]
-    x = w.embed[tokens][:, None]
-    new_cache, carried = [], None
-    for i, layer in enumerate(w.layers):
-        with jax.named_scope(f"layer{i}"):
-            h, c = attention_absorbed(
-                cfg, layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), positions[:, None], cache[i]
-            )
-            new_cache.append(c)
-            x = x + h
-            h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-            if isinstance(layer.mlp, MoE):
-                n = moe_layers.index(i)
-                out, _, carried = moe(
-                    cfg,
-                    layer.mlp,
-                    h,
-                    n_skipped=schedule.n_skipped,
-                    n_deferred=schedule.n_deferred if i != moe_layers[-1] else 0,
-                    deferred_slot=1 + n % 2,
-                    carried=carried,
-                )
-            else:
-                out = mlp(layer.mlp, h)
-            x = x + out
-    return _logits(cfg, w, x)[:, 0], new_cache
-
-
-def decode_step_dual(
-    cfg: ModelConfig,
-    w: Weights,
-    tokens: tuple[jax.Array, jax.Array],
-    positions: tuple[jax.Array, jax.Array],
-    caches: tuple[list[LayerCache], list[LayerCache]],
-    schedule: ExpertSchedule = NO_SCHEDULE,
-):
-    """decode_step for two micro-batches A and B, interleaved so that each side's work hides the other's
-    (OSDI '26 §3.3.1): while the CPU computes A's routed experts the GPU computes B's attention and shared
-    experts, and the other way round. Same math as decode_step on each micro-batch.
-
-    The order is data: each micro-batch takes back its routed experts only after the other has handed its
-    own to the CPU (the wait's pass-through operand is the other's hand-off output). Returns
-    ((logits A, logits B), (cache A, cache B)).
-    """
-    schedule.check(cfg)
-    moe_layers = [i for i, layer in enumerate(w.layers) if isinstance(layer.mlp, MoE)]
-    x = [w.embed[t][:, None] for t in tokens]
-    new_caches: tuple[list, list] = ([], [])
-    in_flight: list[MoEInFlight | None] = [None, None]
-    carried: list[Started | None] = [None, None]
-
-    def finish(m: int, other: jax.Array):
-        out, _ = moe_finish(in_flight[m], other)
-        x[m] = x[m] + out
-        in_flight[m] = None
-
-    for i, layer in enumerate(w.layers):
-        handed_off = None  # A's tokens after its hand-off in this layer
-        for m in (0, 1):
-            with jax.named_scope(f"layer{i}/mb{m}"):
-                if m == 1 and handed_off is not None:
-                    # B's attention waits for A's hand-off even where no data says so (the first MoE layer),
-                    # so that it always overlaps A's routed experts on the CPU.
-                    x[1], _ = jax.lax.optimization_barrier((x[1], handed_off))
-                with jax.named_scope("attention"):
-                    h, c = attention_absorbed(
-                        cfg, layer.attn, rms_norm(x[m], layer.attn_norm, cfg.rms_norm_eps), positions[m][:, None],
-                        caches[m][i],
-                    )
-                new_caches[m].append(c)
-                x[m] = x[m] + h
-                h = rms_norm(x[m], layer.mlp_norm, cfg.rms_norm_eps)
-                if not isinstance(layer.mlp, MoE):
-                    x[m] = x[m] + mlp(layer.mlp, h)
-                    continue
-                n = moe_layers.index(i)
-                flight, tokens_out, _, carried[m] = moe_start(
-                    cfg,
-                    layer.mlp,
-                    h,
-                    slot=3 * m,
-                    n_skipped=schedule.n_skipped,
-                    n_deferred=schedule.n_deferred if i != moe_layers[-1] else 0,
-                    deferred_slot=3 * m + 1 + n % 2,
-                    carried=carried[m],
-                )
-                other = 1 - m
-                if in_flight[other] is not None:  # its experts ran on the CPU during this attention
-                    finish(other, flight.shared if flight.shared is not None else tokens_out)
-                in_flight[m] = flight
-                if m == 0:
-                    handed_off = tokens_out
-    for m in (0, 1):
-        if in_flight[m] is not None:
-            finish(m, x[1 - m])
-    return tuple(_logits(cfg, w, xm)[:, 0] for xm in x), new_caches
-
-
 # ------------------------------------------------------------------- stream-loaded prefill, by pieces
 # hybridjit.stream_prefill runs prefill layer by layer as separate executables, with the routed experts
 # streamed to the device block by block. These are its pieces: the same math as `prefill`, arranged so that
@@ -373,8 +176,51 @@ def attention_prefill(cfg: ModelConfig, w: MLA, x: jax.Array, attend: Callable):
     return linear(out, w.o, w.o_bias), (latent, k_rope)
 
 
+def write_prompt(cache: LayerCache, entries: tuple[jax.Array, jax.Array]) -> LayerCache:
+    """A layer's cache with a prompt's (latents [b, t, r], roped keys [b, t, p]) written at positions [0, t)."""
+    latent, k_rope = entries
+    return LayerCache(
+        latent=jax.lax.dynamic_update_slice(cache.latent, latent.astype(cache.latent.dtype), (0, 0, 0)),
+        k_rope=jax.lax.dynamic_update_slice(cache.k_rope, k_rope.astype(cache.k_rope.dtype), (0, 0, 0)),
+    )
+
+
+ATTENTION = decoder.Attention(
+    prefill=attention_prefill, write_prompt=write_prompt, decode=attention_absorbed, causal=causal_attention
+)
+
+
+# ---------------------------------------------------------------------------------------------- programs
+# The shared decoder (models/common/decoder.py) with MLA bound: see its functions for what each computes.
+
+
+def forward(cfg: ModelConfig, w: Weights, tokens: jax.Array, cache: list[LayerCache] | None = None):
+    """Whole sequences [b, t] -> (float32 logits [b, t, vocab], filled cache or None, experts chosen per MoE layer)."""
+    return decoder.forward(ATTENTION, cfg, w, tokens, cache)
+
+
+def forward_layer(cfg: ModelConfig, layer: Layer, x: jax.Array, cache: LayerCache | None):
+    return decoder.forward_layer(ATTENTION, cfg, layer, x, cache)
+
+
+def finite_stages(cfg: ModelConfig, w: Weights, tokens: jax.Array) -> jax.Array:
+    return decoder.finite_stages(ATTENTION, cfg, w, tokens)
+
+
+def prefill(cfg: ModelConfig, w: Weights, tokens: jax.Array, cache: list[LayerCache] | None = None):
+    """Prompts tokens [b, t] (right-padded) -> (float32 logits [b, t, vocab], the filled cache)."""
+    return decoder.prefill(ATTENTION, cfg, w, tokens, cache)
+
+
+def decode_step(cfg: ModelConfig, w: Weights, tokens, positions, cache: list[LayerCache], schedule=decoder.NO_SCHEDULE):
+    """One new token per sequence, tokens [b] at positions [b]: float32 logits [b, vocab], updated cache."""
+    return decoder.decode_step(ATTENTION, cfg, w, tokens, positions, cache, schedule)
+
+
+def decode_step_dual(cfg: ModelConfig, w: Weights, tokens, positions, caches, schedule=decoder.NO_SCHEDULE):
+    """decode_step for two micro-batches interleaved so that each side's work hides the other's."""
+    return decoder.decode_step_dual(ATTENTION, cfg, w, tokens, positions, caches, schedule)
+
+
 def prefill_attention_layer(cfg: ModelConfig, layer: Layer, x: jax.Array, cache: LayerCache, attend: Callable):
-    """The attention half of one layer of `forward`: (x + attention, the layer's cache with the prompt written
-    at positions [0, t))."""
-    h, (latent, k_rope) = attention_prefill(cfg, layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), attend)
-    return x + h, _write_prompt(cache, latent, k_rope)
+    return decoder.prefill_attention_layer(ATTENTION, cfg, layer, x, cache, attend)

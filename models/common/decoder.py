@@ -1,0 +1,235 @@
+"""The decoder every family shares: embeddings, layers of (attention, dense MLP or MoE block) with pre-norms and
+residuals, final norm and LM head; whole-sequence prefill, one-token decode steps (with Expert Deferral and
+Skipping), the dual-micro-batch decode step, and the pieces stream-loaded prefill runs layer by layer.
+
+A family plugs its attention in as an `Attention` (MLA for DeepSeek, GQA for the others) and its weights as
+`Layer`s of a `Weights` pytree; its model module wraps these functions with its Attention bound.
+
+Einsum dimension names: b batch, t query tokens, s key/cache positions, d hidden, k experts per token.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from hybridjit.models.common.config import ModelConfig
+from hybridjit.models.common.layers import MLP, linear, mlp, rms_norm
+from hybridjit.models.common.moe import ExpertSchedule, MoE, MoEInFlight, Started, moe, moe_finish, moe_start
+from hybridjit.models.common.pytree import pytree
+
+NO_SCHEDULE = ExpertSchedule()  # neither deferral nor skipping
+
+
+@dataclasses.dataclass(frozen=True)
+class Attention:
+    """A family's attention as the decoder calls it. Its members are module-level functions, so an Attention is
+    hashable and the decoder's functions stay pure functions of static arguments.
+
+    - prefill(cfg, w, x [b, t, d], attend) -> (out [b, t, d], entries): causal attention over whole prompts from
+      position 0 with the attention core `attend`; entries are what the cache keeps of the prompt.
+    - write_prompt(layer_cache, entries) -> the layer cache with the prompt's entries at positions [0, t).
+    - decode(cfg, w, x [b, t, d], positions [b, t], layer_cache) -> (out, the updated layer cache).
+    - causal: the dense causal core that whole-sequence prefill passes as `attend`.
+    """
+
+    prefill: Callable
+    write_prompt: Callable
+    decode: Callable
+    causal: Callable
+
+
+@pytree
+class Layer:
+    attn_norm: jax.Array
+    attn: object  # the family's attention weights
+    mlp_norm: jax.Array
+    mlp: MLP | MoE
+
+
+@pytree
+class Weights:
+    embed: jax.Array  # [vocab, d]
+    layers: list[Layer]
+    norm: jax.Array
+    lm_head: jax.Array  # [vocab, d]
+
+
+def _feed_forward(cfg: ModelConfig, layer: Layer, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+    if isinstance(layer.mlp, MoE):
+        out, expert_ids, _ = moe(cfg, layer.mlp, h)
+        return x + out, expert_ids
+    return x + mlp(layer.mlp, h), None
+
+
+def logits(cfg: ModelConfig, w: Weights, x: jax.Array) -> jax.Array:
+    return linear(rms_norm(x, w.norm, cfg.rms_norm_eps), w.lm_head).astype(jnp.float32)
+
+
+def forward(attention: Attention, cfg: ModelConfig, w: Weights, tokens: jax.Array, cache: list | None = None):
+    """Whole sequences tokens [b, t] from position 0 -> (float32 logits [b, t, vocab], the filled cache or
+    None when cache=None, the experts each MoE layer chose [b*t, k]).
+
+    Sequences are right-padded; causality keeps padding out of every real token's attention.
+    """
+    x = w.embed[tokens]
+    new_cache, expert_ids = [], []
+    for i, layer in enumerate(w.layers):
+        with jax.named_scope(f"layer{i}"):
+            x, layer_cache, ids = forward_layer(attention, cfg, layer, x, None if cache is None else cache[i])
+            if ids is not None:
+                expert_ids.append(ids)
+            new_cache.append(layer_cache)
+    return logits(cfg, w, x), (new_cache if cache is not None else None), expert_ids
+
+
+def forward_layer(attention: Attention, cfg: ModelConfig, layer: Layer, x: jax.Array, cache):
+    """One layer of `forward` on x [b, t, d] -> (its output, the layer's cache with the prompt written at
+    positions [0, t) or None when cache=None, the experts chosen per token [b*t, k] or None in a dense layer)."""
+    h, entries = attention.prefill(cfg, layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), attention.causal)
+    x, ids = _feed_forward(cfg, layer, x + h)
+    return x, (None if cache is None else attention.write_prompt(cache, entries)), ids
+
+
+def finite_stages(attention: Attention, cfg: ModelConfig, w: Weights, tokens: jax.Array) -> jax.Array:
+    """Whether the hidden states are all finite after each stage of `forward` over tokens [b, t]: bool
+    [num_hidden_layers + 2] for the embeddings, each layer's output, then the logits. A diagnostic, run once
+    logits were found not finite: the first False names the stage (weights, or config) that made them so."""
+    x = w.embed[tokens]
+    finite = [jnp.isfinite(x).all()]
+    for layer in w.layers:
+        x = forward_layer(attention, cfg, layer, x, None)[0]
+        finite.append(jnp.isfinite(x).all())
+    finite.append(jnp.isfinite(logits(cfg, w, x)).all())
+    return jnp.stack(finite)
+
+
+def prefill(attention: Attention, cfg: ModelConfig, w: Weights, tokens: jax.Array, cache: list | None = None):
+    """Prompts tokens [b, t] (right-padded) -> (float32 logits [b, t, vocab], the filled cache)."""
+    logits, cache, _ = forward(attention, cfg, w, tokens, cache)
+    return logits, cache
+
+
+def decode_step(
+    attention: Attention,
+    cfg: ModelConfig,
+    w: Weights,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: list,
+    schedule: ExpertSchedule = NO_SCHEDULE,
+):
+    """One new token per sequence, tokens [b] at positions [b]: float32 logits [b, vocab], updated cache.
+
+    `schedule` (static) turns on Expert Skipping or Expert Deferral; deferred experts alternate between
+    two staging slots, since one layer's are still in flight when the next layer's start.
+    """
+    schedule.check(cfg)
+    moe_layers = [i for i, layer in enumerate(w.layers) if isinstance(layer.mlp, MoE)]
+    x = w.embed[tokens][:, None]
+    new_cache, carried = [], None
+    for i, layer in enumerate(w.layers):
+        with jax.named_scope(f"layer{i}"):
+            h, c = attention.decode(
+                cfg, layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), positions[:, None], cache[i]
+            )
+            new_cache.append(c)
+            x = x + h
+            h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+            if isinstance(layer.mlp, MoE):
+                n = moe_layers.index(i)
+                out, _, carried = moe(
+                    cfg,
+                    layer.mlp,
+                    h,
+                    n_skipped=schedule.n_skipped,
+                    n_deferred=schedule.n_deferred if i != moe_layers[-1] else 0,
+                    deferred_slot=1 + n % 2,
+                    carried=carried,
+                )
+            else:
+                out = mlp(layer.mlp, h)
+            x = x + out
+    return logits(cfg, w, x)[:, 0], new_cache
+
+
+def decode_step_dual(
+    attention: Attention,
+    cfg: ModelConfig,
+    w: Weights,
+    tokens: tuple[jax.Array, jax.Array],
+    positions: tuple[jax.Array, jax.Array],
+    caches: tuple[list, list],
+    schedule: ExpertSchedule = NO_SCHEDULE,
+):
+    """decode_step for two micro-batches A and B, interleaved so that each side's work hides the other's
+    (OSDI '26 §3.3.1): while the CPU computes A's routed experts the GPU computes B's attention and shared
+    experts, and the other way round. Same math as decode_step on each micro-batch.
+
+    The order is data: each micro-batch takes back its routed experts only after the other has handed its
+    own to the CPU (the wait's pass-through operand is the other's hand-off output). Returns
+    ((logits A, logits B), (cache A, cache B)).
+    """
+    schedule.check(cfg)
+    moe_layers = [i for i, layer in enumerate(w.layers) if isinstance(layer.mlp, MoE)]
+    x = [w.embed[t][:, None] for t in tokens]
+    new_caches: tuple[list, list] = ([], [])
+    in_flight: list[MoEInFlight | None] = [None, None]
+    carried: list[Started | None] = [None, None]
+
+    def finish(m: int, other: jax.Array):
+        out, _ = moe_finish(in_flight[m], other)
+        x[m] = x[m] + out
+        in_flight[m] = None
+
+    for i, layer in enumerate(w.layers):
+        handed_off = None  # A's tokens after its hand-off in this layer
+        for m in (0, 1):
+            with jax.named_scope(f"layer{i}/mb{m}"):
+                if m == 1 and handed_off is not None:
+                    # B's attention waits for A's hand-off even where no data says so (the first MoE layer),
+                    # so that it always overlaps A's routed experts on the CPU.
+                    x[1], _ = jax.lax.optimization_barrier((x[1], handed_off))
+                with jax.named_scope("attention"):
+                    h, c = attention.decode(
+                        cfg, layer.attn, rms_norm(x[m], layer.attn_norm, cfg.rms_norm_eps), positions[m][:, None],
+                        caches[m][i],
+                    )
+                new_caches[m].append(c)
+                x[m] = x[m] + h
+                h = rms_norm(x[m], layer.mlp_norm, cfg.rms_norm_eps)
+                if not isinstance(layer.mlp, MoE):
+                    x[m] = x[m] + mlp(layer.mlp, h)
+                    continue
+                n = moe_layers.index(i)
+                flight, tokens_out, _, carried[m] = moe_start(
+                    cfg,
+                    layer.mlp,
+                    h,
+                    slot=3 * m,
+                    n_skipped=schedule.n_skipped,
+                    n_deferred=schedule.n_deferred if i != moe_layers[-1] else 0,
+                    deferred_slot=3 * m + 1 + n % 2,
+                    carried=carried[m],
+                )
+                other = 1 - m
+                if in_flight[other] is not None:  # its experts ran on the CPU during this attention
+                    finish(other, flight.shared if flight.shared is not None else tokens_out)
+                in_flight[m] = flight
+                if m == 0:
+                    handed_off = tokens_out
+    for m in (0, 1):
+        if in_flight[m] is not None:
+            finish(m, x[1 - m])
+    return tuple(logits(cfg, w, xm)[:, 0] for xm in x), new_caches
+
+
+def prefill_attention_layer(
+    attention: Attention, cfg: ModelConfig, layer: Layer, x: jax.Array, cache, attend: Callable
+):
+    """The attention half of one layer of `forward`: (x + attention, the layer's cache with the prompt written
+    at positions [0, t))."""
+    h, entries = attention.prefill(cfg, layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), attend)
+    return x + h, attention.write_prompt(cache, entries)
