@@ -233,3 +233,31 @@ def prefill_attention_layer(
     at positions [0, t))."""
     h, entries = attention.prefill(cfg, layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), attend)
     return x + h, attention.write_prompt(cache, entries)
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """The decoder's functions with one family's attention bound: what a family's model module exports."""
+
+    attention: Attention
+
+    def forward(self, cfg: ModelConfig, w: Weights, tokens: jax.Array, cache: list | None = None):
+        return forward(self.attention, cfg, w, tokens, cache)
+
+    def forward_layer(self, cfg: ModelConfig, layer: Layer, x: jax.Array, cache):
+        return forward_layer(self.attention, cfg, layer, x, cache)
+
+    def finite_stages(self, cfg: ModelConfig, w: Weights, tokens: jax.Array) -> jax.Array:
+        return finite_stages(self.attention, cfg, w, tokens)
+
+    def prefill(self, cfg: ModelConfig, w: Weights, tokens: jax.Array, cache: list | None = None):
+        return prefill(self.attention, cfg, w, tokens, cache)
+
+    def decode_step(self, cfg: ModelConfig, w: Weights, tokens, positions, cache: list, schedule=NO_SCHEDULE):
+        return decode_step(self.attention, cfg, w, tokens, positions, cache, schedule)
+
+    def decode_step_dual(self, cfg: ModelConfig, w: Weights, tokens, positions, caches, schedule=NO_SCHEDULE):
+        return decode_step_dual(self.attention, cfg, w, tokens, positions, caches, schedule)
+
+    def prefill_attention_layer(self, cfg: ModelConfig, layer: Layer, x: jax.Array, cache, attend: Callable):
+        return prefill_attention_layer(self.attention, cfg, layer, x, cache, attend)

@@ -29,14 +29,16 @@ def yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def rope_config(f: ConfigFields, dim: int) -> RopeConfig:
+def rope_config(f: ConfigFields, dim: int, interleave: bool = True) -> RopeConfig:
+    """RoPE of `dim` dimensions per head from a config.json; `interleave`: the family's pair layout when the config
+    does not say (rope_interleave): DeepSeek rotates (x0, x1), ...; Llama-style families (x_i, x_{i+dim/2})."""
     # Real DeepSeek configs use the legacy key "rope_scaling" ({"type": "yarn", ...}); newer ones
     # "rope_parameters" ({"rope_type": ..., "rope_theta": ...}).
     params = f.section("rope_parameters") or f.section("rope_scaling") or ConfigFields({}, f.source)
     rope_type = params.text("rope_type", None) or params.text("type", "default")
     # theta > 1: the frequencies theta^(-2i/dim) must fall with i, and YaRN divides by log(theta).
     theta = params.number("rope_theta", None, above=1) or f.number("rope_theta", 10000.0, above=1)
-    base = dict(theta=theta, dim=dim, interleave=f.flag("rope_interleave", True))
+    base = dict(theta=theta, dim=dim, interleave=f.flag("rope_interleave", interleave))
     if rope_type == "default":
         return RopeConfig(**base)
     if rope_type != "yarn":

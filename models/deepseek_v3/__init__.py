@@ -11,6 +11,7 @@ A family package holds what the runtime asks of a family (models/registry.py lis
 """
 
 # The shared pieces this family composes, here too for whoever composes its functions.
+from hybridjit.models.common.decoder import Layer, Weights
 from hybridjit.models.common.layers import MLP, linear, mlp, rms_norm
 from hybridjit.models.common.moe import (
     Experts,
@@ -33,9 +34,7 @@ from hybridjit.models.deepseek_v3.cost import layer_flops
 from hybridjit.models.deepseek_v3.model import (
     MLA,
     ChunkedAttention,
-    Layer,
     LayerCache,
-    Weights,
     attention_absorbed,
     attention_prefill,
     causal_attention,

@@ -8,10 +8,11 @@ from typing import Any
 import jax.numpy as jnp
 
 from hybridjit.models.common.checkpoint_map import PROJECTIONS, TensorSpec
+from hybridjit.models.common.decoder import Layer, Weights
 from hybridjit.models.common.layers import MLP
 from hybridjit.models.common.moe import Experts, MoE
 from hybridjit.models.deepseek_v3.config import DeepseekV3Config as ModelConfig
-from hybridjit.models.deepseek_v3.model import MLA, Layer, Weights
+from hybridjit.models.deepseek_v3.model import MLA
 
 
 def checkpoint_layout(cfg: ModelConfig) -> dict[str, TensorSpec]:

@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 
 from hybridjit.models.common import decoder
-from hybridjit.models.common.decoder import Layer, Weights
 from hybridjit.models.common.layers import linear, masked_softmax, rms_norm
 from hybridjit.models.common.pytree import pytree
 from hybridjit.models.common.rope import apply_rope, rope_cos_sin
@@ -190,37 +189,12 @@ ATTENTION = decoder.Attention(
 )
 
 
-# ---------------------------------------------------------------------------------------------- programs
 # The shared decoder (models/common/decoder.py) with MLA bound: see its functions for what each computes.
-
-
-def forward(cfg: ModelConfig, w: Weights, tokens: jax.Array, cache: list[LayerCache] | None = None):
-    """Whole sequences [b, t] -> (float32 logits [b, t, vocab], filled cache or None, experts chosen per MoE layer)."""
-    return decoder.forward(ATTENTION, cfg, w, tokens, cache)
-
-
-def forward_layer(cfg: ModelConfig, layer: Layer, x: jax.Array, cache: LayerCache | None):
-    return decoder.forward_layer(ATTENTION, cfg, layer, x, cache)
-
-
-def finite_stages(cfg: ModelConfig, w: Weights, tokens: jax.Array) -> jax.Array:
-    return decoder.finite_stages(ATTENTION, cfg, w, tokens)
-
-
-def prefill(cfg: ModelConfig, w: Weights, tokens: jax.Array, cache: list[LayerCache] | None = None):
-    """Prompts tokens [b, t] (right-padded) -> (float32 logits [b, t, vocab], the filled cache)."""
-    return decoder.prefill(ATTENTION, cfg, w, tokens, cache)
-
-
-def decode_step(cfg: ModelConfig, w: Weights, tokens, positions, cache: list[LayerCache], schedule=decoder.NO_SCHEDULE):
-    """One new token per sequence, tokens [b] at positions [b]: float32 logits [b, vocab], updated cache."""
-    return decoder.decode_step(ATTENTION, cfg, w, tokens, positions, cache, schedule)
-
-
-def decode_step_dual(cfg: ModelConfig, w: Weights, tokens, positions, caches, schedule=decoder.NO_SCHEDULE):
-    """decode_step for two micro-batches interleaved so that each side's work hides the other's."""
-    return decoder.decode_step_dual(ATTENTION, cfg, w, tokens, positions, caches, schedule)
-
-
-def prefill_attention_layer(cfg: ModelConfig, layer: Layer, x: jax.Array, cache: LayerCache, attend: Callable):
-    return decoder.prefill_attention_layer(ATTENTION, cfg, layer, x, cache, attend)
+PROGRAMS = decoder.Programs(ATTENTION)
+forward = PROGRAMS.forward
+forward_layer = PROGRAMS.forward_layer
+finite_stages = PROGRAMS.finite_stages
+prefill = PROGRAMS.prefill
+decode_step = PROGRAMS.decode_step
+decode_step_dual = PROGRAMS.decode_step_dual
+prefill_attention_layer = PROGRAMS.prefill_attention_layer
