@@ -11,10 +11,10 @@ from pathlib import Path
 from types import ModuleType
 
 from hybridjit.config import ConfigError, read_config_json
-from hybridjit.models import deepseek_v3
+from hybridjit.models import deepseek_v3, qwen3_moe
 from hybridjit.models.common.config import ModelConfig
 
-FAMILIES: tuple[ModuleType, ...] = (deepseek_v3,)
+FAMILIES: tuple[ModuleType, ...] = (deepseek_v3, qwen3_moe)
 
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.MODEL_TYPES}
 _BY_ARCHITECTURE = {a: f for f in FAMILIES for a in f.ARCHITECTURES}

@@ -1,6 +1,21 @@
-"""What a family's checkpoint map is made of: each tensor a config implies, by its Hugging Face name."""
+"""What a family's checkpoint map is made of: each tensor a config implies, by its Hugging Face name, and the
+decoder's part of the map (embeddings, norms, dense MLPs, MoE routers, shared and routed experts, LM head), into
+which a family puts its attention's tensors.
+
+Loading checks a checkpoint against `decoder_layout` before reading anything and fills the pytree through
+`build_decoder_weights`; exporting passes the identity to the same function to get the tree with names as leaves.
+"""
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+
+from hybridjit.models.common.config import ModelConfig
+from hybridjit.models.common.decoder import Layer, Weights
+from hybridjit.models.common.layers import MLP
+from hybridjit.models.common.moe import Experts, MoE
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an MLP's or expert's matrices, in the pytree's order
 
@@ -9,3 +24,90 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an MLP's or expert's matr
 class TensorSpec:
     shape: tuple[int, ...]
     quantizable: bool  # a projection matrix that FP8 checkpoints store as float8 + block scales
+
+
+class Layout:
+    """Collects TensorSpecs by name: what a family's attention_layout(layout, prefix) adds to."""
+
+    def __init__(self):
+        self.specs: dict[str, TensorSpec] = {}
+
+    def matrix(self, name: str, out: int, inp: int, quantizable: bool = True):
+        self.specs[name] = TensorSpec((out, inp), quantizable)
+
+    def vector(self, name: str, size: int):
+        self.specs[name] = TensorSpec((size,), False)
+
+    def mlp(self, prefix: str, hidden: int, inter: int):
+        self.matrix(f"{prefix}.gate_proj.weight", inter, hidden)
+        self.matrix(f"{prefix}.up_proj.weight", inter, hidden)
+        self.matrix(f"{prefix}.down_proj.weight", hidden, inter)
+
+
+def decoder_layout(cfg: ModelConfig, attention_layout: Callable[[Layout, str], None]) -> dict[str, TensorSpec]:
+    """Every tensor the config implies, by its Hugging Face name; attention_layout(layout, "model.layers.L.self_attn")
+    adds one layer's attention tensors."""
+    layout, d = Layout(), cfg.hidden_size
+    layout.matrix("model.embed_tokens.weight", cfg.vocab_size, d, quantizable=False)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}"
+        layout.vector(f"{p}.input_layernorm.weight", d)
+        layout.vector(f"{p}.post_attention_layernorm.weight", d)
+        attention_layout(layout, f"{p}.self_attn")
+        if not cfg.is_moe_layer(i):
+            layout.mlp(f"{p}.mlp", d, cfg.intermediate_size)
+            continue
+        layout.matrix(f"{p}.mlp.gate.weight", cfg.n_routed_experts, d, quantizable=False)
+        if cfg.use_correction_bias:
+            layout.vector(f"{p}.mlp.gate.e_score_correction_bias", cfg.n_routed_experts)
+        if cfg.n_shared_experts:
+            layout.mlp(f"{p}.mlp.shared_experts", d, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        for e in range(cfg.n_routed_experts):
+            layout.mlp(f"{p}.mlp.experts.{e}", d, cfg.moe_intermediate_size)
+    layout.vector("model.norm.weight", d)
+    if not cfg.tie_word_embeddings:
+        layout.matrix("lm_head.weight", cfg.vocab_size, d, quantizable=False)
+    return layout.specs
+
+
+def build_decoder_weights(
+    cfg: ModelConfig,
+    tensor: Callable[..., Any],
+    routed: Callable[[str, int], tuple[Experts | None, int | None]],
+    attention: Callable[[str, int], Any],
+) -> Weights:
+    """The weights pytree, with each leaf made by tensor(hf_name[, dtype]), each MoE layer's routed experts by
+    routed(prefix, layer) -> (JAX-held experts or None, expert-bank layer id or None), and each layer's attention
+    weights by attention("model.layers.L.self_attn", L)."""
+
+    def mlp(p):
+        return MLP(*(tensor(f"{p}.{proj}.weight") for proj in PROJECTIONS))
+
+    def moe(p, layer):
+        experts, bank_layer = routed(p, layer)
+        return MoE(
+            router=tensor(f"{p}.gate.weight", jnp.float32),
+            correction_bias=tensor(f"{p}.gate.e_score_correction_bias", jnp.float32)
+            if cfg.use_correction_bias
+            else None,
+            shared=mlp(f"{p}.shared_experts") if cfg.n_shared_experts else None,
+            experts=experts,
+            expert_layer=bank_layer,
+        )
+
+    layers = [
+        Layer(
+            attn_norm=tensor(f"model.layers.{i}.input_layernorm.weight"),
+            attn=attention(f"model.layers.{i}.self_attn", i),
+            mlp_norm=tensor(f"model.layers.{i}.post_attention_layernorm.weight"),
+            mlp=moe(f"model.layers.{i}.mlp", i) if cfg.is_moe_layer(i) else mlp(f"model.layers.{i}.mlp"),
+        )
+        for i in range(cfg.num_hidden_layers)
+    ]
+    embed = tensor("model.embed_tokens.weight")
+    return Weights(
+        embed=embed,
+        layers=layers,
+        norm=tensor("model.norm.weight"),
+        lm_head=embed if cfg.tie_word_embeddings else tensor("lm_head.weight"),
+    )

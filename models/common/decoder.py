@@ -188,6 +188,11 @@ def decode_step_dual(
         handed_off = None  # A's tokens after its hand-off in this layer
         for m in (0, 1):
             with jax.named_scope(f"layer{i}/mb{m}"):
+                if in_flight[m] is not None:
+                    # Its routed experts of the last layer were not taken back by the other micro-batch's MoE
+                    # start (this is a dense layer after a MoE layer, as Qwen3's mlp_only_layers make): take
+                    # them back before its attention reads x.
+                    finish(m, x[1 - m])
                 if m == 1 and handed_off is not None:
                     # B's attention waits for A's hand-off even where no data says so (the first MoE layer),
                     # so that it always overlaps A's routed experts on the CPU.

@@ -1,0 +1,132 @@
+"""Grouped-query attention (GQA), as the Llama-lineage MoE families compute it: per-head q/k/v projections (with
+optional biases), optional QK RMSNorm (per head, or over all heads), RoPE on all or the first part of each head's
+dims, an optional sliding window (per layer) and optional attention sinks, and a key/value cache per layer.
+
+A family's config provides: num_attention_heads, num_key_value_heads, head_dim, rope (RopeConfig; rope.dim the
+rotated dims of a head), rms_norm_eps and softmax_scale.
+
+Einsum dimension names: b batch, t query tokens, s key/cache positions, d hidden, h heads, k key/value heads,
+g query heads per key/value head (h = k * g), e head dims.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from hybridjit.models.common.layers import linear, masked_softmax, rms_norm
+from hybridjit.models.common.pytree import pytree
+from hybridjit.models.common.rope import apply_rope, rope_cos_sin
+
+
+@pytree(meta=("window",))
+class GQA:
+    q: jax.Array  # [h*e, d]
+    k: jax.Array  # [k*e, d]
+    v: jax.Array  # [k*e, d]
+    o: jax.Array  # [d, h*e]
+    q_bias: jax.Array | None = None
+    k_bias: jax.Array | None = None
+    v_bias: jax.Array | None = None
+    o_bias: jax.Array | None = None
+    q_norm: jax.Array | None = None  # [e] per head, or [h*e] over all heads
+    k_norm: jax.Array | None = None  # [e] or [k*e]
+    sinks: jax.Array | None = None  # [h]: a per-head logit that takes a share of each softmax and no value
+    window: int | None = None  # this layer's sliding window: a query sees the last `window` positions
+
+
+@pytree
+class KVCache:
+    k: jax.Array  # [b, s, k, e], roped
+    v: jax.Array  # [b, s, k, e]
+
+
+def init_cache(cfg, batch: int, length: int, dtype, device=None) -> list[KVCache]:
+    shape = (batch, length, cfg.num_key_value_heads, cfg.head_dim)
+    return [
+        KVCache(k=jnp.zeros(shape, dtype, device=device), v=jnp.zeros(shape, dtype, device=device))
+        for _ in range(cfg.num_hidden_layers)
+    ]
+
+
+def _head_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
+    """RMSNorm of x [b, t, heads, e] per head (weight [e]) or over all its heads (weight [heads*e])."""
+    if weight is None:
+        return x
+    if weight.shape[-1] == x.shape[-1]:
+        return rms_norm(x, weight, eps)
+    return rms_norm(x.reshape(*x.shape[:2], -1), weight, eps).reshape(x.shape)
+
+
+def _rope(cfg, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """RoPE on the first rope.dim dims of each head of x [b, t, heads, e]; the rest pass unrotated."""
+    rotated = apply_rope(cfg.rope, x[..., : cfg.rope.dim], cos[:, :, None], sin[:, :, None])
+    return rotated if cfg.rope.dim == x.shape[-1] else jnp.concatenate([rotated, x[..., cfg.rope.dim :]], axis=-1)
+
+
+def _project(cfg, w: GQA, x: jax.Array, positions: jax.Array):
+    """x [b, t, d] at positions [b, t] -> roped queries [b, t, h, e], roped keys and values [b, t, k, e]."""
+    b, t = x.shape[:2]
+    q = linear(x, w.q, w.q_bias).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
+    k = linear(x, w.k, w.k_bias).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+    v = linear(x, w.v, w.v_bias).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+    q, k = _head_norm(q, w.q_norm, cfg.rms_norm_eps), _head_norm(k, w.k_norm, cfg.rms_norm_eps)
+    cos, sin = rope_cos_sin(cfg.rope, positions)
+    return _rope(cfg, q, cos, sin), _rope(cfg, k, cos, sin), v
+
+
+def attend(q, k, v, visible, scale: float, sinks: jax.Array | None) -> jax.Array:
+    """Attention of queries q [b, t, h, e] over keys and values [b, s, k, e] where visible [b, t, s] -> [b, t, h, e]."""
+    b, t, h, e = q.shape
+    groups = h // k.shape[2]
+    scores = jnp.einsum("btkge,bske->bkgts", q.reshape(b, t, -1, groups, e), k).astype(jnp.float32) * scale
+    mask = visible[:, None, None]
+    if sinks is None:
+        probs = masked_softmax(scores, mask, v.dtype)
+    else:  # one extra logit per head in each row's softmax, whose probability is dropped
+        sink = sinks.reshape(-1, groups)[None, :, :, None, None].astype(jnp.float32)
+        sink = jnp.broadcast_to(sink, (*scores.shape[:-1], 1))
+        mask = jnp.concatenate([jnp.broadcast_to(mask, scores.shape), jnp.ones_like(sink, bool)], axis=-1)
+        probs = masked_softmax(jnp.concatenate([scores, sink], axis=-1), mask, v.dtype)[..., :-1]
+    return jnp.einsum("bkgts,bske->btkge", probs, v).reshape(b, t, h, e)
+
+
+def visibility(query_positions: jax.Array, key_positions: jax.Array, window: int | None) -> jax.Array:
+    """[b, t, s]: key position s is visible from the query at position t (causal, within the window if any)."""
+    q, k = query_positions[:, :, None], key_positions[:, None, :]
+    visible = k <= q
+    return visible if window is None else visible & (k > q - window)
+
+
+def causal(q, k, v, scale: float, sinks: jax.Array | None, window: int | None) -> jax.Array:
+    """The dense causal core over whole prompts (query i and key j at positions i and j)."""
+    positions = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
+    return attend(q, k, v, visibility(positions, positions, window), scale, sinks)
+
+
+def prefill(cfg, w: GQA, x: jax.Array, core=causal):
+    """Causal attention over whole prompts x [b, t, d] from position 0 -> (out [b, t, d], (keys, values) for the
+    cache)."""
+    positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+    q, k, v = _project(cfg, w, x, positions)
+    out = core(q, k, v, cfg.softmax_scale, w.sinks, w.window).reshape(*x.shape[:2], -1)
+    return linear(out, w.o, w.o_bias), (k, v)
+
+
+def write_prompt(cache: KVCache, entries: tuple[jax.Array, jax.Array]) -> KVCache:
+    k, v = entries
+    return KVCache(
+        k=jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, 0, 0, 0)),
+        v=jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, 0, 0, 0)),
+    )
+
+
+def decode(cfg, w: GQA, x: jax.Array, positions: jax.Array, cache: KVCache):
+    """New tokens x [b, t, d] at positions [b, t] against the cache (their keys and values written first)."""
+    q, k, v = _project(cfg, w, x, positions)
+    rows = jnp.arange(x.shape[0])[:, None]
+    cache = KVCache(
+        k=cache.k.at[rows, positions].set(k.astype(cache.k.dtype)),
+        v=cache.v.at[rows, positions].set(v.astype(cache.v.dtype)),
+    )
+    keys = jnp.broadcast_to(jnp.arange(cache.k.shape[1]), (x.shape[0], cache.k.shape[1]))
+    out = attend(q, cache.k, cache.v, visibility(positions, keys, w.window), cfg.softmax_scale, w.sinks)
+    return linear(out.reshape(*x.shape[:2], -1), w.o, w.o_bias), cache
