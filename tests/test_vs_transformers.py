@@ -3,19 +3,29 @@
 The reference outputs (tests/golden/<case>.npz) come from transformers 5.23 in float32 on CPU, made by
 tests/golden/make_golden.py in the torch venv; CI has no torch, so each case's checkpoint is rebuilt here
 from its seed (checkpoint_factory.GOLDEN_CASES) and must be byte-identical to the one the goldens saw.
-The cases cover V3 (bf16 and FP8 with the MTP layer), V2-Lite (greedy softmax routing, no q LoRA) and V2
-(group-limited softmax routing), all with YaRN rope.
+The DeepSeek cases cover V3 (bf16 and FP8 with the MTP layer), V2-Lite (greedy softmax routing, no q LoRA) and
+V2 (group-limited softmax routing), all with YaRN rope; the other families' cases (checkpoint_factory.FAMILY_CASES)
+run here once the registry supports their family.
 """
 
 from pathlib import Path
 
 import numpy as np
 import pytest
-from checkpoint_factory import GOLDEN_CASES, as_float32, build_case, read_tensors, tensor_digest
+from checkpoint_factory import (
+    FAMILY_CASES,
+    GOLDEN_CASES,
+    as_float32,
+    build_case,
+    build_family_case,
+    read_tensors,
+    tensor_digest,
+)
 from kernel_choice import EXACT_FLOAT32_FAMILY, kernel_family
 
 import hybridjit
-from hybridjit.models import deepseek_v3 as dsv3
+from hybridjit.models import registry
+from hybridjit.models.common.routing import route
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 
@@ -29,12 +39,20 @@ ROUTING_WEIGHTS_RTOL = 1e-5  # top-k weights, once the expert sets agree
 NEW_TOKENS = 8
 
 
-@pytest.fixture(scope="module", params=sorted(GOLDEN_CASES))
+# Every golden case of a family the registry supports: DeepSeek's (GOLDEN_CASES) and the other families'
+# (FAMILY_CASES, made in the released layouts; tests/golden/README.md specifies each family's computation).
+SUPPORTED_TYPES = {t for family in registry.FAMILIES for t in family.MODEL_TYPES}
+CASES = {name: build_case for name in GOLDEN_CASES} | {
+    name: build_family_case for name, case in FAMILY_CASES.items() if case["preset"] in SUPPORTED_TYPES
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, tmp_path_factory):
     """(checkpoint path, golden arrays) of one case, the checkpoint proven to be the goldens' one."""
     name = request.param
     golden = dict(np.load(GOLDEN_DIR / f"{name}.npz"))
-    path = build_case(name, tmp_path_factory.mktemp(name))
+    path = CASES[name](name, tmp_path_factory.mktemp(name))
     if tensor_digest(path) != str(golden["digest"]):
         pytest.fail(
             f"{name}: the rebuilt checkpoint differs from the one tests/golden/{name}.npz was made from "
@@ -89,7 +107,7 @@ def test_routing_matches_transformers(case, model):
     for layer in golden["moe_layers"].tolist():
         gate = f"model.layers.{layer}.mlp.gate."
         hidden = golden[f"layer{layer}_router_input"]
-        ids, weights = dsv3.route(
+        ids, weights = route(
             model.config, tensors[gate + "weight"], tensors.get(gate + "e_score_correction_bias"), hidden
         )
         ids, weights = np.asarray(ids), np.asarray(weights)
