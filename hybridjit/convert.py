@@ -27,7 +27,7 @@ from hybridjit.config import INT_QUANT_METHOD, read_config_json
 from hybridjit.export import save_checkpoint
 from hybridjit.models.registry import config_from_hf, family_of
 from hybridjit.quant import dequantize_fp8_blocks, quantize_fp8_blocks
-from hybridjit.weights import ROUTED_EXPERT_WEIGHT, SCALE_SUFFIX, check_checkpoint
+from hybridjit.weights import SCALE_SUFFIX, check_checkpoint
 
 FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -89,11 +89,11 @@ def convert_checkpoint(
             continue
         if w.dtype == ml_dtypes.float8_e4m3fn:
             w = dequantize_fp8_blocks(w, np.asarray(ckpt.get(name + SCALE_SUFFIX)), cfg.fp8.block)
-        elif cfg.int_quant is not None and ROUTED_EXPERT_WEIGHT.match(name):
+        elif cfg.int_quant is not None and spec.routed_expert:
             w = _dequantize_int_groups(w, np.asarray(ckpt.get(name + SCALE_SUFFIX)), cfg.int_quant, spec.shape)
         if weight_format == "fp8":
             tensors[name], tensors[name + SCALE_SUFFIX] = quantize_fp8_blocks(w, block)
-        elif bits and ROUTED_EXPERT_WEIGHT.match(name):
+        elif bits and spec.routed_expert:
             tensors[name], tensors[name + SCALE_SUFFIX] = quantize_int_groups(w, bits, group_size)
         else:
             tensors[name] = w.astype(ml_dtypes.bfloat16)

@@ -10,9 +10,16 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from hybridjit.checkpoint import INDEX_FILE
-from hybridjit.models.common.checkpoint_map import PROJECTIONS
 from hybridjit.models.common.moe import Experts
 from hybridjit.models.registry import ModelConfig, family_of
+
+
+class ExpertNames:
+    """The names of every expert's matrix of one projection: one leaf of the names tree, as the stacked experts
+    are one leaf of the weights tree."""
+
+    def __init__(self, names: list[str]):
+        self.names = names
 
 
 def export_tensors(
@@ -23,16 +30,16 @@ def export_tensors(
     Correction biases stay float32, as in the real checkpoints; everything else is stored as `dtype`.
     """
 
-    def routed(prefix, layer):
-        return Experts(*(f"{prefix}.experts.{{}}.{proj}.weight" for proj in PROJECTIONS)), None
+    def routed(names, layer):
+        return Experts(*(ExpertNames(ns) for ns in names)), None
 
     names = family_of(cfg).build_weights(cfg, lambda name, dtype=None: name, routed)
     tensors = {}
     for name, leaf in zip(jax.tree.leaves(names), jax.tree.leaves(weights), strict=True):
         array = np.asarray(leaf)
         target = np.float32 if name.endswith("e_score_correction_bias") else dtype
-        if "{}" in name:  # stacked routed experts: one tensor per expert
-            tensors.update({name.format(e): array[e].astype(target) for e in range(array.shape[0])})
+        if isinstance(name, ExpertNames):  # stacked routed experts: one tensor per expert
+            tensors.update({n: array[e].astype(target) for e, n in enumerate(name.names)})
         else:
             tensors[name] = array.astype(target)
     return tensors

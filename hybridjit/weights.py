@@ -18,7 +18,6 @@ import ml_dtypes
 import numpy as np
 
 from hybridjit.checkpoint import CheckpointError
-from hybridjit.models.common.checkpoint_map import PROJECTIONS
 from hybridjit.models.common.moe import Experts
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.ops.routed_experts import ExpertLayer, register_layer
@@ -33,10 +32,6 @@ SCALE_SUFFIX = "_scale_inv"
 # decoder layer (model.layers.61.* in V3) and, in old exports, rotary caches: the model uses neither.
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _ROTARY_CACHE = re.compile(r".*rotary_emb\.inv_freq$")
-ROUTED_EXPERT_WEIGHT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
-_ROUTED_EXPERT_TENSOR = re.compile(
-    r"model\.layers\.(\d+)\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight(_scale_inv)?$"
-)
 
 Progress = Callable[[int, int], None]
 
@@ -52,7 +47,7 @@ def check_checkpoint(cfg: ModelConfig, ckpt) -> None:
             continue
         info = ckpt.info(name)
         shape = spec.shape
-        int_expert = cfg.int_quant is not None and ROUTED_EXPERT_WEIGHT.match(name)
+        int_expert = cfg.int_quant is not None and spec.routed_expert
         if int_expert:
             shape = cfg.int_quant.stored_shape(spec.shape)
         if info.shape != shape:
@@ -75,7 +70,7 @@ def check_checkpoint(cfg: ModelConfig, ckpt) -> None:
         if name not in ckpt:
             problems.append(f"missing {name} (the block scales of an FP8 weight)")
         elif ckpt.info(name).shape != shape:
-            int_scale = cfg.int_quant is not None and ROUTED_EXPERT_WEIGHT.match(name[: -len(SCALE_SUFFIX)])
+            int_scale = cfg.int_quant is not None and layout[name.removesuffix(SCALE_SUFFIX)].routed_expert
             block = [1, cfg.int_quant.group_size] if int_scale else list(cfg.fp8.block)
             problems.append(
                 f"{ckpt.info(name).file.name}: {name} has shape {list(ckpt.info(name).shape)}, expected "
@@ -106,11 +101,8 @@ def check_checkpoint(cfg: ModelConfig, ckpt) -> None:
 def routed_expert_bytes(cfg: ModelConfig, ckpt) -> int:
     """The bytes of the routed experts of the decoder layers (weights and their scales), which loading keeps in
     host memory: from the checkpoint's headers, without reading any data."""
-    return sum(
-        info.nbytes
-        for name, info in ckpt.tensors.items()
-        if (m := _ROUTED_EXPERT_TENSOR.match(name)) and int(m.group(1)) < cfg.num_hidden_layers
-    )
+    names = [n for n, spec in family_of(cfg).checkpoint_layout(cfg).items() if spec.routed_expert]
+    return sum(ckpt.info(n).nbytes for name in names for n in (name, name + SCALE_SUFFIX) if n in ckpt)
 
 
 def _layer_index(name: str, default: int) -> int:
@@ -147,32 +139,27 @@ class WeightLoader:
         """A weight on the placement's device in the compute dtype (FP8 dequantized per block)."""
         return self.placement.put(self._dequantized(name), dtype)
 
-    def device_experts(self, p: str) -> Experts:
-        """The layer's routed experts stacked on the placement's device, dequantized to the compute dtype."""
-        return Experts(*(
-            self.placement.put(np.stack([self._dequantized(f"{p}.experts.{e}.{proj}.weight")
-                                         for e in range(self.cfg.n_routed_experts)]))
-            for proj in PROJECTIONS
-        ))
+    def device_experts(self, names: tuple[list[str], ...]) -> Experts:
+        """A layer's routed experts (the names of every expert's gate, up and down matrices) stacked on the
+        placement's device, dequantized to the compute dtype."""
+        return Experts(*(self.placement.put(np.stack([self._dequantized(n) for n in ns])) for ns in names))
 
-    def experts(self, p: str) -> ExpertLayer:
-        """Registers the layer's routed experts with the C++ bank, zero-copy, in their stored format."""
-        names = {
-            proj: [f"{p}.experts.{e}.{proj}.weight" for e in range(self.cfg.n_routed_experts)]
-            for proj in PROJECTIONS
-        }
-        dtypes = {self.ckpt.info(n).dtype for ns in names.values() for n in ns}
+    def experts(self, names: tuple[list[str], ...]) -> ExpertLayer:
+        """Registers a layer's routed experts (the names of every expert's gate, up and down matrices) with the
+        C++ bank, zero-copy, in their stored format."""
+        dtypes = {self.ckpt.info(n).dtype for ns in names for n in ns}
         if len(dtypes) > 1 or not dtypes <= set(EXPERT_DTYPES):
             raise CheckpointError(
-                f"{p}.experts: routed experts stored as {sorted(dtypes)}; one of {', '.join(EXPERT_DTYPES)} is needed"
+                f"{names[0][0]}...: routed experts stored as {sorted(dtypes)}; one of {', '.join(EXPERT_DTYPES)} "
+                "is needed"
             )
-        weights = [[self._take(n) for n in names[proj]] for proj in PROJECTIONS]
+        weights = [[self._take(n) for n in ns] for ns in names]
         register = register_layer
         if self.placement.pinned_experts:
             register = functools.partial(register_pinned, device=self.placement.device)
         if dtypes <= {"F32", "BF16"}:
             return register(*weights)
-        scales = [[self._scale(n) for n in names[proj]] for proj in PROJECTIONS]
+        scales = [[self._scale(n) for n in ns] for ns in names]
         block = self.cfg.fp8.block if dtypes == {"F8_E4M3"} else (1, self.cfg.int_quant.group_size)
         return register(*weights, *scales, block=block)
 
@@ -180,10 +167,10 @@ class WeightLoader:
         check_checkpoint(self.cfg, self.ckpt)
         expert_layers: list[ExpertLayer] = []
 
-        def routed(prefix, layer):
+        def routed(names, layer):
             if self.placement.experts_on_device(layer):
-                return self.device_experts(prefix), None
-            expert_layers.append(self.experts(prefix))
+                return self.device_experts(names), None
+            expert_layers.append(self.experts(names))
             return None, expert_layers[-1].id
 
         try:

@@ -105,14 +105,12 @@ def init_weights(cfg: dsv3.DeepseekV3Config, seed: int) -> dsv3.Weights:
         std = 1.0 if "embed_tokens" in name else shape[1] ** -0.5
         return jnp.asarray(rng.standard_normal(shape, np.float32) * std)
 
-    def routed(prefix, layer):
-        def stack(proj):
-            shape = layout[f"{prefix}.experts.0.{proj}.weight"].shape
-            return jnp.asarray(
-                rng.standard_normal((cfg.n_routed_experts, *shape), np.float32) * shape[1] ** -0.5
-            )
+    def routed(names, layer):
+        def stack(expert_names):
+            shape = layout[expert_names[0]].shape
+            return jnp.asarray(rng.standard_normal((len(expert_names), *shape), np.float32) * shape[1] ** -0.5)
 
-        return dsv3.Experts(stack("gate_proj"), stack("up_proj"), stack("down_proj")), None
+        return dsv3.Experts(*(stack(expert_names) for expert_names in names)), None
 
     return dsv3.build_weights(cfg, tensor, routed)
 

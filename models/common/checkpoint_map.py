@@ -24,6 +24,22 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an MLP's or expert's matr
 class TensorSpec:
     shape: tuple[int, ...]
     quantizable: bool  # a projection matrix that FP8 checkpoints store as float8 + block scales
+    routed_expert: bool = False  # a routed expert's matrix: kept in host memory for the CPU kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class MoENames:
+    """How a family's release names a MoE block's tensors, relative to "model.layers.L": the defaults are
+    DeepSeek's and Qwen3's; Mixtral's are block "block_sparse_moe" and projections ("w1", "w3", "w2")."""
+
+    block: str = "mlp"
+    projections: tuple[str, str, str] = PROJECTIONS  # the routed experts' gate, up and down matrices
+    correction_bias: str = "gate.e_score_correction_bias"
+
+    def experts(self, layer_prefix: str, n_experts: int) -> tuple[list[str], list[str], list[str]]:
+        """The names of every routed expert's gate, up and down matrices."""
+        p = f"{layer_prefix}.{self.block}.experts"
+        return tuple([f"{p}.{e}.{proj}.weight" for e in range(n_experts)] for proj in self.projections)
 
 
 class Layout:
@@ -32,8 +48,8 @@ class Layout:
     def __init__(self):
         self.specs: dict[str, TensorSpec] = {}
 
-    def matrix(self, name: str, out: int, inp: int, quantizable: bool = True):
-        self.specs[name] = TensorSpec((out, inp), quantizable)
+    def matrix(self, name: str, out: int, inp: int, quantizable: bool = True, routed_expert: bool = False):
+        self.specs[name] = TensorSpec((out, inp), quantizable, routed_expert)
 
     def vector(self, name: str, size: int):
         self.specs[name] = TensorSpec((size,), False)
@@ -44,7 +60,9 @@ class Layout:
         self.matrix(f"{prefix}.down_proj.weight", hidden, inter)
 
 
-def decoder_layout(cfg: ModelConfig, attention_layout: Callable[[Layout, str], None]) -> dict[str, TensorSpec]:
+def decoder_layout(
+    cfg: ModelConfig, attention_layout: Callable[[Layout, str], None], moe_names: MoENames = MoENames()
+) -> dict[str, TensorSpec]:
     """Every tensor the config implies, by its Hugging Face name; attention_layout(layout, "model.layers.L.self_attn")
     adds one layer's attention tensors."""
     layout, d = Layout(), cfg.hidden_size
@@ -57,13 +75,16 @@ def decoder_layout(cfg: ModelConfig, attention_layout: Callable[[Layout, str], N
         if not cfg.is_moe_layer(i):
             layout.mlp(f"{p}.mlp", d, cfg.intermediate_size)
             continue
-        layout.matrix(f"{p}.mlp.gate.weight", cfg.n_routed_experts, d, quantizable=False)
+        block, f = f"{p}.{moe_names.block}", cfg.moe_intermediate_size
+        layout.matrix(f"{block}.gate.weight", cfg.n_routed_experts, d, quantizable=False)
         if cfg.use_correction_bias:
-            layout.vector(f"{p}.mlp.gate.e_score_correction_bias", cfg.n_routed_experts)
+            layout.vector(f"{block}.{moe_names.correction_bias}", cfg.n_routed_experts)
         if cfg.n_shared_experts:
-            layout.mlp(f"{p}.mlp.shared_experts", d, cfg.moe_intermediate_size * cfg.n_shared_experts)
-        for e in range(cfg.n_routed_experts):
-            layout.mlp(f"{p}.mlp.experts.{e}", d, cfg.moe_intermediate_size)
+            layout.mlp(f"{block}.shared_experts", d, f * cfg.n_shared_experts)
+        for gate, up, down in zip(*moe_names.experts(p, cfg.n_routed_experts), strict=True):
+            layout.matrix(gate, f, d, routed_expert=True)
+            layout.matrix(up, f, d, routed_expert=True)
+            layout.matrix(down, d, f, routed_expert=True)
     layout.vector("model.norm.weight", d)
     if not cfg.tie_word_embeddings:
         layout.matrix("lm_head.weight", cfg.vocab_size, d, quantizable=False)
@@ -73,21 +94,23 @@ def decoder_layout(cfg: ModelConfig, attention_layout: Callable[[Layout, str], N
 def build_decoder_weights(
     cfg: ModelConfig,
     tensor: Callable[..., Any],
-    routed: Callable[[str, int], tuple[Experts | None, int | None]],
+    routed: Callable[[tuple[list[str], list[str], list[str]], int], tuple[Experts | None, int | None]],
     attention: Callable[[str, int], Any],
+    moe_names: MoENames = MoENames(),
 ) -> Weights:
     """The weights pytree, with each leaf made by tensor(hf_name[, dtype]), each MoE layer's routed experts by
-    routed(prefix, layer) -> (JAX-held experts or None, expert-bank layer id or None), and each layer's attention
-    weights by attention("model.layers.L.self_attn", L)."""
+    routed((gate names, up names, down names), layer) -> (JAX-held experts or None, expert-bank layer id or None),
+    and each layer's attention weights by attention("model.layers.L.self_attn", L)."""
 
     def mlp(p):
         return MLP(*(tensor(f"{p}.{proj}.weight") for proj in PROJECTIONS))
 
-    def moe(p, layer):
-        experts, bank_layer = routed(p, layer)
+    def moe(layer_prefix, layer):
+        p = f"{layer_prefix}.{moe_names.block}"
+        experts, bank_layer = routed(moe_names.experts(layer_prefix, cfg.n_routed_experts), layer)
         return MoE(
             router=tensor(f"{p}.gate.weight", jnp.float32),
-            correction_bias=tensor(f"{p}.gate.e_score_correction_bias", jnp.float32)
+            correction_bias=tensor(f"{p}.{moe_names.correction_bias}", jnp.float32)
             if cfg.use_correction_bias
             else None,
             shared=mlp(f"{p}.shared_experts") if cfg.n_shared_experts else None,
@@ -100,7 +123,7 @@ def build_decoder_weights(
             attn_norm=tensor(f"model.layers.{i}.input_layernorm.weight"),
             attn=attention(f"model.layers.{i}.self_attn", i),
             mlp_norm=tensor(f"model.layers.{i}.post_attention_layernorm.weight"),
-            mlp=moe(f"model.layers.{i}.mlp", i) if cfg.is_moe_layer(i) else mlp(f"model.layers.{i}.mlp"),
+            mlp=moe(f"model.layers.{i}", i) if cfg.is_moe_layer(i) else mlp(f"model.layers.{i}.mlp"),
         )
         for i in range(cfg.num_hidden_layers)
     ]
