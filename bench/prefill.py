@@ -171,7 +171,7 @@ def stream_case(model: engine.Model, full: ModelConfig, length: int, floors: dic
     # Where a steady MoE layer's time goes, and the rates of its two big phases (their FLOPs by layer_flops).
     phases = {p: statistics.median(stats.layer_phase_s[i].get(p, 0.0) for i in steady_layers)
               for p in stats.layer_phase_s[moe[0]]}
-    part = model.family.layer_flops(cfg, 1, length)
+    part = model.family.cost.layer_flops(cfg, 1, length)
     front_flops = part["projections"] + part["attention core"] + part["router+shared"]
     core_s = attention_core_seconds(cfg, stats.plan.attention, length, device)
     layer_bytes = pinned_layer(model.weights.layers[moe[0]].mlp.expert_layer).nbytes

@@ -82,7 +82,7 @@ def convert_checkpoint(
     ckpt = Checkpoint(src)
     check_checkpoint(cfg, ckpt)
     tensors = {}
-    for name, spec in family_of(cfg).checkpoint_layout(cfg).items():
+    for name, spec in family_of(cfg).ckpt.checkpoint_layout(cfg).items():
         w = np.asarray(ckpt.get(name))
         if not spec.quantizable:
             tensors[name] = w.copy()

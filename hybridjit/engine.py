@@ -41,26 +41,26 @@ def _sample_checked(logits, key, temperature, top_k, top_p):
 
 @partial(jax.jit, static_argnums=0)
 def _logits_program(cfg, weights, tokens):
-    logits = family_of(cfg).prefill(cfg, weights, tokens)[0]
+    logits = family_of(cfg).model.prefill(cfg, weights, tokens)[0]
     return logits, jnp.isfinite(logits).all(axis=-1)
 
 
 @partial(jax.jit, static_argnums=0, donate_argnames="cache")
 def _prefill_program(cfg, weights, tokens, lengths, cache, key, temperature, top_k, top_p):
-    logits, cache = family_of(cfg).prefill(cfg, weights, tokens, cache)
+    logits, cache = family_of(cfg).model.prefill(cfg, weights, tokens, cache)
     last = logits[jnp.arange(tokens.shape[0]), lengths - 1]
     return _sample_checked(last, key, temperature, top_k, top_p), cache
 
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnames="cache")
 def _decode_program(cfg, schedule, weights, tokens, positions, cache, key, temperature, top_k, top_p):
-    logits, cache = family_of(cfg).decode_step(cfg, weights, tokens, positions, cache, schedule)
+    logits, cache = family_of(cfg).model.decode_step(cfg, weights, tokens, positions, cache, schedule)
     return _sample_checked(logits, key, temperature, top_k, top_p), cache
 
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnames="caches")
 def _decode_dual_program(cfg, schedule, weights, tokens, positions, caches, key, temperature, top_k, top_p):
-    logits, caches = family_of(cfg).decode_step_dual(cfg, weights, tokens, positions, caches, schedule)
+    logits, caches = family_of(cfg).model.decode_step_dual(cfg, weights, tokens, positions, caches, schedule)
     keys = jax.random.split(key)
     return tuple(
         _sample_checked(lg, k, temperature, top_k, top_p) for lg, k in zip(logits, keys, strict=True)
@@ -70,7 +70,7 @@ def _decode_dual_program(cfg, schedule, weights, tokens, positions, caches, key,
 _sample_program = jax.jit(_sample_checked)
 @partial(jax.jit, static_argnums=0)
 def _finite_stages_program(cfg, weights, tokens):
-    return family_of(cfg).finite_stages(cfg, weights, tokens)
+    return family_of(cfg).model.finite_stages(cfg, weights, tokens)
 
 
 def _bucket(n: int) -> int:
@@ -231,7 +231,7 @@ class Model:
         current, caches = [], []
         for g, rows in enumerate(groups):
             tokens = _right_padded([seqs[row] for row in rows], min(_bucket(longest), cache_len))
-            cache = self.family.init_cache(self.config, len(rows), cache_len, self.dtype, self.placement.device)
+            cache = self.family.model.init_cache(self.config, len(rows), cache_len, self.dtype, self.placement.device)
             group_key = jax.random.fold_in(prefill_key, g)
             path = choose_prefill_path(self, *tokens.shape, threshold=self.stream_prefill_threshold)
             if path == "stream":

@@ -33,7 +33,7 @@ def export_tensors(
     def routed(names, layer):
         return Experts(*(ExpertNames(ns) for ns in names)), None
 
-    names = family_of(cfg).build_weights(cfg, lambda name, dtype=None: name, routed)
+    names = family_of(cfg).ckpt.build_weights(cfg, lambda name, dtype=None: name, routed)
     tensors = {}
     for name, leaf in zip(jax.tree.leaves(names), jax.tree.leaves(weights), strict=True):
         array = np.asarray(leaf)

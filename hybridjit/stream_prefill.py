@@ -166,7 +166,7 @@ def _attention(cfg, batch, length, dtype, device, chunk):
     if chunk is None:  # the largest power of two whose scores fit the scratch
         per_query = 3 * batch * cfg.num_attention_heads * length * 4
         chunk = 1 << max(0, (ATTENTION_SCRATCH // per_query).bit_length() - 1)
-    return family_of(cfg).ChunkedAttention(min(chunk, length))
+    return family_of(cfg).model.ChunkedAttention(min(chunk, length))
 
 
 def _cudnn_has_mla() -> bool:
@@ -190,14 +190,14 @@ def _free_device_memory(device: jax.Device) -> int | None:
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnames="cache")
 def _dense_layer(cfg, attention, layer, x, cache):
-    x, cache = family_of(cfg).prefill_attention_layer(cfg, layer, x, cache, attention)
+    x, cache = family_of(cfg).model.prefill_attention_layer(cfg, layer, x, cache, attention)
     return x + mlp(layer.mlp, rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)), cache
 
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnames="cache")
 def _moe_front(cfg, attention, layer, x, cache):
     """Attention, then the router and shared experts: (x, tokens [N, d], ids, weights, shared, counts, cache)."""
-    x, cache = family_of(cfg).prefill_attention_layer(cfg, layer, x, cache, attention)
+    x, cache = family_of(cfg).model.prefill_attention_layer(cfg, layer, x, cache, attention)
     moe = layer.mlp
     tokens = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps).reshape(-1, x.shape[-1])
     ids, weights = route(cfg, moe.router, moe.correction_bias, tokens)
@@ -508,7 +508,7 @@ class PrefillRates:
 def prefill_flops(cfg: ModelConfig, batch: int, length: int) -> dict[str, float]:
     """FLOPs of one prefill: {"routed": routed experts, "other": everything else}, by layer_flops, with the LM
     head on the last tokens only."""
-    part = family_of(cfg).layer_flops(cfg, batch, length)
+    part = family_of(cfg).cost.layer_flops(cfg, batch, length)
     layers = cfg.num_hidden_layers
     moe = sum(cfg.is_moe_layer(i) for i in range(layers))
     other = (
@@ -567,8 +567,11 @@ def choose_prefill_path(
     model, batch: int, length: int, *, rates: PrefillRates | None = None, threshold: int | None = None
 ) -> str:
     """"stream" or "hybrid" for a prompt batch [batch, length]. Streaming needs pinned experts in a streamable
-    format; then `threshold` (prompt tokens, batch * length) overrides the cost model; without it, streaming is
-    chosen on a GPU when prefill_seconds models it faster with `rates` (default PrefillRates())."""
+    format, and a family whose model has the chunked attention core it runs (MLA's, so far); then `threshold`
+    (prompt tokens, batch * length) overrides the cost model; without it, streaming is chosen on a GPU when
+    prefill_seconds models it faster with `rates` (default PrefillRates())."""
+    if not hasattr(model.family.model, "ChunkedAttention"):
+        return "hybrid"
     try:
         if not _pinned_layers(model.weights):
             return "hybrid"

@@ -48,7 +48,7 @@ class SyntheticCheckpoint:
         self.directory = Path(f"<synthetic {cfg.model_type} seed {seed}>")
         self.cfg, self.seed = cfg, seed
         self.tensors: dict[str, TensorInfo] = {}
-        for name, spec in family_of(cfg).checkpoint_layout(cfg).items():
+        for name, spec in family_of(cfg).ckpt.checkpoint_layout(cfg).items():
             if spec.quantizable and cfg.fp8 is not None:
                 self._add(name, "F8_E4M3", spec.shape)
                 self._add(name + SCALE_SUFFIX, "F32", scale_shape(spec.shape, cfg.fp8.block))

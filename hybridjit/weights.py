@@ -38,7 +38,7 @@ Progress = Callable[[int, int], None]
 
 def check_checkpoint(cfg: ModelConfig, ckpt) -> None:
     """Raises one CheckpointError listing every missing, misshapen, mistyped or unexpected tensor."""
-    layout = family_of(cfg).checkpoint_layout(cfg)
+    layout = family_of(cfg).ckpt.checkpoint_layout(cfg)
     problems = []
     expected_scales = {}
     for name, spec in layout.items():
@@ -101,7 +101,7 @@ def check_checkpoint(cfg: ModelConfig, ckpt) -> None:
 def routed_expert_bytes(cfg: ModelConfig, ckpt) -> int:
     """The bytes of the routed experts of the decoder layers (weights and their scales), which loading keeps in
     host memory: from the checkpoint's headers, without reading any data."""
-    names = [n for n, spec in family_of(cfg).checkpoint_layout(cfg).items() if spec.routed_expert]
+    names = [n for n, spec in family_of(cfg).ckpt.checkpoint_layout(cfg).items() if spec.routed_expert]
     return sum(ckpt.info(n).nbytes for name in names for n in (name, name + SCALE_SUFFIX) if n in ckpt)
 
 
@@ -174,7 +174,7 @@ class WeightLoader:
             return None, expert_layers[-1].id
 
         try:
-            return family_of(self.cfg).build_weights(self.cfg, self.tensor, routed), expert_layers
+            return family_of(self.cfg).ckpt.build_weights(self.cfg, self.tensor, routed), expert_layers
         except BaseException:
             for layer in expert_layers:
                 layer.close()

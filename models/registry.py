@@ -3,8 +3,8 @@ the runtime learns which family a checkpoint belongs to. The engine, loader, str
 conversion, synthetic checkpoints and `info` work through the family a config names and never import a
 family by name.
 
-Adding a family: a package models/<family>/ with the interface that models/deepseek_v3/__init__.py
-describes, and one line in FAMILIES below.
+Adding a family: a package models/<family>/ with the four modules that models/deepseek_v3/__init__.py
+describes (config, model, ckpt, cost), and its name in FAMILIES below.
 """
 
 from pathlib import Path
@@ -16,12 +16,12 @@ from hybridjit.models.common.config import ModelConfig
 
 FAMILIES: tuple[ModuleType, ...] = (deepseek_v3, qwen3_moe)
 
-_BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.MODEL_TYPES}
-_BY_ARCHITECTURE = {a: f for f in FAMILIES for a in f.ARCHITECTURES}
-_BY_CONFIG_CLASS = {f.CONFIG: f for f in FAMILIES}
+_BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.config.MODEL_TYPES}
+_BY_ARCHITECTURE = {a: f for f in FAMILIES for a in f.config.ARCHITECTURES}
+_BY_CONFIG_CLASS = {f.config.CONFIG: f for f in FAMILIES}
 # Known model names -> Hugging Face repo ids, and named geometries of released sizes, over all families.
-NAMES = {name: repo for f in FAMILIES for name, repo in f.NAMES.items()}
-GEOMETRIES = {name: raw for f in FAMILIES for name, raw in f.PRESETS.items()}
+NAMES = {name: repo for f in FAMILIES for name, repo in f.config.NAMES.items()}
+GEOMETRIES = {name: raw for f in FAMILIES for name, raw in f.config.PRESETS.items()}
 
 
 def supported() -> str:
@@ -46,7 +46,7 @@ def family_for_hf_config(raw: dict, source: str = "config.json") -> ModuleType:
 
 def config_from_hf(raw: dict, source: str = "config.json") -> ModelConfig:
     """The config of the family `raw` (a config.json object) belongs to."""
-    return family_for_hf_config(raw, source).CONFIG.from_hf_config(raw, source=source)
+    return family_for_hf_config(raw, source).config.CONFIG.from_hf_config(raw, source=source)
 
 
 def config_from_json(path: str | Path) -> ModelConfig:

@@ -33,7 +33,7 @@ PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13], [200, 1, 2, 3, 4, 5, 6, 7, 
 
 
 def test_every_family_has_a_tiny_case():
-    assert set(TINY) == {t for f in registry.FAMILIES for t in f.MODEL_TYPES} - {"deepseek_v2", "kimi_k2"}
+    assert set(TINY) == {t for f in registry.FAMILIES for t in f.config.MODEL_TYPES} - {"deepseek_v2", "kimi_k2"}
 
 
 @pytest.fixture(scope="module", params=sorted(TINY))
@@ -54,7 +54,7 @@ def rel_rms(a, b):
 
 
 def test_the_registry_names_the_family(model):
-    assert model.config.model_type in model.family.MODEL_TYPES
+    assert model.config.model_type in model.family.config.MODEL_TYPES
     assert registry.family_of(model.config) is model.family
 
 
@@ -70,11 +70,11 @@ def test_greedy_decode_follows_whole_sequence_logits(model):
 def test_decode_step_logits_equal_whole_sequence_logits(model):
     cfg, w, family = model.config, model.weights, model.family
     seq = np.array(PROMPTS[2], np.int32)[None]
-    full = np.asarray(family.prefill(cfg, w, seq)[0])[0]
-    cache = family.init_cache(cfg, 1, 32, np.float32)
-    _, cache = family.prefill(cfg, w, seq[:, :4], cache)
+    full = np.asarray(family.model.prefill(cfg, w, seq)[0])[0]
+    cache = family.model.init_cache(cfg, 1, 32, np.float32)
+    _, cache = family.model.prefill(cfg, w, seq[:, :4], cache)
     for pos in range(4, seq.shape[1]):
-        logits, cache = family.decode_step(cfg, w, seq[:, pos], np.array([pos], np.int32), cache)
+        logits, cache = family.model.decode_step(cfg, w, seq[:, pos], np.array([pos], np.int32), cache)
         assert rel_rms(np.asarray(logits)[0], full[pos]) < SAME_MATH_RTOL, pos
 
 
@@ -97,7 +97,7 @@ def test_an_unsupported_model_type_names_the_supported_ones():
 
 def test_a_family_is_found_by_its_architecture_too():
     raw = {**TINY["qwen3_moe"], "model_type": None}
-    assert registry.family_for_hf_config(raw).MODEL_TYPES == ("qwen3_moe",)
+    assert registry.family_for_hf_config(raw).config.MODEL_TYPES == ("qwen3_moe",)
 
 
 def test_qwen3_reads_num_experts_under_either_name():

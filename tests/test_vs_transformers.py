@@ -41,7 +41,7 @@ NEW_TOKENS = 8
 
 # Every golden case of a family the registry supports: DeepSeek's (GOLDEN_CASES) and the other families'
 # (FAMILY_CASES, made in the released layouts; tests/golden/README.md specifies each family's computation).
-SUPPORTED_TYPES = {t for family in registry.FAMILIES for t in family.MODEL_TYPES}
+SUPPORTED_TYPES = {t for family in registry.FAMILIES for t in family.config.MODEL_TYPES}
 CASES = {name: build_case for name in GOLDEN_CASES} | {
     name: build_family_case for name, case in FAMILY_CASES.items() if case["preset"] in SUPPORTED_TYPES
 }

@@ -9,6 +9,7 @@ Einsum dimension names: b batch, t query tokens, s key/cache positions, d hidden
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -240,29 +241,8 @@ def prefill_attention_layer(
     return x + h, attention.write_prompt(cache, entries)
 
 
-@dataclasses.dataclass(frozen=True)
-class Programs:
-    """The decoder's functions with one family's attention bound: what a family's model module exports."""
-
-    attention: Attention
-
-    def forward(self, cfg: ModelConfig, w: Weights, tokens: jax.Array, cache: list | None = None):
-        return forward(self.attention, cfg, w, tokens, cache)
-
-    def forward_layer(self, cfg: ModelConfig, layer: Layer, x: jax.Array, cache):
-        return forward_layer(self.attention, cfg, layer, x, cache)
-
-    def finite_stages(self, cfg: ModelConfig, w: Weights, tokens: jax.Array) -> jax.Array:
-        return finite_stages(self.attention, cfg, w, tokens)
-
-    def prefill(self, cfg: ModelConfig, w: Weights, tokens: jax.Array, cache: list | None = None):
-        return prefill(self.attention, cfg, w, tokens, cache)
-
-    def decode_step(self, cfg: ModelConfig, w: Weights, tokens, positions, cache: list, schedule=NO_SCHEDULE):
-        return decode_step(self.attention, cfg, w, tokens, positions, cache, schedule)
-
-    def decode_step_dual(self, cfg: ModelConfig, w: Weights, tokens, positions, caches, schedule=NO_SCHEDULE):
-        return decode_step_dual(self.attention, cfg, w, tokens, positions, caches, schedule)
-
-    def prefill_attention_layer(self, cfg: ModelConfig, layer: Layer, x: jax.Array, cache, attend: Callable):
-        return prefill_attention_layer(self.attention, cfg, layer, x, cache, attend)
+def bind(attention: Attention) -> tuple[Callable, ...]:
+    """The decoder's functions with one family's attention bound, as its model module exports them:
+    (forward, forward_layer, finite_stages, prefill, decode_step, decode_step_dual, prefill_attention_layer)."""
+    functions = (forward, forward_layer, finite_stages, prefill, decode_step, decode_step_dual, prefill_attention_layer)
+    return tuple(functools.partial(f, attention) for f in functions)

@@ -12,6 +12,7 @@ g query heads per key/value head (h = k * g), e head dims.
 import jax
 import jax.numpy as jnp
 
+from hybridjit.models.common import decoder
 from hybridjit.models.common.layers import linear, masked_softmax, rms_norm
 from hybridjit.models.common.pytree import pytree
 from hybridjit.models.common.rope import apply_rope, rope_cos_sin
@@ -130,3 +131,6 @@ def decode(cfg, w: GQA, x: jax.Array, positions: jax.Array, cache: KVCache):
     keys = jnp.broadcast_to(jnp.arange(cache.k.shape[1]), (x.shape[0], cache.k.shape[1]))
     out = attend(q, cache.k, cache.v, visibility(positions, keys, w.window), cfg.softmax_scale, w.sinks)
     return linear(out.reshape(*x.shape[:2], -1), w.o, w.o_bias), cache
+
+
+ATTENTION = decoder.Attention(prefill=prefill, write_prompt=write_prompt, decode=decode, causal=causal)

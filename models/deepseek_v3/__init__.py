@@ -1,13 +1,15 @@
 """The DeepSeek-V3 family (DeepSeek-V2, V2-Lite, V3, R1, V3.1, Kimi-K2): Multi-head Latent Attention over a
 compressed latent cache, dense first layers, sigmoid or softmax routing with group limits, shared experts.
 
-A family package holds what the runtime asks of a family (models/registry.py lists it):
-- config.py: the config class built from a Hugging Face config.json, MODEL_TYPES, ARCHITECTURES, the known
+A family package holds what the runtime asks of a family (models/registry.py lists it), in four modules:
+- config: CONFIG, the config class built from a Hugging Face config.json; MODEL_TYPES, ARCHITECTURES, the known
   NAMES and the PRESETS of the released sizes;
-- model.py: the model as pure functions (init_cache, prefill, decode_step, decode_step_dual, finite_stages, and
-  the per-layer pieces stream-loaded prefill runs);
-- ckpt.py: the checkpoint map (checkpoint_layout, build_weights);
-- cost.py: the figures of the path choice (layer_flops).
+- model: the model as pure functions: init_cache and the shared decoder's functions with the family's attention
+  bound (forward, forward_layer, finite_stages, prefill, decode_step, decode_step_dual, prefill_attention_layer),
+  and ChunkedAttention where the family runs stream-loaded prefill;
+- ckpt: the checkpoint map (checkpoint_layout, build_weights);
+- cost: the figures of the path choice (layer_flops).
+This package also re-exports its model's functions and the shared pieces it composes, for researchers.
 """
 
 # The shared pieces this family composes, here too for whoever composes its functions.
@@ -22,6 +24,7 @@ from hybridjit.models.common.moe import (
     group_by_expert,
 )
 from hybridjit.models.common.routing import route
+from hybridjit.models.deepseek_v3 import ckpt, config, cost, model
 from hybridjit.models.deepseek_v3.ckpt import build_weights, checkpoint_layout
 from hybridjit.models.deepseek_v3.config import (
     ARCHITECTURES,
@@ -48,13 +51,10 @@ from hybridjit.models.deepseek_v3.model import (
     prefill_attention_layer,
 )
 
-CONFIG = DeepseekV3Config
-
 __all__ = [
     "MLP", "Experts", "MoE", "dequantize_blocks", "experts_grouped", "group_by_expert", "linear", "mlp", "rms_norm",
-    "route",
-    "ARCHITECTURES", "CONFIG", "MLA", "MODEL_TYPES", "NAMES", "PRESETS", "ChunkedAttention", "DeepseekV3Config",
-    "ExpertSchedule", "Layer", "LayerCache", "Weights", "attention_absorbed", "attention_prefill", "build_weights",
-    "causal_attention", "checkpoint_layout", "decode_step", "decode_step_dual", "finite_stages", "forward",
-    "forward_layer", "init_cache", "layer_flops", "prefill", "prefill_attention_layer",
+    "route", "ARCHITECTURES", "ckpt", "config", "cost", "model", "MLA", "MODEL_TYPES", "NAMES", "PRESETS",
+    "ChunkedAttention", "DeepseekV3Config", "ExpertSchedule", "Layer", "LayerCache", "Weights", "attention_absorbed",
+    "attention_prefill", "build_weights", "causal_attention", "checkpoint_layout", "decode_step", "decode_step_dual",
+    "finite_stages", "forward", "forward_layer", "init_cache", "layer_flops", "prefill", "prefill_attention_layer",
 ]

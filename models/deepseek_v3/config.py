@@ -271,3 +271,4 @@ def _check_group_limits(source: str, method: str, n_routed: int, n_group: int, t
         )
 
 
+CONFIG = DeepseekV3Config

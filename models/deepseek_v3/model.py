@@ -190,11 +190,6 @@ ATTENTION = decoder.Attention(
 
 
 # The shared decoder (models/common/decoder.py) with MLA bound: see its functions for what each computes.
-PROGRAMS = decoder.Programs(ATTENTION)
-forward = PROGRAMS.forward
-forward_layer = PROGRAMS.forward_layer
-finite_stages = PROGRAMS.finite_stages
-prefill = PROGRAMS.prefill
-decode_step = PROGRAMS.decode_step
-decode_step_dual = PROGRAMS.decode_step_dual
-prefill_attention_layer = PROGRAMS.prefill_attention_layer
+forward, forward_layer, finite_stages, prefill, decode_step, decode_step_dual, prefill_attention_layer = decoder.bind(
+    ATTENTION
+)

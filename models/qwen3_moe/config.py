@@ -156,3 +156,6 @@ class Qwen3MoeConfig:
             eos_token_ids=f.token_ids("eos_token_id", vocab),
             int_quant=int_config(f),
         )
+
+
+CONFIG = Qwen3MoeConfig
