@@ -169,11 +169,14 @@ def tiny_config(preset: str = "v3", **overrides) -> dict:
 
 
 def build_case(name: str, dirpath) -> Path:
-    """Writes the checkpoint of GOLDEN_CASES[name] into dirpath."""
-    case = GOLDEN_CASES[name]
-    return write_checkpoint(
+    """Writes the checkpoint of GOLDEN_CASES[name] (DeepSeek) or FAMILY_CASES[name] (the other families) into
+    dirpath."""
+    family = name in FAMILY_CASES
+    case = FAMILY_CASES[name] if family else GOLDEN_CASES[name]
+    write, config = (write_family_checkpoint, family_config) if family else (write_checkpoint, tiny_config)
+    return write(
         dirpath,
-        tiny_config(case["preset"]),
+        config(case["preset"]),
         seed=case["seed"],
         weight_format=case["weight_format"],
         with_mtp_layer=case["with_mtp_layer"],
@@ -744,18 +747,6 @@ def family_config(preset: str, **overrides) -> dict:
     config = json.loads(json.dumps(FAMILY_PRESETS[preset]))
     config.update(overrides)
     return config
-
-
-def build_family_case(name: str, dirpath) -> Path:
-    """Writes the checkpoint of FAMILY_CASES[name] into dirpath."""
-    case = FAMILY_CASES[name]
-    return write_family_checkpoint(
-        dirpath,
-        family_config(case["preset"]),
-        seed=case["seed"],
-        weight_format=case["weight_format"],
-        with_mtp_layer=case["with_mtp_layer"],
-    )
 
 
 def family_moe_layers(config: dict) -> list[int]:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from checkpoint_factory import (
     FAMILY_CASES,
-    build_family_case,
+    build_case,
     checkpoint_as_float32,
     float32_digest,
     read_tensors,
@@ -90,7 +90,7 @@ def case(request, tmp_path_factory):
     """(name, checkpoint path, config, golden arrays) of one family case."""
     name = request.param
     golden = dict(np.load(GOLDEN_DIR / f"{name}.npz"))
-    path = build_family_case(name, tmp_path_factory.mktemp(name))
+    path = build_case(name, tmp_path_factory.mktemp(name))
     config = json.loads((path / "config.json").read_text())
     return name, path, config, golden
 

@@ -17,7 +17,6 @@ from checkpoint_factory import (
     GOLDEN_CASES,
     as_float32,
     build_case,
-    build_family_case,
     read_tensors,
     tensor_digest,
 )
@@ -42,9 +41,7 @@ NEW_TOKENS = 8
 # Every golden case of a family the registry supports: DeepSeek's (GOLDEN_CASES) and the other families'
 # (FAMILY_CASES, made in the released layouts; tests/golden/README.md specifies each family's computation).
 SUPPORTED_TYPES = {t for family in registry.FAMILIES for t in family.config.MODEL_TYPES}
-CASES = {name: build_case for name in GOLDEN_CASES} | {
-    name: build_family_case for name, case in FAMILY_CASES.items() if case["preset"] in SUPPORTED_TYPES
-}
+CASES = [*GOLDEN_CASES, *(name for name, case in FAMILY_CASES.items() if case["preset"] in SUPPORTED_TYPES)]
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -52,7 +49,7 @@ def case(request, tmp_path_factory):
     """(checkpoint path, golden arrays) of one case, the checkpoint proven to be the goldens' one."""
     name = request.param
     golden = dict(np.load(GOLDEN_DIR / f"{name}.npz"))
-    path = CASES[name](name, tmp_path_factory.mktemp(name))
+    path = build_case(name, tmp_path_factory.mktemp(name))
     if tensor_digest(path) != str(golden["digest"]):
         pytest.fail(
             f"{name}: the rebuilt checkpoint differs from the one tests/golden/{name}.npz was made from "

@@ -1457,7 +1457,7 @@ def family_sensitivity(model, config, checkpoint: Path, prompts, runs):
 def make_family_case(name: str, show_sensitivity: bool):
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = cf.build_family_case(name, Path(tmp) / "checkpoint")
+        checkpoint = cf.build_case(name, Path(tmp) / "checkpoint")
         model, config, how = family_load_reference(checkpoint, Path(tmp))
         fp8 = (
             fp8_against_transformers(checkpoint)
