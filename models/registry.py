@@ -11,13 +11,13 @@ from pathlib import Path
 from types import ModuleType
 
 from hybridjit.config import ConfigError, read_config_json
-from hybridjit.models import deepseek_v3, qwen3_moe
+from hybridjit.models import deepseek_v3, mixtral, qwen3_moe
 from hybridjit.models.common.config import ModelConfig
 
-FAMILIES: tuple[ModuleType, ...] = (deepseek_v3, qwen3_moe)
+FAMILIES: tuple[ModuleType, ...] = (deepseek_v3, qwen3_moe, mixtral)
 
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.config.MODEL_TYPES}
-_BY_ARCHITECTURE = {a: f for f in FAMILIES for a in f.config.ARCHITECTURES}
+_MODEL_TYPE_BY_ARCHITECTURE = {a: t for f in FAMILIES for a, t in f.config.ARCHITECTURES.items()}
 _BY_CONFIG_CLASS = {f.config.CONFIG: f for f in FAMILIES}
 # Known model names -> Hugging Face repo ids, and named geometries of released sizes, over all families.
 NAMES = {name: repo for f in FAMILIES for name, repo in f.config.NAMES.items()}
@@ -28,25 +28,33 @@ def supported() -> str:
     return ", ".join(sorted(_BY_MODEL_TYPE))
 
 
+def _with_model_type(raw: dict) -> dict:
+    """raw with the model_type its architectures imply where it has none. Only then: a model_type we do not know
+    is another model, whatever class it reuses."""
+    architectures = raw.get("architectures")
+    if raw.get("model_type") is None and isinstance(architectures, list):
+        known = [_MODEL_TYPE_BY_ARCHITECTURE[a] for a in architectures if a in _MODEL_TYPE_BY_ARCHITECTURE]
+        if known:
+            return {**raw, "model_type": known[0]}
+    return raw
+
+
 def family_for_hf_config(raw: dict, source: str = "config.json") -> ModuleType:
     """The family of a config.json object, by its model_type, else by its architectures."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: must hold a JSON object of fields, got {raw!r:.60}")
-    family = _BY_MODEL_TYPE.get(raw.get("model_type"))
-    architectures = raw.get("architectures")
-    for architecture in architectures if family is None and isinstance(architectures, list) else []:
-        family = family or _BY_ARCHITECTURE.get(architecture)
+    family = _BY_MODEL_TYPE.get(_with_model_type(raw).get("model_type"))
     if family is None:
         raise ConfigError(
-            f"{source}: model_type {raw.get('model_type')!r} (architectures {raw.get('architectures')}) is not "
-            f"supported; supported model types: {supported()}"
+            f"{source}: model_type {raw.get('model_type')!r} is not supported (architectures "
+            f"{raw.get('architectures')}); supported model types: {supported()}"
         )
     return family
 
 
 def config_from_hf(raw: dict, source: str = "config.json") -> ModelConfig:
     """The config of the family `raw` (a config.json object) belongs to."""
-    return family_for_hf_config(raw, source).config.CONFIG.from_hf_config(raw, source=source)
+    return family_for_hf_config(raw, source).config.CONFIG.from_hf_config(_with_model_type(raw), source=source)
 
 
 def config_from_json(path: str | Path) -> ModelConfig:

@@ -28,6 +28,15 @@ TINY = {
         "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "bos_token_id": 0, "eos_token_id": 1,
         "tie_word_embeddings": False,
     },
+    # Every layer a MoE block named block_sparse_moe with experts w1/w3/w2; a sliding window shorter than the
+    # prompts, so decode's window rule is checked against prefill's.
+    "mixtral": {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 300, "hidden_size": 64,
+        "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 256, "rope_theta": 1e6,
+        "rms_norm_eps": 1e-5, "sliding_window": 5, "bos_token_id": 1, "eos_token_id": 2,
+        "tie_word_embeddings": False,
+    },
 }
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
 
@@ -96,7 +105,7 @@ def test_an_unsupported_model_type_names_the_supported_ones():
 
 
 def test_a_family_is_found_by_its_architecture_too():
-    raw = {**TINY["qwen3_moe"], "model_type": None}
+    raw = {k: v for k, v in TINY["qwen3_moe"].items() if k != "model_type"}
     assert registry.family_for_hf_config(raw).config.MODEL_TYPES == ("qwen3_moe",)
 
 
@@ -108,7 +117,7 @@ def test_qwen3_reads_num_experts_under_either_name():
 
 
 def test_names_and_geometries_cover_every_family():
-    assert {"deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b"} <= set(registry.NAMES)
-    assert {"deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b"} <= set(registry.GEOMETRIES)
+    released = {"deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "mixtral-8x22b"}
+    assert released <= set(registry.NAMES) and released <= set(registry.GEOMETRIES)
     for name, raw in registry.GEOMETRIES.items():
         assert registry.config_from_hf(raw, name).model_type == raw["model_type"]

@@ -101,8 +101,9 @@ def test_routing_matches_transformers(case, model):
     """route() on transformers' own router inputs picks the same experts with the same weights."""
     path, golden = case
     tensors = as_float32(read_tensors(path))
+    block = registry.family_of(model.config).ckpt.MOE_NAMES.block  # mlp, block_sparse_moe
     for layer in golden["moe_layers"].tolist():
-        gate = f"model.layers.{layer}.mlp.gate."
+        gate = f"model.layers.{layer}.{block}.gate."
         hidden = golden[f"layer{layer}_router_input"]
         ids, weights = route(
             model.config, tensors[gate + "weight"], tensors.get(gate + "e_score_correction_bias"), hidden

@@ -3,11 +3,13 @@
 from collections.abc import Callable
 from typing import Any
 
-from hybridjit.models.common.checkpoint_map import Layout, TensorSpec, build_decoder_weights, decoder_layout
+from hybridjit.models.common.checkpoint_map import Layout, MoENames, TensorSpec, build_decoder_weights, decoder_layout
 from hybridjit.models.common.decoder import Weights
 from hybridjit.models.common.moe import Experts
 from hybridjit.models.deepseek_v3.config import DeepseekV3Config as ModelConfig
 from hybridjit.models.deepseek_v3.model import MLA
+
+MOE_NAMES = MoENames()  # mlp.gate (+ e_score_correction_bias), mlp.shared_experts, mlp.experts.E.{gate,up,down}_proj
 
 
 def checkpoint_layout(cfg: ModelConfig) -> dict[str, TensorSpec]:
@@ -31,7 +33,7 @@ def checkpoint_layout(cfg: ModelConfig) -> dict[str, TensorSpec]:
             layout.vector(f"{a}.kv_a_proj_with_mqa.bias", cfg.kv_lora_rank + cfg.qk_rope_head_dim)
             layout.vector(f"{a}.o_proj.bias", d)
 
-    return decoder_layout(cfg, attention)
+    return decoder_layout(cfg, attention, MOE_NAMES)
 
 
 def build_weights(
@@ -59,4 +61,4 @@ def build_weights(
             o_bias=maybe(f"{p}.o_proj.bias", bias),
         )
 
-    return build_decoder_weights(cfg, tensor, routed, mla)
+    return build_decoder_weights(cfg, tensor, routed, mla, MOE_NAMES)

@@ -8,11 +8,13 @@ hashable, it is a static argument of jit.
 
 import dataclasses
 
-from hybridjit.config import ConfigError, ConfigFields, Fp8Config, IntQuantConfig, fp8_config, int_config
+from hybridjit.config import ConfigError
+from hybridjit.models.common.config import DecoderConfig, decoder_fields
 from hybridjit.models.common.rope import RopeConfig, rope_config, yarn_mscale
 
 MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")
-ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "KimiK2ForCausalLM")
+# Hugging Face architectures -> the model_type they imply where a config.json omits it.
+ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v2"}
 # The geometries of the released sizes, as their Hugging Face config.json files give them (benchmarks build
 # random checkpoints of them: hybridjit.synthetic).
 PRESETS = {
@@ -121,14 +123,10 @@ ROUTER_METHODS = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class DeepseekV3Config:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeepseekV3Config(DecoderConfig):
     intermediate_size: int
     moe_intermediate_size: int
-    num_hidden_layers: int
     num_attention_heads: int
     q_lora_rank: int | None
     kv_lora_rank: int
@@ -144,18 +142,8 @@ class DeepseekV3Config:
     topk_group: int
     norm_topk_prob: bool
     routed_scaling_factor: float
-    rms_norm_eps: float
-    max_position_embeddings: int
     attention_bias: bool
-    tie_word_embeddings: bool
     rope: RopeConfig
-    fp8: Fp8Config | None
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
-    int_quant: IntQuantConfig | None = None
-    # Multi-token-prediction layers stored after the decoder layers (model.layers.{num_hidden_layers}.* on):
-    # the model does not run them; loading skips their tensors.
-    num_nextn_predict_layers: int = 0
 
     @property
     def qk_head_dim(self) -> int:
@@ -183,12 +171,8 @@ class DeepseekV3Config:
 
     @classmethod
     def from_hf_config(cls, raw: dict, source: str = "config.json") -> "DeepseekV3Config":
-        f = ConfigFields(raw, source)
+        f = cls.fields(raw, source, MODEL_TYPES)
         model_type = f.text("model_type", None)
-        if model_type not in MODEL_TYPES:
-            raise ConfigError(
-                f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(MODEL_TYPES)}"
-            )
         topk_method = f.text("topk_method", "noaux_tc" if model_type != "deepseek_v2" else "greedy")
         if topk_method not in ROUTER_METHODS:
             raise ConfigError(
@@ -199,31 +183,27 @@ class DeepseekV3Config:
             raise ConfigError(
                 f"{source}: scoring_func {scoring!r} with topk_method {topk_method!r} is not supported"
             )
-        if f.text("hidden_act", "silu") != "silu":
-            raise ConfigError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (silu only)")
         if raw.get("moe_layer_freq", 1) != 1:
             raise ConfigError(f"{source}: moe_layer_freq {raw['moe_layer_freq']} is not supported (1 only)")
         if raw.get("mlp_bias"):
             raise ConfigError(f"{source}: mlp_bias=true is not supported")
 
-        layers = f.integer("num_hidden_layers", minimum=1)
+        common = decoder_fields(f)
+        layers = common["num_hidden_layers"]
         n_routed, n_group = f.integer("n_routed_experts", minimum=1), f.integer("n_group", 1, minimum=1)
         if n_routed % n_group:
             raise ConfigError(f"{source}: n_routed_experts {n_routed} is not divisible by n_group {n_group}")
         topk_group = f.integer("topk_group", n_group, minimum=1, maximum=(n_group, "n_group"))
         top_k = f.integer("num_experts_per_tok", minimum=1, maximum=(n_routed, "n_routed_experts"))
         _check_group_limits(source, topk_method, n_routed, n_group, topk_group, top_k)
-        vocab = f.integer("vocab_size", minimum=1)
         rope_dim = f.integer("qk_rope_head_dim", minimum=1)
         if rope_dim % 2:
             raise ConfigError(f"{source}: qk_rope_head_dim must be even (rope rotates pairs), got {rope_dim}")
         return cls(
             model_type=model_type,
-            vocab_size=vocab,
-            hidden_size=f.integer("hidden_size", minimum=1),
+            **common,
             intermediate_size=f.integer("intermediate_size", minimum=1),
             moe_intermediate_size=f.integer("moe_intermediate_size", minimum=1),
-            num_hidden_layers=layers,
             num_attention_heads=f.integer("num_attention_heads", minimum=1),
             q_lora_rank=f.integer("q_lora_rank", None, minimum=1),
             kv_lora_rank=f.integer("kv_lora_rank", minimum=1),
@@ -241,15 +221,8 @@ class DeepseekV3Config:
             topk_group=topk_group,
             norm_topk_prob=f.flag("norm_topk_prob", False),
             routed_scaling_factor=f.number("routed_scaling_factor", 1.0, above=0),
-            rms_norm_eps=f.number("rms_norm_eps", 1e-6, above=0),
-            max_position_embeddings=f.integer("max_position_embeddings", minimum=1),
             attention_bias=f.flag("attention_bias", False),
-            tie_word_embeddings=f.flag("tie_word_embeddings", False),
             rope=rope_config(f, rope_dim),
-            fp8=fp8_config(f),
-            bos_token_id=f.token_id("bos_token_id", vocab),
-            eos_token_ids=f.token_ids("eos_token_id", vocab),
-            int_quant=int_config(f),
             num_nextn_predict_layers=f.integer("num_nextn_predict_layers", 0, minimum=0),
         )
 

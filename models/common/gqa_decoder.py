@@ -1,5 +1,5 @@
-"""The Qwen3-MoE family as pure JAX functions: grouped-query attention with per-head QK RMSNorm
-(models/common/gqa.py) in the shared decoder (models/common/decoder.py)."""
+"""The model module of the GQA families (Qwen3-MoE, Mixtral): the shared decoder (models/common/decoder.py) with
+grouped-query attention (models/common/gqa.py) bound, and its KV cache."""
 
 from hybridjit.models.common import decoder, gqa
 
