@@ -127,10 +127,9 @@ def cmd_info(args) -> int:
     lines = [
         f"checkpoint      {path}",
         f"model type      {cfg.model_type}",
-        f"layers          {cfg.num_hidden_layers} ({cfg.first_k_dense_replace} dense, {n_moe} MoE)",
+        f"layers          {cfg.num_hidden_layers} ({cfg.num_hidden_layers - n_moe} dense, {n_moe} MoE)",
         f"hidden size     {cfg.hidden_size}, vocab {cfg.vocab_size}, context {cfg.max_position_embeddings}",
-        f"attention       MLA: {cfg.num_attention_heads} heads, q_lora {cfg.q_lora_rank}, kv_lora "
-        f"{cfg.kv_lora_rank}, nope/rope/v {cfg.qk_nope_head_dim}/{cfg.qk_rope_head_dim}/{cfg.v_head_dim}, "
+        f"attention       {cfg.attention_summary}, "
         f"rope {'yarn x' + str(cfg.rope.yarn_factor) if cfg.rope.yarn_factor else 'plain'}",
         f"experts         {cfg.n_routed_experts} routed (top-{cfg.num_experts_per_tok}, {cfg.topk_method}, "
         f"{cfg.n_group} groups keep {cfg.topk_group}), {cfg.n_shared_experts} shared, "

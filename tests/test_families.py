@@ -10,6 +10,7 @@ from checkpoint_factory import tiny_config
 from kernel_choice import EXACT_FLOAT32_FAMILY, kernel_family
 
 import hybridjit
+from hybridjit import cli
 from hybridjit.config import ConfigError
 from hybridjit.export import save_checkpoint
 from hybridjit.models import registry
@@ -65,6 +66,12 @@ def rel_rms(a, b):
 def test_the_registry_names_the_family(model):
     assert model.config.model_type in model.family.config.MODEL_TYPES
     assert registry.family_of(model.config) is model.family
+
+
+def test_info_describes_the_checkpoint(model, capsys):
+    assert cli.main(["info", str(model.path)]) == 0
+    out = capsys.readouterr().out
+    assert f"model type      {model.config.model_type}" in out and "routed experts" in out
 
 
 def test_greedy_decode_follows_whole_sequence_logits(model):

@@ -34,6 +34,9 @@ class ModelConfig(Protocol):
     norm_topk_prob: bool
     routed_scaling_factor: float
 
+    # A line describing the attention, for `hybridjit info`.
+    attention_summary: str
+
     def is_moe_layer(self, layer: int) -> bool: ...
 
 
@@ -113,3 +116,11 @@ class GQAConfig(DecoderConfig):
     @property
     def softmax_scale(self) -> float:
         return self.head_dim**-0.5
+
+    @property
+    def attention_summary(self) -> str:
+        """One line for `hybridjit info`."""
+        return (
+            f"GQA: {self.num_attention_heads} heads, {self.num_key_value_heads} key/value heads, head_dim "
+            f"{self.head_dim} (rotated {self.rope.dim})"
+        )

@@ -146,6 +146,14 @@ class DeepseekV3Config(DecoderConfig):
     rope: RopeConfig
 
     @property
+    def attention_summary(self) -> str:
+        """One line for `hybridjit info`."""
+        return (
+            f"MLA: {self.num_attention_heads} heads, q_lora {self.q_lora_rank}, kv_lora {self.kv_lora_rank}, "
+            f"nope/rope/v {self.qk_nope_head_dim}/{self.qk_rope_head_dim}/{self.v_head_dim}"
+        )
+
+    @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
