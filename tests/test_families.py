@@ -38,6 +38,17 @@ TINY = {
         "rms_norm_eps": 1e-5, "sliding_window": 5, "bos_token_id": 1, "eos_token_id": 2,
         "tie_word_embeddings": False,
     },
+    # Partial rotary, q/k/v biases without an o_proj bias, QK norm, sigmoid routing with correction bias and group
+    # limits, a shared expert and a dense first layer.
+    "glm4_moe": {
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": 300, "hidden_size": 64,
+        "intermediate_size": 96, "moe_intermediate_size": 24, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 24, "partial_rotary_factor": 0.5, "attention_bias": True,
+        "use_qk_norm": True, "n_routed_experts": 16, "n_shared_experts": 1, "num_experts_per_tok": 4, "n_group": 4,
+        "topk_group": 2, "first_k_dense_replace": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+        "max_position_embeddings": 256, "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "eos_token_id": [1, 2],
+        "tie_word_embeddings": False,
+    },
 }
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
 
@@ -124,7 +135,7 @@ def test_qwen3_reads_num_experts_under_either_name():
 
 
 def test_names_and_geometries_cover_every_family():
-    released = {"deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "mixtral-8x22b"}
+    released = {"deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "mixtral-8x22b", "glm-4.5"}
     assert released <= set(registry.NAMES) and released <= set(registry.GEOMETRIES)
     for name, raw in registry.GEOMETRIES.items():
         assert registry.config_from_hf(raw, name).model_type == raw["model_type"]

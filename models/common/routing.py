@@ -9,6 +9,7 @@ norm_topk_prob and routed_scaling_factor.
 import jax
 import jax.numpy as jnp
 
+from hybridjit.config import ConfigError
 from hybridjit.models.common.config import ModelConfig
 
 
@@ -39,3 +40,20 @@ def route(cfg: ModelConfig, router: jax.Array, correction_bias: jax.Array | None
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     return ids.astype(jnp.int32), weights * cfg.routed_scaling_factor
+
+
+def check_group_limits(source: str, method: str, n_routed: int, n_group: int, topk_group: int, top_k: int):
+    """Group-limited routing keeps only the experts of topk_group groups: they must be enough to choose from."""
+    if method not in ("noaux_tc", "group_limited_greedy") or n_group == 1:
+        return
+    per_group = n_routed // n_group
+    if method == "noaux_tc" and per_group < 2:
+        raise ConfigError(
+            f"{source}: noaux_tc ranks each group by its top-2 scores: n_routed_experts / n_group must be >= 2, "
+            f"got {n_routed} / {n_group}"
+        )
+    if top_k > topk_group * per_group:
+        raise ConfigError(
+            f"{source}: num_experts_per_tok {top_k} exceeds the {topk_group * per_group} experts of the topk_group "
+            f"{topk_group} groups of {per_group} that routing keeps"
+        )

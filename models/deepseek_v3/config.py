@@ -11,6 +11,7 @@ import dataclasses
 from hybridjit.config import ConfigError
 from hybridjit.models.common.config import DecoderConfig, decoder_fields
 from hybridjit.models.common.rope import RopeConfig, rope_config, yarn_mscale
+from hybridjit.models.common.routing import check_group_limits
 
 MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")
 # Hugging Face architectures -> the model_type they imply where a config.json omits it.
@@ -203,7 +204,7 @@ class DeepseekV3Config(DecoderConfig):
             raise ConfigError(f"{source}: n_routed_experts {n_routed} is not divisible by n_group {n_group}")
         topk_group = f.integer("topk_group", n_group, minimum=1, maximum=(n_group, "n_group"))
         top_k = f.integer("num_experts_per_tok", minimum=1, maximum=(n_routed, "n_routed_experts"))
-        _check_group_limits(source, topk_method, n_routed, n_group, topk_group, top_k)
+        check_group_limits(source, topk_method, n_routed, n_group, topk_group, top_k)
         rope_dim = f.integer("qk_rope_head_dim", minimum=1)
         if rope_dim % 2:
             raise ConfigError(f"{source}: qk_rope_head_dim must be even (rope rotates pairs), got {rope_dim}")
@@ -235,21 +236,7 @@ class DeepseekV3Config(DecoderConfig):
         )
 
 
-def _check_group_limits(source: str, method: str, n_routed: int, n_group: int, topk_group: int, top_k: int):
-    """Group-limited routing keeps only the experts of topk_group groups: they must be enough to choose from."""
-    if method not in ("noaux_tc", "group_limited_greedy") or n_group == 1:
-        return
-    per_group = n_routed // n_group
-    if method == "noaux_tc" and per_group < 2:
-        raise ConfigError(
-            f"{source}: noaux_tc ranks each group by its top-2 scores: n_routed_experts / n_group must be >= 2, "
-            f"got {n_routed} / {n_group}"
-        )
-    if top_k > topk_group * per_group:
-        raise ConfigError(
-            f"{source}: num_experts_per_tok {top_k} exceeds the {topk_group * per_group} experts of the topk_group "
-            f"{topk_group} groups of {per_group} that routing keeps"
-        )
+
 
 
 CONFIG = DeepseekV3Config
