@@ -134,7 +134,8 @@ def fp8_config(f: ConfigFields) -> Fp8Config | None:
     q = f.section("quantization_config")
     if q is None or q.raw.get("quant_method") == INT_QUANT_METHOD:
         return None
-    if q.raw.get("quant_method") != "fp8" or q.raw.get("fmt", "e4m3") != "e4m3":
+    # DeepSeek's releases say fmt "e4m3", MiniMax-M2's "float8_e4m3fn": the same format.
+    if q.raw.get("quant_method") != "fp8" or q.raw.get("fmt", "e4m3") not in ("e4m3", "float8_e4m3fn"):
         raise ConfigError(
             f"{f.source}: quantization_config {q.raw} is not supported (fp8 e4m3 with block scales only)"
         )

@@ -49,6 +49,15 @@ TINY = {
         "max_position_embeddings": 256, "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "eos_token_id": [1, 2],
         "tie_word_embeddings": False,
     },
+    # QK norms over all heads, partial rotary, sigmoid routing with the correction bias on block_sparse_moe.
+    "minimax_m2": {
+        "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "vocab_size": 300, "hidden_size": 64,
+        "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 24, "rotary_dim": 12, "num_local_experts": 8, "num_experts_per_tok": 3, "use_qk_norm": True,
+        "qk_norm_type": "per_layer", "scoring_func": "sigmoid", "use_routing_bias": True,
+        "shared_intermediate_size": 0, "max_position_embeddings": 256, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+        "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
+    },
 }
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
 
@@ -135,7 +144,7 @@ def test_qwen3_reads_num_experts_under_either_name():
 
 
 def test_names_and_geometries_cover_every_family():
-    released = {"deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "mixtral-8x22b", "glm-4.5"}
+    released = {"deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "glm-4.5", "minimax-m2"}
     assert released <= set(registry.NAMES) and released <= set(registry.GEOMETRIES)
     for name, raw in registry.GEOMETRIES.items():
         assert registry.config_from_hf(raw, name).model_type == raw["model_type"]

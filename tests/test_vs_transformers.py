@@ -15,7 +15,6 @@ import pytest
 from checkpoint_factory import (
     FAMILY_CASES,
     GOLDEN_CASES,
-    as_float32,
     build_case,
     read_tensors,
     tensor_digest,
@@ -100,13 +99,17 @@ def test_greedy_generation_matches_transformers(case, model):
 def test_routing_matches_transformers(case, model):
     """route() on transformers' own router inputs picks the same experts with the same weights."""
     path, golden = case
-    tensors = as_float32(read_tensors(path))
-    block = registry.family_of(model.config).ckpt.MOE_NAMES.block  # mlp, block_sparse_moe
+    tensors = read_tensors(path)
+    names = registry.family_of(model.config).ckpt.MOE_NAMES  # mlp or block_sparse_moe, where the bias sits
     for layer in golden["moe_layers"].tolist():
-        gate = f"model.layers.{layer}.{block}.gate."
+        gate = f"model.layers.{layer}.{names.block}.gate."
         hidden = golden[f"layer{layer}_router_input"]
+        bias = tensors.get(f"model.layers.{layer}.{names.block}.{names.correction_bias}")
         ids, weights = route(
-            model.config, tensors[gate + "weight"], tensors.get(gate + "e_score_correction_bias"), hidden
+            model.config,
+            tensors[gate + "weight"].astype(np.float32),
+            None if bias is None else bias.astype(np.float32),
+            hidden,
         )
         ids, weights = np.asarray(ids), np.asarray(weights)
         expected_ids = golden[f"layer{layer}_topk_ids"]  # sorted by expert id per token

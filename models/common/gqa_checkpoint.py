@@ -9,9 +9,10 @@ from hybridjit.models.common.checkpoint_map import Layout
 from hybridjit.models.common.gqa import GQA
 
 
-def gqa_layout(cfg, *, qk_norm: bool, o_bias: bool | None = None) -> Callable[[Layout, str], None]:
-    """attention_layout for decoder_layout: one layer's GQA tensors (QK norms per head when qk_norm; o_proj's bias
-    as attention_bias unless o_bias says otherwise: GLM biases q/k/v only)."""
+def gqa_layout(cfg, *, qk_norm: str | None, o_bias: bool | None = None) -> Callable[[Layout, str], None]:
+    """attention_layout for decoder_layout: one layer's GQA tensors. qk_norm: None, "head" (a norm of head_dim per
+    head, Qwen3, GLM) or "all" (one over all heads' dims, MiniMax-M2); o_proj's bias as attention_bias unless
+    o_bias says otherwise (GLM biases q/k/v only)."""
     o_bias = cfg.attention_bias if o_bias is None else o_bias
     d, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
 
@@ -24,14 +25,14 @@ def gqa_layout(cfg, *, qk_norm: bool, o_bias: bool | None = None) -> Callable[[L
         if o_bias:
             layout.vector(f"{a}.o_proj.bias", d)
         if qk_norm:
-            layout.vector(f"{a}.q_norm.weight", cfg.head_dim)
-            layout.vector(f"{a}.k_norm.weight", cfg.head_dim)
+            layout.vector(f"{a}.q_norm.weight", q if qk_norm == "all" else cfg.head_dim)
+            layout.vector(f"{a}.k_norm.weight", kv if qk_norm == "all" else cfg.head_dim)
 
     return attention
 
 
 def gqa_weights(
-    cfg, tensor: Callable[..., Any], *, qk_norm: bool, window: int | None = None, o_bias: bool | None = None
+    cfg, tensor: Callable[..., Any], *, qk_norm: str | None, window: int | None = None, o_bias: bool | None = None
 ):
     """attention for build_decoder_weights: one layer's GQA weights from its tensors (arguments as gqa_layout's)."""
     o_bias = cfg.attention_bias if o_bias is None else o_bias
@@ -50,8 +51,8 @@ def gqa_weights(
             k_bias=optional(f"{a}.k_proj.bias", bias),
             v_bias=optional(f"{a}.v_proj.bias", bias),
             o_bias=optional(f"{a}.o_proj.bias", o_bias),
-            q_norm=optional(f"{a}.q_norm.weight", qk_norm),
-            k_norm=optional(f"{a}.k_norm.weight", qk_norm),
+            q_norm=optional(f"{a}.q_norm.weight", qk_norm is not None),
+            k_norm=optional(f"{a}.k_norm.weight", qk_norm is not None),
             window=window,
         )
 

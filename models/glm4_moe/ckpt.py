@@ -15,10 +15,10 @@ MOE_NAMES = MoENames()
 
 def checkpoint_layout(cfg: Glm4MoeConfig) -> dict[str, TensorSpec]:
     """Every tensor the config implies, by its Hugging Face name."""
-    return decoder_layout(cfg, gqa_layout(cfg, qk_norm=cfg.use_qk_norm, o_bias=False), MOE_NAMES)
+    return decoder_layout(cfg, gqa_layout(cfg, qk_norm="head" if cfg.use_qk_norm else None, o_bias=False), MOE_NAMES)
 
 
 def build_weights(cfg: Glm4MoeConfig, tensor: Callable[..., Any], routed: Callable) -> Weights:
     """The weights pytree (models/common/checkpoint_map.build_decoder_weights) with GQA attention."""
-    attention = gqa_weights(cfg, tensor, qk_norm=cfg.use_qk_norm, o_bias=False)
+    attention = gqa_weights(cfg, tensor, qk_norm="head" if cfg.use_qk_norm else None, o_bias=False)
     return build_decoder_weights(cfg, tensor, routed, attention, MOE_NAMES)

@@ -14,11 +14,11 @@ MOE_NAMES = MoENames(block="block_sparse_moe", projections=("w1", "w3", "w2"))
 
 def checkpoint_layout(cfg: MixtralConfig) -> dict[str, TensorSpec]:
     """Every tensor the config implies, by its Hugging Face name."""
-    return decoder_layout(cfg, gqa_layout(cfg, qk_norm=False), MOE_NAMES)
+    return decoder_layout(cfg, gqa_layout(cfg, qk_norm=None), MOE_NAMES)
 
 
 def build_weights(cfg: MixtralConfig, tensor: Callable[..., Any], routed: Callable) -> Weights:
     """The weights pytree (models/common/checkpoint_map.build_decoder_weights) with GQA attention, every layer
     windowed when the config sets a sliding window."""
-    attention = gqa_weights(cfg, tensor, qk_norm=False, window=cfg.sliding_window)
+    attention = gqa_weights(cfg, tensor, qk_norm=None, window=cfg.sliding_window)
     return build_decoder_weights(cfg, tensor, routed, attention, MOE_NAMES)

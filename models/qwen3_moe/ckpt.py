@@ -14,9 +14,9 @@ MOE_NAMES = MoENames()  # mlp.gate, mlp.experts.E.{gate,up,down}_proj
 
 def checkpoint_layout(cfg: Qwen3MoeConfig) -> dict[str, TensorSpec]:
     """Every tensor the config implies, by its Hugging Face name."""
-    return decoder_layout(cfg, gqa_layout(cfg, qk_norm=True), MOE_NAMES)
+    return decoder_layout(cfg, gqa_layout(cfg, qk_norm="head"), MOE_NAMES)
 
 
 def build_weights(cfg: Qwen3MoeConfig, tensor: Callable[..., Any], routed: Callable) -> Weights:
     """The weights pytree (models/common/checkpoint_map.build_decoder_weights) with GQA attention."""
-    return build_decoder_weights(cfg, tensor, routed, gqa_weights(cfg, tensor, qk_norm=True), MOE_NAMES)
+    return build_decoder_weights(cfg, tensor, routed, gqa_weights(cfg, tensor, qk_norm="head"), MOE_NAMES)
