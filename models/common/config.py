@@ -124,3 +124,35 @@ class GQAConfig(DecoderConfig):
             f"GQA: {self.num_attention_heads} heads, {self.num_key_value_heads} key/value heads, head_dim "
             f"{self.head_dim} (rotated {self.rope.dim})"
         )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AllMoEGQAConfig(GQAConfig):
+    """A GQA family whose every layer is a MoE block without a shared expert, config.json's intermediate_size being
+    the experts' (Mixtral, MiniMax-M2), routed with renormalised top-k weights and no groups or scaling; the
+    subclass says how it scores (scoring_func, topk_method, use_correction_bias)."""
+
+    moe_intermediate_size: int  # intermediate_size in config.json
+    n_routed_experts: int  # num_local_experts in config.json
+    num_experts_per_tok: int
+    norm_topk_prob: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.moe_intermediate_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return True
+
+    @staticmethod
+    def expert_fields(f: ConfigFields) -> dict:
+        experts = f.integer("num_local_experts", minimum=1)
+        return dict(
+            moe_intermediate_size=f.integer("intermediate_size", minimum=1),
+            n_routed_experts=experts,
+            num_experts_per_tok=f.integer("num_experts_per_tok", minimum=1, maximum=(experts, "num_local_experts")),
+        )

@@ -9,7 +9,7 @@ norm_topk_prob and routed_scaling_factor.
 import jax
 import jax.numpy as jnp
 
-from hybridjit.config import ConfigError
+from hybridjit.config import ConfigError, ConfigFields
 from hybridjit.models.common.config import ModelConfig
 
 
@@ -57,3 +57,23 @@ def check_group_limits(source: str, method: str, n_routed: int, n_group: int, to
             f"{source}: num_experts_per_tok {top_k} exceeds the {topk_group * per_group} experts of the topk_group "
             f"{topk_group} groups of {per_group} that routing keeps"
         )
+
+
+def grouped_routing_fields(f: ConfigFields, method: str) -> dict:
+    """The fields of a DeepSeek-style router (n_routed_experts, n_group, topk_group, num_experts_per_tok,
+    n_shared_experts, norm_topk_prob, routed_scaling_factor), checked together for `method`."""
+    source = f.source
+    n_routed, n_group = f.integer("n_routed_experts", minimum=1), f.integer("n_group", 1, minimum=1)
+    if n_routed % n_group:
+        raise ConfigError(f"{source}: n_routed_experts {n_routed} is not divisible by n_group {n_group}")
+    topk_group = f.integer("topk_group", n_group, minimum=1, maximum=(n_group, "n_group"))
+    top_k = f.integer("num_experts_per_tok", minimum=1, maximum=(n_routed, "n_routed_experts"))
+    check_group_limits(source, method, n_routed, n_group, topk_group, top_k)
+    return dict(
+        n_routed_experts=n_routed,
+        n_group=n_group,
+        topk_group=topk_group,
+        num_experts_per_tok=top_k,
+        n_shared_experts=f.integer("n_shared_experts", 0, minimum=0),
+        routed_scaling_factor=f.number("routed_scaling_factor", 1.0, above=0),
+    )

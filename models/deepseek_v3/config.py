@@ -11,7 +11,7 @@ import dataclasses
 from hybridjit.config import ConfigError
 from hybridjit.models.common.config import DecoderConfig, decoder_fields
 from hybridjit.models.common.rope import RopeConfig, rope_config, yarn_mscale
-from hybridjit.models.common.routing import check_group_limits
+from hybridjit.models.common.routing import grouped_routing_fields
 
 MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")
 # Hugging Face architectures -> the model_type they imply where a config.json omits it.
@@ -199,18 +199,14 @@ class DeepseekV3Config(DecoderConfig):
 
         common = decoder_fields(f)
         layers = common["num_hidden_layers"]
-        n_routed, n_group = f.integer("n_routed_experts", minimum=1), f.integer("n_group", 1, minimum=1)
-        if n_routed % n_group:
-            raise ConfigError(f"{source}: n_routed_experts {n_routed} is not divisible by n_group {n_group}")
-        topk_group = f.integer("topk_group", n_group, minimum=1, maximum=(n_group, "n_group"))
-        top_k = f.integer("num_experts_per_tok", minimum=1, maximum=(n_routed, "n_routed_experts"))
-        check_group_limits(source, topk_method, n_routed, n_group, topk_group, top_k)
+        routing = grouped_routing_fields(f, topk_method)
         rope_dim = f.integer("qk_rope_head_dim", minimum=1)
         if rope_dim % 2:
             raise ConfigError(f"{source}: qk_rope_head_dim must be even (rope rotates pairs), got {rope_dim}")
         return cls(
             model_type=model_type,
             **common,
+            **routing,
             intermediate_size=f.integer("intermediate_size", minimum=1),
             moe_intermediate_size=f.integer("moe_intermediate_size", minimum=1),
             num_attention_heads=f.integer("num_attention_heads", minimum=1),
@@ -219,17 +215,11 @@ class DeepseekV3Config(DecoderConfig):
             qk_nope_head_dim=f.integer("qk_nope_head_dim", minimum=1),
             qk_rope_head_dim=rope_dim,
             v_head_dim=f.integer("v_head_dim", minimum=1),
-            n_routed_experts=n_routed,
-            n_shared_experts=f.integer("n_shared_experts", 0, minimum=0),
-            num_experts_per_tok=top_k,
             first_k_dense_replace=f.integer(
                 "first_k_dense_replace", 0, minimum=0, maximum=(layers, "num_hidden_layers")
             ),
             topk_method=topk_method,
-            n_group=n_group,
-            topk_group=topk_group,
             norm_topk_prob=f.flag("norm_topk_prob", False),
-            routed_scaling_factor=f.number("routed_scaling_factor", 1.0, above=0),
             attention_bias=f.flag("attention_bias", False),
             rope=rope_config(f, rope_dim),
             num_nextn_predict_layers=f.integer("num_nextn_predict_layers", 0, minimum=0),

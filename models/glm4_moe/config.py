@@ -12,7 +12,7 @@ import dataclasses
 from hybridjit.config import ConfigError
 from hybridjit.models.common.config import GQAConfig, decoder_fields, gqa_fields
 from hybridjit.models.common.rope import rope_config
-from hybridjit.models.common.routing import check_group_limits
+from hybridjit.models.common.routing import grouped_routing_fields
 
 MODEL_TYPES = ("glm4_moe",)
 ARCHITECTURES = {"Glm4MoeForCausalLM": "glm4_moe"}  # -> the model_type it implies
@@ -90,12 +90,7 @@ class Glm4MoeConfig(GQAConfig):
         f = cls.fields(raw, source, MODEL_TYPES)
         common, attention = decoder_fields(f, rms_norm_eps=1e-5), gqa_fields(f)
         layers = common["num_hidden_layers"]
-        n_routed, n_group = f.integer("n_routed_experts", minimum=1), f.integer("n_group", 1, minimum=1)
-        if n_routed % n_group:
-            raise ConfigError(f"{source}: n_routed_experts {n_routed} is not divisible by n_group {n_group}")
-        topk_group = f.integer("topk_group", n_group, minimum=1, maximum=(n_group, "n_group"))
-        top_k = f.integer("num_experts_per_tok", minimum=1, maximum=(n_routed, "n_routed_experts"))
-        check_group_limits(source, "noaux_tc", n_routed, n_group, topk_group, top_k)
+        routing = grouped_routing_fields(f, "noaux_tc")
         # transformers reads partial_rotary_factor from rope_parameters too; released files have it at the top.
         factor = f.number("partial_rotary_factor", 0.5, above=0)
         rotated = int(attention["head_dim"] * factor)
@@ -105,18 +100,13 @@ class Glm4MoeConfig(GQAConfig):
             model_type="glm4_moe",
             **common,
             **attention,
+            **routing,
             intermediate_size=f.integer("intermediate_size", minimum=1),
             moe_intermediate_size=f.integer("moe_intermediate_size", minimum=1),
-            n_routed_experts=n_routed,
-            n_shared_experts=f.integer("n_shared_experts", 0, minimum=0),
-            num_experts_per_tok=top_k,
             first_k_dense_replace=f.integer(
                 "first_k_dense_replace", 0, minimum=0, maximum=(layers, "num_hidden_layers")
             ),
-            n_group=n_group,
-            topk_group=topk_group,
             norm_topk_prob=f.flag("norm_topk_prob", True),
-            routed_scaling_factor=f.number("routed_scaling_factor", 1.0, above=0),
             use_qk_norm=f.flag("use_qk_norm", False),
             attention_bias=f.flag("attention_bias", False),
             rope=rope_config(f, rotated, interleave=False),

@@ -10,7 +10,7 @@ shared expert); released as FP8 with 128x128 block scales, which runs as stored.
 import dataclasses
 
 from hybridjit.config import ConfigError
-from hybridjit.models.common.config import GQAConfig, decoder_fields, gqa_fields
+from hybridjit.models.common.config import AllMoEGQAConfig, decoder_fields, gqa_fields
 from hybridjit.models.common.rope import rope_config
 
 MODEL_TYPES = ("minimax_m2",)
@@ -49,26 +49,11 @@ PRESETS = {
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MiniMaxM2Config(GQAConfig):
-    moe_intermediate_size: int  # intermediate_size in config.json: the experts' (no layer is dense)
-    n_routed_experts: int  # num_local_experts in config.json
-    num_experts_per_tok: int
+class MiniMaxM2Config(AllMoEGQAConfig):
     # The router (models/common/routing.py): sigmoid, correction bias for the choice, weights renormalised.
     scoring_func: str = "sigmoid"
     topk_method: str = "noaux_tc"
     use_correction_bias: bool = True
-    norm_topk_prob: bool = True
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    n_shared_experts: int = 0
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.moe_intermediate_size
-
-    def is_moe_layer(self, layer: int) -> bool:
-        return True
 
     @classmethod
     def from_hf_config(cls, raw: dict, source: str = "config.json") -> "MiniMaxM2Config":
@@ -86,7 +71,6 @@ class MiniMaxM2Config(GQAConfig):
             if bad:
                 raise ConfigError(f"{source}: {field} of this value is not supported for minimax_m2 (as released only)")
         common, attention = decoder_fields(f), gqa_fields(f)
-        experts = f.integer("num_local_experts", minimum=1)
         rotary = f.integer("rotary_dim", attention["head_dim"], minimum=2, maximum=(attention["head_dim"], "head_dim"))
         if rotary % 2:
             raise ConfigError(f"{source}: rotary_dim must be even (rope rotates pairs), got {rotary}")
@@ -94,9 +78,7 @@ class MiniMaxM2Config(GQAConfig):
             model_type="minimax_m2",
             **common,
             **attention,
-            moe_intermediate_size=f.integer("intermediate_size", minimum=1),
-            n_routed_experts=experts,
-            num_experts_per_tok=f.integer("num_experts_per_tok", minimum=1, maximum=(experts, "num_local_experts")),
+            **cls.expert_fields(f),
             rope=rope_config(f, rotary, interleave=False),
         )
 

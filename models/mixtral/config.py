@@ -8,7 +8,7 @@ windows every layer.
 
 import dataclasses
 
-from hybridjit.models.common.config import GQAConfig, decoder_fields, gqa_fields
+from hybridjit.models.common.config import AllMoEGQAConfig, decoder_fields, gqa_fields
 from hybridjit.models.common.rope import rope_config
 
 MODEL_TYPES = ("mixtral",)
@@ -56,40 +56,22 @@ PRESETS = {
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MixtralConfig(GQAConfig):
-    moe_intermediate_size: int  # intermediate_size in config.json: the experts' (no layer is dense)
-    n_routed_experts: int  # num_local_experts in config.json
-    num_experts_per_tok: int
+class MixtralConfig(AllMoEGQAConfig):
     sliding_window: int | None
-    # The router (models/common/routing.py): softmax over all experts, top-k renormalised, no groups or scaling.
+    # The router (models/common/routing.py): softmax over all experts, top-k renormalised.
     scoring_func: str = "softmax"
     topk_method: str = "greedy"
-    norm_topk_prob: bool = True
     use_correction_bias: bool = False
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    n_shared_experts: int = 0
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.moe_intermediate_size
-
-    def is_moe_layer(self, layer: int) -> bool:
-        return True
 
     @classmethod
     def from_hf_config(cls, raw: dict, source: str = "config.json") -> "MixtralConfig":
         f = cls.fields(raw, source, MODEL_TYPES)
         common, attention = decoder_fields(f, rms_norm_eps=1e-5), gqa_fields(f)
-        experts = f.integer("num_local_experts", minimum=1)
         return cls(
             model_type="mixtral",
             **common,
             **attention,
-            moe_intermediate_size=f.integer("intermediate_size", minimum=1),
-            n_routed_experts=experts,
-            num_experts_per_tok=f.integer("num_experts_per_tok", minimum=1, maximum=(experts, "num_local_experts")),
+            **cls.expert_fields(f),
             sliding_window=f.integer("sliding_window", None, minimum=1),
             rope=rope_config(f, attention["head_dim"], interleave=False),
         )
