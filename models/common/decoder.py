@@ -113,7 +113,7 @@ def prefill(attention: Attention, cfg: ModelConfig, w: Weights, tokens: jax.Arra
     return logits, cache
 
 
-def decode_step(
+def extend(
     attention: Attention,
     cfg: ModelConfig,
     w: Weights,
@@ -122,19 +122,22 @@ def decode_step(
     cache: list,
     schedule: ExpertSchedule = NO_SCHEDULE,
 ):
-    """One new token per sequence, tokens [b] at positions [b]: float32 logits [b, vocab], updated cache.
+    """New tokens [b, t] at positions [b, t] against the cache, whose entries they add: float32 logits
+    [b, t, vocab] and the updated cache. One token per sequence is a decode step; several continue a prompt
+    whose first part is already in the cache (chunked prefill, a prefix-cache hit). Positions past the cache's
+    length write nothing, so a chunk may be right-padded.
 
     `schedule` (static) turns on Expert Skipping or Expert Deferral; deferred experts alternate between
     two staging slots, since one layer's are still in flight when the next layer's start.
     """
     schedule.check(cfg)
     moe_layers = [i for i, layer in enumerate(w.layers) if isinstance(layer.mlp, MoE)]
-    x = w.embed[tokens][:, None]
+    x = w.embed[tokens]
     new_cache, carried = [], None
     for i, layer in enumerate(w.layers):
         with jax.named_scope(f"layer{i}"):
             h, c = attention.decode(
-                cfg, layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), positions[:, None], cache[i]
+                cfg, layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), positions, cache[i]
             )
             new_cache.append(c)
             x = x + h
@@ -153,7 +156,21 @@ def decode_step(
             else:
                 out = mlp(layer.mlp, h)
             x = x + out
-    return logits(cfg, w, x)[:, 0], new_cache
+    return logits(cfg, w, x), new_cache
+
+
+def decode_step(
+    attention: Attention,
+    cfg: ModelConfig,
+    w: Weights,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: list,
+    schedule: ExpertSchedule = NO_SCHEDULE,
+):
+    """One new token per sequence, tokens [b] at positions [b]: float32 logits [b, vocab], updated cache."""
+    logits, cache = extend(attention, cfg, w, tokens[:, None], positions[:, None], cache, schedule)
+    return logits[:, 0], cache
 
 
 def decode_step_dual(
@@ -200,7 +217,10 @@ def decode_step_dual(
                     x[1], _ = jax.lax.optimization_barrier((x[1], handed_off))
                 with jax.named_scope("attention"):
                     h, c = attention.decode(
-                        cfg, layer.attn, rms_norm(x[m], layer.attn_norm, cfg.rms_norm_eps), positions[m][:, None],
+                        cfg,
+                        layer.attn,
+                        rms_norm(x[m], layer.attn_norm, cfg.rms_norm_eps),
+                        positions[m][:, None],
                         caches[m][i],
                     )
                 new_caches[m].append(c)
@@ -242,7 +262,16 @@ def prefill_attention_layer(
 
 
 def bind(attention: Attention) -> tuple[Callable, ...]:
-    """The decoder's functions with one family's attention bound, as its model module exports them:
-    (forward, forward_layer, finite_stages, prefill, decode_step, decode_step_dual, prefill_attention_layer)."""
-    functions = (forward, forward_layer, finite_stages, prefill, decode_step, decode_step_dual, prefill_attention_layer)
+    """The decoder's functions with one family's attention bound, as its model module exports them: (forward,
+    forward_layer, finite_stages, prefill, extend, decode_step, decode_step_dual, prefill_attention_layer)."""
+    functions = (
+        forward,
+        forward_layer,
+        finite_stages,
+        prefill,
+        extend,
+        decode_step,
+        decode_step_dual,
+        prefill_attention_layer,
+    )
     return tuple(functools.partial(f, attention) for f in functions)
