@@ -65,14 +65,16 @@ _sample_program = jax.jit(_sample_rows)
 
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnames="cache")
-def _decode_program(cfg, schedule, weights, tokens, positions, cache, keys, counts, temperature, top_k, top_p):
-    logits, cache = family_of(cfg).model.decode_step(cfg, weights, tokens, positions, cache, schedule)
+def _decode_program(cfg, schedule, weights, tokens, positions, live, cache, keys, counts, temperature, top_k, top_p):
+    logits, cache = family_of(cfg).model.decode_step(cfg, weights, tokens, positions, cache, schedule, live)
     return _sample_rows(logits, keys, counts, temperature, top_k, top_p), cache
 
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnames="caches")
-def _decode_dual_program(cfg, schedule, weights, tokens, positions, caches, keys, counts, temperature, top_k, top_p):
-    logits, caches = family_of(cfg).model.decode_step_dual(cfg, weights, tokens, positions, caches, schedule)
+def _decode_dual_program(
+    cfg, schedule, weights, tokens, positions, live, caches, keys, counts, temperature, top_k, top_p
+):
+    logits, caches = family_of(cfg).model.decode_step_dual(cfg, weights, tokens, positions, caches, schedule, live)
     per_batch = zip(logits, keys, counts, temperature, top_k, top_p, strict=True)
     sampled = tuple(_sample_rows(*args) for args in per_batch)
     return sampled, caches
@@ -267,7 +269,8 @@ class Engine:
 
     def generate(self) -> Step:
         """Dispatches one decode step of every slot and advances the occupied slots' positions; returns at
-        once. A slot whose next position would pass cache_len must be freed before this call."""
+        once. Free slots compute garbage but run no routed experts. A slot whose next position would pass
+        cache_len must be freed before this call."""
         if (self.positions[self.occupied] >= self.cache_len).any():
             raise ValueError(f"a slot is at the end of its {self.cache_len} cache positions")
         m, schedule = self.model, self.model.expert_schedule
@@ -275,22 +278,22 @@ class Engine:
             # Copies: the host arrays change while the step may still be reading its arguments.
             tuple(
                 a[g.start : g.stop].copy()
-                for a in (self.positions, self.counts, self.temperature, self.top_k, self.top_p)
+                for a in (self.positions, self.occupied, self.counts, self.temperature, self.top_k, self.top_p)
             )
             for g in self.groups
         ]
         keys = [self.keys[g.start : g.stop] for g in self.groups]
         if len(self.groups) == 2:
-            positions, counts, temperature, top_k, top_p = zip(*split, strict=True)
+            positions, live, counts, temperature, top_k, top_p = zip(*split, strict=True)
             sampled, caches = _decode_dual_program(
-                m.config, schedule, m.weights, tuple(self.tokens), positions, tuple(self.caches), tuple(keys),
+                m.config, schedule, m.weights, tuple(self.tokens), positions, live, tuple(self.caches), tuple(keys),
                 counts, temperature, top_k, top_p,
             )
             self.caches = list(caches)
         else:
-            (positions, counts, temperature, top_k, top_p), = split
+            (positions, live, counts, temperature, top_k, top_p), = split
             sampled, cache = _decode_program(
-                m.config, schedule, m.weights, self.tokens[0], positions, self.caches[0], keys[0], counts,
+                m.config, schedule, m.weights, self.tokens[0], positions, live, self.caches[0], keys[0], counts,
                 temperature, top_k, top_p,
             )
             sampled, self.caches = (sampled,), [cache]

@@ -121,6 +121,7 @@ def extend(
     positions: jax.Array,
     cache: list,
     schedule: ExpertSchedule = NO_SCHEDULE,
+    live: jax.Array | None = None,
 ):
     """New tokens [b, t] at positions [b, t] against the cache, whose entries they add: float32 logits
     [b, t, vocab] and the updated cache. One token per sequence is a decode step; several continue a prompt
@@ -128,7 +129,8 @@ def extend(
     length write nothing, so a chunk may be right-padded.
 
     `schedule` (static) turns on Expert Skipping or Expert Deferral; deferred experts alternate between
-    two staging slots, since one layer's are still in flight when the next layer's start.
+    two staging slots, since one layer's are still in flight when the next layer's start. `live` [b] (bool)
+    marks the sequences that count; the others' tokens run no routed experts (their logits are garbage).
     """
     schedule.check(cfg)
     moe_layers = [i for i, layer in enumerate(w.layers) if isinstance(layer.mlp, MoE)]
@@ -152,6 +154,7 @@ def extend(
                     n_deferred=schedule.n_deferred if i != moe_layers[-1] else 0,
                     deferred_slot=1 + n % 2,
                     carried=carried,
+                    live=None if live is None else jnp.broadcast_to(live[:, None], tokens.shape),
                 )
             else:
                 out = mlp(layer.mlp, h)
@@ -167,9 +170,11 @@ def decode_step(
     positions: jax.Array,
     cache: list,
     schedule: ExpertSchedule = NO_SCHEDULE,
+    live: jax.Array | None = None,
 ):
-    """One new token per sequence, tokens [b] at positions [b]: float32 logits [b, vocab], updated cache."""
-    logits, cache = extend(attention, cfg, w, tokens[:, None], positions[:, None], cache, schedule)
+    """One new token per sequence, tokens [b] at positions [b]: float32 logits [b, vocab], updated cache.
+    `live` as in extend."""
+    logits, cache = extend(attention, cfg, w, tokens[:, None], positions[:, None], cache, schedule, live)
     return logits[:, 0], cache
 
 
@@ -181,10 +186,12 @@ def decode_step_dual(
     positions: tuple[jax.Array, jax.Array],
     caches: tuple[list, list],
     schedule: ExpertSchedule = NO_SCHEDULE,
+    live: tuple[jax.Array, jax.Array] | None = None,
 ):
     """decode_step for two micro-batches A and B, interleaved so that each side's work hides the other's
     (OSDI '26 §3.3.1): while the CPU computes A's routed experts the GPU computes B's attention and shared
-    experts, and the other way round. Same math as decode_step on each micro-batch.
+    experts, and the other way round. Same math as decode_step on each micro-batch (`live`: each one's, as
+    there).
 
     The order is data: each micro-batch takes back its routed experts only after the other has handed its
     own to the CPU (the wait's pass-through operand is the other's hand-off output). Returns
@@ -239,6 +246,7 @@ def decode_step_dual(
                     n_deferred=schedule.n_deferred if i != moe_layers[-1] else 0,
                     deferred_slot=3 * m + 1 + n % 2,
                     carried=carried[m],
+                    live=None if live is None else live[m],
                 )
                 other = 1 - m
                 if in_flight[other] is not None:  # its experts ran on the CPU during this attention
