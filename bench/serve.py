@@ -13,9 +13,10 @@ each also normalised to its 1P / 1D baseline (total: to the slower of the two). 
 shorter prompt (`--chunked-prefill-tokens`): its prefill runs the routed experts on the CPU, as
 KTransformers' does, and the seed likewise gave KTransformers a shorter prompt (4K against 24K).
 
-The model is a geometry's random FP8 weights (routed experts in one pinned host copy, shared by the CPU
-kernels and the stream-loaded prefill), truncated to --layers: both P's streamed layers and D's decode steps
-keep their per-layer cost, which is what the ratios compare. Ends with one JSON line.
+The model is a geometry's random FP8 weights (hybridjit.synthetic: normal values block-scaled as released, not
+random bytes, whose many subnormal codes the CPU kernels decode far slower; routed experts in one pinned host
+copy, shared by the CPU kernels and the stream-loaded prefill), truncated to --layers: both P's streamed
+layers and D's decode steps keep their per-layer cost, which is what the ratios compare. Ends with one JSON line.
 """
 
 import argparse
@@ -32,7 +33,7 @@ from bench_model import add_model_arguments, load_model
 from floors import machine
 from hybridjit.placement import Placement
 from hybridjit.serving.scheduler import Finished, Request, Scheduler, Token
-from prefill import PooledExperts, h2d_gbps
+from prefill import h2d_gbps
 
 WORKLOADS = ("1P", "1D", "1P+1D", "2D", "1P+2D")
 
@@ -87,7 +88,7 @@ def run_policy(model, policy: str, prefill_tokens: int, decode_tokens: int, args
     vocab = model.config.vocab_size
     prefill = rng.integers(2, vocab, prefill_tokens).tolist()
     decode = rng.integers(2, vocab, 10).tolist()
-    context = prefill_tokens + max(decode_tokens, 4096) + 16
+    context = min(prefill_tokens + max(decode_tokens, 1024) + 16, model.config.max_position_embeddings)
     scheduler = Scheduler(model, slots=4, cache_len=context, prefix_cache_bytes=0, policy=policy,
                           chunk_tokens=args.chunk)
     scheduler.start()
@@ -126,7 +127,7 @@ def main(argv=None):
     parser.add_argument("--policies", nargs="+", default=["slo", "chunked"], choices=("slo", "chunked"))
     args = parser.parse_args(argv)
     placement = Placement(jax.devices()[0], jnp.dtype("bfloat16"), pinned_experts=True)
-    model, name, full = load_model(args, placement, "fp8", synthetic=PooledExperts)
+    model, name, full = load_model(args, placement, "fp8")
     h2d = h2d_gbps(model.placement.device) if model.placement.device.platform == "gpu" else None
     rng = np.random.default_rng(0)
     results = []
