@@ -78,11 +78,11 @@ class ServerMetrics:
         self.generation_tokens = Counter("hybridjit_generation_tokens", "Generated tokens", registry=self.registry)
         self.registry.register(SchedulerCollector(scheduler))
 
-    def request_ended(self, finish_reason: str, prompt_tokens: int, timing: "RequestTiming"):
+    def request_ended(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, timing: RequestTiming):
         """Records a request that ran, however it ended."""
         self.requests.labels(finish_reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(timing.tokens)
+        self.generation_tokens.inc(completion_tokens)
         if timing.tokens:
             self.ttft.observe(timing.first - timing.arrival)
         if timing.tokens > 1:

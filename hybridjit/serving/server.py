@@ -56,36 +56,41 @@ class Generation:
 
     def __init__(self, scheduler, metrics: ServerMetrics, request: sched.Request, decoder: IncrementalDecoder):
         self.metrics, self.decoder = metrics, decoder
-        self.prompt_tokens = len(request.prompt)
         self.timing = RequestTiming()
         self.finished: sched.Finished | None = None
         self._events: asyncio.Queue = asyncio.Queue()
-        # The scheduler calls back from its thread: hand each event over to the event loop's queue.
-        on_event = partial(asyncio.get_running_loop().call_soon_threadsafe, self._events.put_nowait)
-        self.ticket = scheduler.submit(request, on_event)
+        # The scheduler calls back from its thread: the event loop takes each event in.
+        self.ticket = scheduler.submit(request, partial(asyncio.get_running_loop().call_soon_threadsafe, self._receive))
+
+    def _receive(self, event: sched.Token | sched.Finished):
+        """On the event loop. Metrics are taken here, when the scheduler reports the end, which it also does
+        for a request whose consumer has left (its reason "cancelled")."""
+        if isinstance(event, sched.Finished):
+            self.finished = event
+            self.metrics.request_ended(self.finish_reason, event.prompt_tokens, event.completion_tokens, self.timing)
+        else:
+            self.timing.token()
+        self._events.put_nowait(event)
 
     async def deltas(self) -> AsyncIterator[str]:
+        read_to_the_end = False
         try:
             while not isinstance(event := await self._events.get(), sched.Finished):
-                self.timing.token()
                 if delta := self.decoder.push(event.id):
                     yield delta
                 if self.decoder.stopped:  # the tokens that still come before the cancellation takes are dropped
                     self.ticket.cancel()
-            self.finished = event
             if rest := self.decoder.flush():
                 yield rest
+            read_to_the_end = True
         finally:
-            if self.finished is None:
+            if not read_to_the_end:
                 self.ticket.cancel()
-            self.metrics.request_ended(self.finish_reason, self.prompt_tokens, self.timing)
 
     @property
     def finish_reason(self) -> str:
         """OpenAI's "stop" or "length"; else the scheduler's reason ("cancelled": also a consumer that left)."""
-        if self.decoder.stopped:
-            return "stop"
-        return self.finished.reason if self.finished else "cancelled"
+        return "stop" if self.decoder.stopped else self.finished.reason
 
     def failure(self) -> ApiError | None:
         """The error to report for a request that did not complete."""
