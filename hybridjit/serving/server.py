@@ -259,7 +259,7 @@ def create_app(scheduler, *, model_name: str, api_key: str | None = None) -> Fas
         """Submits a request to the scheduler, after the checks that name the client's fields."""
         if len(prompt) >= context:
             raise ApiError(
-                400, f"the prompt is {len(prompt)} tokens; the model's context is {context}",
+                400, f"{prompt_field}: the prompt is {len(prompt)} tokens; the model's context is {context}",
                 param=prompt_field, code="context_length_exceeded",
             )  # fmt: skip
         if max_tokens is None:  # as OpenAI: as many as the context leaves
@@ -291,7 +291,7 @@ def create_app(scheduler, *, model_name: str, api_key: str | None = None) -> Fas
         if isinstance(body.prompt, str):
             prompt = tokenizer.encode(body.prompt)
         elif bad := [t for t in body.prompt if t >= model.config.vocab_size]:
-            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {model.config.vocab_size})",
+            raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary [0, {model.config.vocab_size})",
                            param="prompt")  # fmt: skip
         else:
             prompt = body.prompt
