@@ -25,9 +25,7 @@ class ServerProcess:
     def __init__(self, proc: subprocess.Popen, port: int, log: Path):
         self.proc, self.port, self.log = proc, port, log
         self.url = f"http://127.0.0.1:{port}"
-
-    def client(self, **options) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, **options)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)  # thread-safe
 
     def post(self, path: str, **kwargs) -> httpx.Response:
         return httpx.post(self.url + path, timeout=60, **kwargs)
