@@ -49,6 +49,8 @@ from hybridjit.models.registry import ModelConfig
 from hybridjit.ops.async_experts import submit_routed_experts, wait_routed_experts
 from hybridjit.ops.routed_experts import configure_threads, kernel_info, register_layer, routed_experts
 from hybridjit.placement import Placement
+from hybridjit.sampling import SamplingParams
+from hybridjit.serving.engine import Engine, Prefilled
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -123,18 +125,13 @@ def cpu_expert_ms(model: engine.Model, batch: int, rng) -> float:
 
 
 def random_cache(model: engine.Model, batch: int, length: int, rng) -> list:
-    """A latent KV cache of `length` positions filled with unit-scale random values: decode time depends on
+    """The family's KV cache of `length` positions filled with unit-scale random values: decode time depends on
     how much cache it reads, not on what is in it, so long contexts need no prefill."""
-    cfg = model.config
-    shape = {"latent": cfg.kv_lora_rank, "k_rope": cfg.qk_rope_head_dim}
-    return [
-        dsv3.LayerCache(**{
-            name: jax.device_put(rng.standard_normal((batch, length, dim), np.float32).astype(model.dtype),
-                                 model.placement.device)
-            for name, dim in shape.items()
-        })
-        for _ in range(cfg.num_hidden_layers)
-    ]
+    empty = model.family.model.init_cache(model.config, batch, length, model.dtype, model.placement.device)
+    return jax.tree.map(
+        lambda a: jax.device_put(rng.standard_normal(a.shape, np.float32).astype(a.dtype), model.placement.device),
+        empty,
+    )
 
 
 def micro_batches(model: engine.Model, batch: int) -> list[int]:
@@ -143,40 +140,30 @@ def micro_batches(model: engine.Model, batch: int) -> list[int]:
 
 
 def step_times(model: engine.Model, batch: int, context: int, steps: int, rng) -> tuple[list[float], float]:
-    """Times decode steps as the engine's generation loop runs them (the next step dispatched before this
-    step's tokens are read back), over a cache already holding `context` positions: (each step in ms, the
+    """Times decode steps as the serving engine runs them (the next step dispatched before this step's tokens
+    are read back), `batch` slots each over a cache already holding `context` positions: (each step in ms, the
     seconds from the hand-off's statistics reset to the last step's end: the window whose expert jobs
     take_gpu_handoff_stats then reports)."""
-    cfg, w = model.config, model.weights
-    groups = micro_batches(model, batch)
-    caches = [random_cache(model, g, context + steps + 4, rng) for g in groups]
-    current = [jnp.asarray(rng.integers(2, cfg.vocab_size, g), jnp.int32) for g in groups]
-    params = engine.SamplingParams().device_args()
-    schedule = model.expert_schedule
-    step_ms, last = [], time.perf_counter()
+    cfg = model.config
+    decoder = Engine(model, batch, context + steps + 4)
+    tokens = jnp.asarray(rng.integers(2, cfg.vocab_size, batch), jnp.int32)
+    filled = Prefilled(random_cache(model, batch, context, rng), tokens, jnp.ones(batch, bool),
+                       np.full(batch, context, np.int32))
+    for slot in range(batch):
+        decoder.insert(filled, slot, slot, SamplingParams())
+    step_ms, last, previous = [], time.perf_counter(), None
     for i in range(steps + 3):
-        positions = [np.full(g, context + i, np.int32) for g in groups]
-        key = jax.random.key(i)
-        if len(groups) == 2:
-            upcoming, caches = engine._decode_dual_program(
-                cfg, schedule, w, tuple(current), tuple(positions), tuple(caches), key, *params
-            )
-        else:
-            upcoming, cache = engine._decode_program(cfg, schedule, w, current[0], positions[0], caches[0], key,
-                                                     *params)
-            upcoming, caches = (upcoming,), [cache]
-        for c in current:
-            np.asarray(c)
+        step = decoder.generate()
+        if previous is not None:
+            previous.tokens()
         now = time.perf_counter()
         if i >= 3:  # the first steps compile and record the graph
             step_ms.append(1e3 * (now - last))
         elif i == 2 and ON_GPU:
             _ffi.take_gpu_handoff_stats()
             window_start = now
-        last = now
-        current = [tokens for tokens, _finite in upcoming]  # (next tokens, logits finite) per micro-batch
-    for c in current:
-        np.asarray(c)
+        last, previous = now, step
+    previous.tokens()
     return step_ms, (time.perf_counter() - window_start if ON_GPU else 0.0)
 
 

@@ -46,6 +46,8 @@ from hybridjit.models.registry import ModelConfig
 from hybridjit.ops.routed_experts import routed_experts
 from hybridjit.pinned_experts import pinned_layer
 from hybridjit.placement import Placement
+from hybridjit.sampling import SamplingParams
+from hybridjit.serving.engine import Engine
 from hybridjit.synthetic import SyntheticCheckpoint
 from hybridjit.weights import SCALE_SUFFIX
 
@@ -213,22 +215,21 @@ def stream_case(model: engine.Model, full: ModelConfig, length: int, floors: dic
 
 
 def hybrid_case(model: engine.Model, full: ModelConfig, length: int, kind: str) -> dict:
-    """The engine's own prefill program (routed experts on the CPU), measured, projected by its MoE layers."""
-    cfg, device = model.config, model.placement.device
-    tokens = prompt(cfg, length, kind)
-    sampling = engine.SamplingParams().device_args()
+    """The serving engine's prefill (routed experts on the CPU), measured, projected by its MoE layers."""
+    tokens = prompt(model.config, length, kind)[0].tolist()
+    threshold, model.stream_prefill_threshold = model.stream_prefill_threshold, 1 << 62  # never stream here
+    decoder = Engine(model, 1, length)
 
     def run():
-        cache = dsv3.init_cache(cfg, 1, length, model.dtype, device)
-        jax.block_until_ready(cache)
         start = time.perf_counter()
-        out = engine._prefill_program(cfg, model.weights, tokens, np.array([length], np.int32), cache,
-                                      jax.random.key(0), *sampling)
-        jax.block_until_ready(out)
+        out = decoder.prefill([tokens], [SamplingParams()])
+        jax.block_until_ready((out.tokens, out.cache))
         return time.perf_counter() - start
 
     run()  # compiles
     ttft = run()
+    model.stream_prefill_threshold = threshold
+    cfg = model.config
     moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     full_moe = sum(full.is_moe_layer(i) for i in range(full.num_hidden_layers))
     return {"path": "hybrid", "tokens": length, "measured": True, "ttft_ms": round(1e3 * ttft, 1),

@@ -168,15 +168,20 @@ class MoeJob {
   }
 
  private:
+  // Routes of weight zero add nothing and are dropped: the free slots of a serving batch route so, and
+  // must not cost their experts' reads.
   void Route() {
     const int64_t n_routes = call_.tokens * call_.top_k;
     std::vector<int64_t> first(layer_.n_experts() + 1, 0);
-    for (int64_t r = 0; r < n_routes; ++r) ++first[call_.ids[r] + 1];
+    for (int64_t r = 0; r < n_routes; ++r) {
+      if (call_.weights[r] != 0.0f) ++first[call_.ids[r] + 1];
+    }
     for (int64_t e = 0; e < layer_.n_experts(); ++e) first[e + 1] += first[e];
-    route_token_.resize(n_routes);
-    route_weight_.resize(n_routes);
+    route_token_.resize(first[layer_.n_experts()]);
+    route_weight_.resize(first[layer_.n_experts()]);
     std::vector<int64_t> cursor(first.begin(), first.end() - 1);
     for (int64_t r = 0; r < n_routes; ++r) {
+      if (call_.weights[r] == 0.0f) continue;
       const int64_t slot = cursor[call_.ids[r]]++;
       route_token_[slot] = r / call_.top_k;
       route_weight_[slot] = call_.weights[r];

@@ -20,23 +20,15 @@ from hybridjit.ops.async_experts import raise_gpu_errors
 from hybridjit.pinned_experts import size_host_memory_pool
 from hybridjit.placement import Placement, compute_dtype
 from hybridjit.resolve import resolve_model
-from hybridjit.sampling import SamplingParams, integer, is_integer, sample
-from hybridjit.stream_prefill import choose_prefill_path, stream_prefill
+from hybridjit.sampling import SamplingParams, integer, is_integer
+from hybridjit.serving.engine import Engine, bucket
 from hybridjit.tokenizer import IncrementalDecoder, first_stop, load_tokenizer
 from hybridjit.weights import Progress, WeightLoader, routed_expert_bytes
-
-MIN_BUCKET = 8
 
 
 class NonFiniteLogitsError(ValueError):
     """Logits with NaN or infinity: the weights are corrupt, or config.json holds values that break the math.
     Raised instead of returning tokens (a row of NaN logits would sample token 0 every step)."""
-
-
-def _sample_checked(logits, key, temperature, top_k, top_p):
-    """Sampled next tokens [b] and whether each row of logits [b, vocab] is all finite [b]: computed on the
-    device next to sampling, so checking it costs the host no extra wait."""
-    return sample(logits, key, temperature, top_k, top_p), jnp.isfinite(logits).all(axis=-1)
 
 
 @partial(jax.jit, static_argnums=0)
@@ -45,36 +37,9 @@ def _logits_program(cfg, weights, tokens):
     return logits, jnp.isfinite(logits).all(axis=-1)
 
 
-@partial(jax.jit, static_argnums=0, donate_argnames="cache")
-def _prefill_program(cfg, weights, tokens, lengths, cache, key, temperature, top_k, top_p):
-    logits, cache = family_of(cfg).model.prefill(cfg, weights, tokens, cache)
-    last = logits[jnp.arange(tokens.shape[0]), lengths - 1]
-    return _sample_checked(last, key, temperature, top_k, top_p), cache
-
-
-@partial(jax.jit, static_argnums=(0, 1), donate_argnames="cache")
-def _decode_program(cfg, schedule, weights, tokens, positions, cache, key, temperature, top_k, top_p):
-    logits, cache = family_of(cfg).model.decode_step(cfg, weights, tokens, positions, cache, schedule)
-    return _sample_checked(logits, key, temperature, top_k, top_p), cache
-
-
-@partial(jax.jit, static_argnums=(0, 1), donate_argnames="caches")
-def _decode_dual_program(cfg, schedule, weights, tokens, positions, caches, key, temperature, top_k, top_p):
-    logits, caches = family_of(cfg).model.decode_step_dual(cfg, weights, tokens, positions, caches, schedule)
-    keys = jax.random.split(key)
-    return tuple(
-        _sample_checked(lg, k, temperature, top_k, top_p) for lg, k in zip(logits, keys, strict=True)
-    ), caches
-
-
-_sample_program = jax.jit(_sample_checked)
 @partial(jax.jit, static_argnums=0)
 def _finite_stages_program(cfg, weights, tokens):
     return family_of(cfg).model.finite_stages(cfg, weights, tokens)
-
-
-def _bucket(n: int) -> int:
-    return max(MIN_BUCKET, 1 << (n - 1).bit_length())
 
 
 def _right_padded(seqs: list[list[int]], width: int) -> np.ndarray:
@@ -168,7 +133,7 @@ class Model:
         seqs = self._check_ids(token_ids)
         self._check_context(seqs)
         longest = max(len(s) for s in seqs)
-        tokens = _right_padded(seqs, _bucket(longest))
+        tokens = _right_padded(seqs, bucket(longest))
         logits, finite = _logits_program(self.config, self.weights, tokens)
         logits, finite = np.asarray(logits)[:, :longest], np.asarray(finite)
         raise_gpu_errors()
@@ -215,53 +180,23 @@ class Model:
         return self._run(seqs, max_new_tokens, params)
 
     def _run(self, seqs: list[list[int]], max_new_tokens: int, params: SamplingParams) -> Iterator[np.ndarray]:
-        """Yields the next token of every sequence, step after step, up to max_new_tokens steps.
+        """Yields the next token of every sequence, step after step, up to max_new_tokens steps: the sequences
+        prefilled together, then each in a slot of a decode Engine of their own.
 
         Two or more sequences decode as two micro-batches interleaved in one program (dual_batch), so
         that each one's GPU work hides the other's CPU experts.
         """
-        lengths = np.array([len(s) for s in seqs], np.int32)
-        longest = int(lengths.max())
-        cache_len = min(_bucket(longest + max_new_tokens), self.config.max_position_embeddings)
-        half = -(-len(seqs) // 2)
-        groups = [range(half), range(half, len(seqs))] if self.dual_batch and len(seqs) > 1 else [range(len(seqs))]
-        key = params.key()
-        prefill_key = jax.random.fold_in(key, 0)  # decode step n uses fold_in(key, n + 1)
-        sampling = params.device_args()
-        current, caches = [], []
-        for g, rows in enumerate(groups):
-            tokens = _right_padded([seqs[row] for row in rows], min(_bucket(longest), cache_len))
-            cache = self.family.model.init_cache(self.config, len(rows), cache_len, self.dtype, self.placement.device)
-            group_key = jax.random.fold_in(prefill_key, g)
-            path = choose_prefill_path(self, *tokens.shape, threshold=self.stream_prefill_threshold)
-            if path == "stream":
-                logits, cache = stream_prefill(self, tokens, lengths[rows], cache)
-                first = _sample_program(logits, group_key, *sampling)
-            else:
-                first, cache = _prefill_program(
-                    self.config, self.weights, tokens, lengths[rows], cache, group_key, *sampling
-                )
-            current.append(first)
-            caches.append(cache)
-        positions = [lengths[rows] for rows in groups]
+        longest = max(len(s) for s in seqs)
+        engine = Engine(self, len(seqs), min(bucket(longest + max_new_tokens), self.config.max_position_embeddings))
+        prefilled = engine.prefill(seqs, [params] * len(seqs))
+        for slot in range(len(seqs)):
+            engine.insert(prefilled, slot, slot, params)
+        current = (prefilled.tokens, prefilled.finite)
         produced = []  # the tokens of each step so far, for the diagnosis of logits that are not finite
         for step in range(max_new_tokens):
-            if step + 1 < max_new_tokens:  # dispatch the next step before waiting on this one's tokens
-                step_key = jax.random.fold_in(key, step + 1)
-                last = tuple(t for t, _ in current)
-                if len(groups) == 2:
-                    upcoming, caches = _decode_dual_program(
-                        self.config, self.expert_schedule, self.weights, last,
-                        tuple(p + step for p in positions), tuple(caches), step_key, *sampling,
-                    )
-                else:
-                    upcoming, cache = _decode_program(
-                        self.config, self.expert_schedule, self.weights, last[0], positions[0] + step,
-                        caches[0], step_key, *sampling,
-                    )
-                    upcoming, caches = (upcoming,), [cache]
-            tokens = np.concatenate([np.asarray(t) for t, _ in current])
-            finite = np.concatenate([np.asarray(f) for _, f in current])
+            # Dispatch the next step before waiting on this one's tokens.
+            upcoming = engine.generate() if step + 1 < max_new_tokens else None
+            tokens, finite = np.asarray(current[0]), np.asarray(current[1])
             raise_gpu_errors()  # a CPU expert job that failed while the GPU waited: its step is garbage
             if not finite.all():
                 row = int(np.argmin(finite))
@@ -269,8 +204,8 @@ class Model:
                 raise self._non_finite(sequence, f"sequence {row}, new token {step + 1},")
             produced.append(tokens)
             yield tokens
-            if step + 1 < max_new_tokens:
-                current = list(upcoming)
+            if upcoming is not None:
+                current = (upcoming.tokens(), upcoming.finite())
 
     def generate(
         self,

@@ -323,8 +323,11 @@ def _block_passes(counts: np.ndarray, first: int, slots: int) -> _BlockPasses:
 class _Ring:
     """Expert blocks copied to the device in the order the layers read them, at most `depth` resident."""
 
-    def __init__(self, blocks: list[ExpertBlock], depth: int, device: jax.Device):
+    def __init__(
+        self, blocks: list[ExpertBlock], depth: int, device: jax.Device, while_copying: Callable[[], bool] | None
+    ):
         self._device, self._sharding = device, SingleDeviceSharding(device, memory_kind="device")
+        self._while_copying = while_copying
         self._waiting = collections.deque(blocks)  # not copied yet
         self._copied: collections.deque = collections.deque()  # (block, device arrays), copies maybe in flight
         self._free = depth
@@ -344,10 +347,14 @@ class _Ring:
             self._measure(arrays)
 
     def take(self, block: ExpertBlock) -> tuple[jax.Array, ...]:
-        """The device copy of `block`, the next one in order (its copy may still be in flight)."""
+        """The device copy of `block`, the next one in order (its copy may still be in flight, unless
+        while_copying is given: it runs until the copy lands or it has nothing to do)."""
         self.load()
         copied, arrays = self._copied.popleft()
         assert copied is block, "blocks taken out of the order they are copied in"
+        if self._while_copying is not None:
+            while not all(a.is_ready() for a in arrays) and self._while_copying():
+                pass
         return arrays
 
     def unload(self, arrays: tuple[jax.Array, ...]) -> None:
@@ -410,9 +417,15 @@ def stream_prefill(
     depth: int | None = None,
     attention_chunk: int | None = None,
     stats: StreamStats | None = None,
+    while_copying: Callable[[], bool] | None = None,
 ):
     """Prefill of right-padded prompts tokens [b, t] with their lengths [b], with the routed experts streamed
     to the device: (float32 logits [b, vocab] of each prompt's last token, the filled cache).
+
+    `while_copying`, when given, is called again and again while the next expert block's copy is in flight,
+    until the copy lands or it returns False (nothing to do): the serving scheduler runs decode steps of other
+    requests there, on the GPU time a streamed layer leaves idle. They run before the block's GEMMs are queued,
+    so they never wait behind work that waits for a copy.
 
     The contract of the engine's prefill: `cache` (init_cache of at least t positions) is donated and comes
     back in the layout decode_step reads. The model must have been loaded with Placement(pinned_experts=True).
@@ -430,7 +443,7 @@ def stream_prefill(
     stats = stats if stats is not None else StreamStats()
     stats.plan = plan
     start = time.perf_counter()
-    ring = _Ring([b for layer in pinned.values() for b in layer.blocks], plan.depth, device)
+    ring = _Ring([b for layer in pinned.values() for b in layer.blocks], plan.depth, device, while_copying)
     x = ring.run("embed", lambda: weights.embed[tokens])
     cache = list(cache)
     for i, layer in enumerate(weights.layers):

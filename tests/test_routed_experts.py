@@ -408,3 +408,21 @@ def test_repeated_calls_give_identical_bits():
     for _ in range(6):
         np.testing.assert_array_equal(run(layer, x, ids, weights), first)
     layer.close()
+
+
+def test_routes_of_weight_zero_are_skipped():
+    """The free slots of a serving batch route with weight zero: their experts are not run at all, so a
+    token whose every route weighs zero comes out exactly zero even from an input that is not finite."""
+    rng = np.random.default_rng(11)
+    layer, dense, _ = make_layer(rng, F32, 5, 64, 32)
+    with layer:
+        x = rng.standard_normal((4, 64)).astype(np.float32)
+        ids, weights = routing(rng, 4, 2, 5)
+        x[2] = np.nan
+        weights[2] = 0.0
+        weights[0, 1] = 0.0  # one route of a live token
+        y = run(layer, x, ids, weights)
+        assert (y[2] == 0).all()
+        live = [0, 1, 3]
+        y_ref = reference(x[live], ids[live], weights[live], dense["gate"], dense["up"], dense["down"])
+        assert relative_rms(y[live], y_ref) < TOLERANCE["float32"]

@@ -1,1 +1,1 @@
-"""Serving many users: the scheduler that runs requests on the model, and the OpenAI-compatible server above it."""
+"""Serving: the decode engine with slots, the scheduler, the prefix cache and the OpenAI-compatible server."""

@@ -113,7 +113,7 @@ def prefill(attention: Attention, cfg: ModelConfig, w: Weights, tokens: jax.Arra
     return logits, cache
 
 
-def decode_step(
+def extend(
     attention: Attention,
     cfg: ModelConfig,
     w: Weights,
@@ -121,20 +121,25 @@ def decode_step(
     positions: jax.Array,
     cache: list,
     schedule: ExpertSchedule = NO_SCHEDULE,
+    live: jax.Array | None = None,
 ):
-    """One new token per sequence, tokens [b] at positions [b]: float32 logits [b, vocab], updated cache.
+    """New tokens [b, t] at positions [b, t] against the cache, whose entries they add: float32 logits
+    [b, t, vocab] and the updated cache. One token per sequence is a decode step; several continue a prompt
+    whose first part is already in the cache (chunked prefill, a prefix-cache hit). Positions past the cache's
+    length write nothing, so a chunk may be right-padded.
 
     `schedule` (static) turns on Expert Skipping or Expert Deferral; deferred experts alternate between
-    two staging slots, since one layer's are still in flight when the next layer's start.
+    two staging slots, since one layer's are still in flight when the next layer's start. `live` [b] (bool)
+    marks the sequences that count; the others' tokens run no routed experts (their logits are garbage).
     """
     schedule.check(cfg)
     moe_layers = [i for i, layer in enumerate(w.layers) if isinstance(layer.mlp, MoE)]
-    x = w.embed[tokens][:, None]
+    x = w.embed[tokens]
     new_cache, carried = [], None
     for i, layer in enumerate(w.layers):
         with jax.named_scope(f"layer{i}"):
             h, c = attention.decode(
-                cfg, layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), positions[:, None], cache[i]
+                cfg, layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), positions, cache[i]
             )
             new_cache.append(c)
             x = x + h
@@ -149,11 +154,28 @@ def decode_step(
                     n_deferred=schedule.n_deferred if i != moe_layers[-1] else 0,
                     deferred_slot=1 + n % 2,
                     carried=carried,
+                    live=None if live is None else jnp.broadcast_to(live[:, None], tokens.shape),
                 )
             else:
                 out = mlp(layer.mlp, h)
             x = x + out
-    return logits(cfg, w, x)[:, 0], new_cache
+    return logits(cfg, w, x), new_cache
+
+
+def decode_step(
+    attention: Attention,
+    cfg: ModelConfig,
+    w: Weights,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: list,
+    schedule: ExpertSchedule = NO_SCHEDULE,
+    live: jax.Array | None = None,
+):
+    """One new token per sequence, tokens [b] at positions [b]: float32 logits [b, vocab], updated cache.
+    `live` as in extend."""
+    logits, cache = extend(attention, cfg, w, tokens[:, None], positions[:, None], cache, schedule, live)
+    return logits[:, 0], cache
 
 
 def decode_step_dual(
@@ -164,10 +186,12 @@ def decode_step_dual(
     positions: tuple[jax.Array, jax.Array],
     caches: tuple[list, list],
     schedule: ExpertSchedule = NO_SCHEDULE,
+    live: tuple[jax.Array, jax.Array] | None = None,
 ):
     """decode_step for two micro-batches A and B, interleaved so that each side's work hides the other's
     (OSDI '26 §3.3.1): while the CPU computes A's routed experts the GPU computes B's attention and shared
-    experts, and the other way round. Same math as decode_step on each micro-batch.
+    experts, and the other way round. Same math as decode_step on each micro-batch (`live`: each one's, as
+    there).
 
     The order is data: each micro-batch takes back its routed experts only after the other has handed its
     own to the CPU (the wait's pass-through operand is the other's hand-off output). Returns
@@ -200,7 +224,10 @@ def decode_step_dual(
                     x[1], _ = jax.lax.optimization_barrier((x[1], handed_off))
                 with jax.named_scope("attention"):
                     h, c = attention.decode(
-                        cfg, layer.attn, rms_norm(x[m], layer.attn_norm, cfg.rms_norm_eps), positions[m][:, None],
+                        cfg,
+                        layer.attn,
+                        rms_norm(x[m], layer.attn_norm, cfg.rms_norm_eps),
+                        positions[m][:, None],
                         caches[m][i],
                     )
                 new_caches[m].append(c)
@@ -219,6 +246,7 @@ def decode_step_dual(
                     n_deferred=schedule.n_deferred if i != moe_layers[-1] else 0,
                     deferred_slot=3 * m + 1 + n % 2,
                     carried=carried[m],
+                    live=None if live is None else live[m],
                 )
                 other = 1 - m
                 if in_flight[other] is not None:  # its experts ran on the CPU during this attention
@@ -242,7 +270,16 @@ def prefill_attention_layer(
 
 
 def bind(attention: Attention) -> tuple[Callable, ...]:
-    """The decoder's functions with one family's attention bound, as its model module exports them:
-    (forward, forward_layer, finite_stages, prefill, decode_step, decode_step_dual, prefill_attention_layer)."""
-    functions = (forward, forward_layer, finite_stages, prefill, decode_step, decode_step_dual, prefill_attention_layer)
+    """The decoder's functions with one family's attention bound, as its model module exports them: (forward,
+    forward_layer, finite_stages, prefill, extend, decode_step, decode_step_dual, prefill_attention_layer)."""
+    functions = (
+        forward,
+        forward_layer,
+        finite_stages,
+        prefill,
+        extend,
+        decode_step,
+        decode_step_dual,
+        prefill_attention_layer,
+    )
     return tuple(functools.partial(f, attention) for f in functions)

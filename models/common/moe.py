@@ -123,15 +123,20 @@ def moe_start(
     n_deferred: int = 0,
     deferred_slot: int = 1,
     carried: Started | None = None,
+    live: jax.Array | None = None,
 ):
     """Routes x [..., d], starts its routed experts and computes the shared experts meanwhile.
 
     Returns (the MoEInFlight, x's tokens passed through the hand-off (use them to order later work after
     it), the chosen experts [tokens, k], this layer's deferred experts as a Started or None). With
     n_deferred, the lowest-weighted experts are started here for the next MoE layer (`carried` there).
+    `live` (bool, x's shape less its last axis) marks the tokens that count: the others get routing weights of
+    zero, which the CPU kernels skip, so the free slots of a serving batch read no experts.
     """
     tokens = x.reshape(-1, x.shape[-1])
     chosen, weights = route(cfg, w.router, w.correction_bias, tokens)
+    if live is not None:
+        weights = jnp.where(live.reshape(-1, 1), weights, 0.0).astype(weights.dtype)
     k = cfg.num_experts_per_tok - n_skipped - n_deferred
     if n_skipped or n_deferred:
         groups = _by_weight(chosen, weights, (k, n_deferred, n_skipped))

@@ -113,9 +113,7 @@ def attention_absorbed(cfg: ModelConfig, w: MLA, x: jax.Array, positions: jax.Ar
     )
     wk, wv = _kv_b(cfg, w)
     q_latent = jnp.einsum("bthn,hnr->bthr", q_nope, wk)
-    scores = jnp.einsum("bthr,bsr->bhts", q_latent, cache.latent) + jnp.einsum(
-        "bthp,bsp->bhts", q_rope, cache.k_rope
-    )
+    scores = jnp.einsum("bthr,bsr->bhts", q_latent, cache.latent) + jnp.einsum("bthp,bsp->bhts", q_rope, cache.k_rope)
     visible = jnp.arange(cache.latent.shape[1])[None, None, None, :] <= positions[:, None, :, None]
     probs = masked_softmax(scores * cfg.softmax_scale, visible, x.dtype)
     out_latent = jnp.einsum("bhts,bsr->bthr", probs, cache.latent)
@@ -190,6 +188,6 @@ ATTENTION = decoder.Attention(
 
 
 # The shared decoder (models/common/decoder.py) with MLA bound: see its functions for what each computes.
-forward, forward_layer, finite_stages, prefill, decode_step, decode_step_dual, prefill_attention_layer = decoder.bind(
-    ATTENTION
+(forward, forward_layer, finite_stages, prefill, extend, decode_step, decode_step_dual, prefill_attention_layer) = (
+    decoder.bind(ATTENTION)
 )

@@ -1,0 +1,149 @@
+"""Serving benchmark: seed 000's Fig. 18 workloads (1P, 1D, 1P+1D, 2D, 1P+2D) through the scheduler, under our
+policy and under a KTransformers-like one (one 256-token chunk of prefill per decode step), in one run.
+
+    XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=100 python bench/serve.py --geometry deepseek-v3 --layers 5 \
+        [--prefill-tokens 16384] [--chunked-prefill-tokens 1024] [--decode-tokens 0]
+
+P is one long prompt with a few outputs, D a 10-token prompt decoding `--decode-tokens` tokens (0: as many as
+make D alone last as long as P alone, which is how the seed sets its workloads up: "requests that each last
+about 20 seconds when running alone"; with a truncated model P and D keep their per-layer costs, so matching
+their durations keeps the seed's regime). All requests of a workload are submitted at once, decodes first.
+Reported: TTFT of P, TPOT of D (mean time between its tokens, first excluded) and the workload's total latency,
+each also normalised to its 1P / 1D baseline (total: to the slower of the two). The chunked policy runs a
+shorter prompt (`--chunked-prefill-tokens`): its prefill runs the routed experts on the CPU, as
+KTransformers' does, and the seed likewise gave KTransformers a shorter prompt (4K against 24K).
+
+The model is a geometry's random FP8 weights (routed experts in one pinned host copy, shared by the CPU
+kernels and the stream-loaded prefill), truncated to --layers: both P's streamed layers and D's decode steps
+keep their per-layer cost, which is what the ratios compare. Ends with one JSON line.
+"""
+
+import argparse
+import json
+import statistics
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench_model import add_model_arguments, load_model
+from floors import machine
+from hybridjit.placement import Placement
+from hybridjit.serving.scheduler import Finished, Request, Scheduler, Token
+from prefill import PooledExperts, h2d_gbps
+
+WORKLOADS = ("1P", "1D", "1P+1D", "2D", "1P+2D")
+
+
+class Timeline:
+    """on_event of one request: when it was submitted, when each token came, how it ended."""
+
+    def __init__(self):
+        self.submitted, self.times, self.finished, self.done = time.perf_counter(), [], None, threading.Event()
+
+    def __call__(self, event):
+        if isinstance(event, Token):
+            self.times.append(time.perf_counter())
+        elif isinstance(event, Finished):
+            self.finished = event
+            self.done.set()
+
+    def ttft(self) -> float:
+        return self.times[0] - self.submitted
+
+    def tpot(self) -> float:
+        return (self.times[-1] - self.times[0]) / max(1, len(self.times) - 1)
+
+
+def run_workload(scheduler: Scheduler, name: str, prefill: list[int], decode: list[int], decode_tokens: int,
+                 prefill_outputs: int) -> dict:
+    n_decode = {"1P": 0, "1D": 1, "1P+1D": 1, "2D": 2, "1P+2D": 2}[name]
+    requests = [(Request(decode, decode_tokens), "D") for _ in range(n_decode)]
+    if "P" in name:
+        requests.append((Request(prefill, prefill_outputs), "P"))
+    start = time.perf_counter()
+    timelines = []
+    for request, kind in requests:
+        timeline = Timeline()
+        scheduler.submit(request, timeline)
+        timelines.append((kind, timeline))
+    for _, timeline in timelines:
+        if not timeline.done.wait(3600):
+            raise TimeoutError(f"{name}: a request never finished")
+        if timeline.finished.reason != "length":
+            raise RuntimeError(f"{name}: a request ended with {timeline.finished}")
+    total = max(t.times[-1] for _, t in timelines) - start
+    p = [t.ttft() for kind, t in timelines if kind == "P"]
+    d = [t.tpot() for kind, t in timelines if kind == "D"]
+    return {"workload": name, "ttft_p_s": round(p[0], 3) if p else None,
+            "tpot_d_ms": round(1e3 * statistics.mean(d), 2) if d else None, "total_s": round(total, 3)}
+
+
+def run_policy(model, policy: str, prefill_tokens: int, decode_tokens: int, args, rng) -> tuple[list[dict], int]:
+    """The five workloads under `policy`, each after a warm-up run of itself (compiles, fills the graphs);
+    returns (results with ratios to the baselines, the decode tokens used)."""
+    vocab = model.config.vocab_size
+    prefill = rng.integers(2, vocab, prefill_tokens).tolist()
+    decode = rng.integers(2, vocab, 10).tolist()
+    context = prefill_tokens + max(decode_tokens, 4096) + 16
+    scheduler = Scheduler(model, slots=4, cache_len=context, prefix_cache_bytes=0, policy=policy,
+                          chunk_tokens=args.chunk)
+    scheduler.start()
+    try:
+        def measured(name, n_decode_tokens):
+            run_workload(scheduler, name, prefill, decode, min(n_decode_tokens, 8), args.prefill_outputs)
+            return run_workload(scheduler, name, prefill, decode, n_decode_tokens, args.prefill_outputs)
+
+        base_p = measured("1P", decode_tokens or 16)
+        if not decode_tokens:  # D alone lasting as long as P alone
+            probe = measured("1D", 64)
+            decode_tokens = max(32, round(base_p["ttft_p_s"] / (probe["tpot_d_ms"] / 1e3)))
+        results = [base_p] + [measured(name, decode_tokens) for name in WORKLOADS[1:]]
+    finally:
+        scheduler.shutdown()
+    base_d = next(r for r in results if r["workload"] == "1D")
+    for r in results:
+        r["policy"] = policy
+        r["prefill_tokens"], r["decode_tokens"] = prefill_tokens, decode_tokens
+        if r["ttft_p_s"] is not None:
+            r["ttft_ratio"] = round(r["ttft_p_s"] / base_p["ttft_p_s"], 3)
+        if r["tpot_d_ms"] is not None:
+            r["tpot_ratio"] = round(r["tpot_d_ms"] / base_d["tpot_d_ms"], 3)
+        r["total_ratio"] = round(r["total_s"] / max(base_p["total_s"], base_d["total_s"]), 3)
+    return results, decode_tokens
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_arguments(parser)
+    parser.add_argument("--prefill-tokens", type=int, default=16384)
+    parser.add_argument("--chunked-prefill-tokens", type=int, default=1024)
+    parser.add_argument("--decode-tokens", type=int, default=0, help="0: as long as P alone lasts")
+    parser.add_argument("--prefill-outputs", type=int, default=4)
+    parser.add_argument("--chunk", type=int, default=256, help="the chunked policy's chunk")
+    parser.add_argument("--policies", nargs="+", default=["slo", "chunked"], choices=("slo", "chunked"))
+    args = parser.parse_args(argv)
+    placement = Placement(jax.devices()[0], jnp.dtype("bfloat16"), pinned_experts=True)
+    model, name, full = load_model(args, placement, "fp8", synthetic=PooledExperts)
+    h2d = h2d_gbps(model.placement.device) if model.placement.device.platform == "gpu" else None
+    rng = np.random.default_rng(0)
+    results = []
+    print(f"{'policy':>8} {'workload':>8} {'P tokens':>8} {'D tokens':>8} {'TTFT P s':>9} {'x 1P':>6} "
+          f"{'TPOT D ms':>9} {'x 1D':>6} {'total s':>8} {'x base':>6}")
+    for policy in args.policies:
+        length = args.prefill_tokens if policy == "slo" else args.chunked_prefill_tokens
+        rows, _ = run_policy(model, policy, length, args.decode_tokens, args, rng)
+        for r in rows:
+            print(f"{policy:>8} {r['workload']:>8} {r['prefill_tokens']:8d} {r['decode_tokens']:8d} "
+                  f"{r['ttft_p_s'] or '-':>9} {r.get('ttft_ratio', '-'):>6} {r['tpot_d_ms'] or '-':>9} "
+                  f"{r.get('tpot_ratio', '-'):>6} {r['total_s']:8.3f} {r['total_ratio']:6.3f}", flush=True)
+        results += rows
+    print(json.dumps({"bench": "serve", "model": name, "layers": model.config.num_hidden_layers,
+                      "full_layers": full.num_hidden_layers, "machine": machine(),
+                      "floors": {"h2d_gbps": h2d}, "results": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+"""The decode engine: a fixed-shape decode state of `slots` sequences that requests join and leave between
+steps, in the JetStream / jax-llm-examples `serving` style.
+
+- `prefill` runs prompts (stream-loaded or hybrid, as the cost model chooses) into a cache of their own;
+  `extend` continues a prompt whose first part is already in such a cache (a chunk of a chunked prefill, or
+  the rest after a prefix-cache hit);
+- `insert` copies a prefilled row into a free slot, with its position and sampling;
+- `generate` dispatches one decode step of every slot (free slots compute harmlessly) and returns before
+  the tokens exist, so the host's work on one step overlaps the device's on the next;
+- `free` marks a slot free.
+
+Every slot has its own position, sampling parameters and PRNG key: a sequence samples the same tokens
+whichever slot it is in and whoever shares the step (token n of a sequence seeded s uses fold_in(key(s), n)).
+Shapes are fixed by (slots, cache_len), and prompts are bucketed to powers of two, so requests joining and
+leaving never recompile.
+"""
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hybridjit.models.registry import family_of
+from hybridjit.sampling import SamplingParams, sample
+from hybridjit.stream_prefill import choose_prefill_path, stream_prefill
+
+MIN_BUCKET = 8
+
+
+def bucket(n: int) -> int:
+    """The padded length of n tokens: the next power of two, at least MIN_BUCKET."""
+    return max(MIN_BUCKET, 1 << (n - 1).bit_length())
+
+
+def _sample_rows(logits, keys, counts, temperature, top_k, top_p):
+    """Each row of logits [b, vocab] sampled with its own key folded with its token count and its own
+    parameters [b]: (token ids [b], whether each row of logits is finite [b]). Checking finiteness next to
+    sampling costs the host no extra wait."""
+
+    def one(row, key, count, t, k, p):
+        return sample(row[None], jax.random.fold_in(key, count), t, k, p)[0]
+
+    tokens = jax.vmap(one)(logits, keys, counts, temperature, top_k, top_p)
+    return tokens, jnp.isfinite(logits).all(axis=-1)
+
+
+@partial(jax.jit, static_argnums=0, donate_argnames="cache")
+def _prefill_program(cfg, weights, tokens, lengths, cache, keys, temperature, top_k, top_p):
+    logits, cache = family_of(cfg).model.prefill(cfg, weights, tokens, cache)
+    last = logits[jnp.arange(tokens.shape[0]), lengths - 1]
+    return _sample_rows(last, keys, jnp.zeros_like(lengths), temperature, top_k, top_p), cache
+
+
+@partial(jax.jit, static_argnums=0, donate_argnames="cache")
+def _extend_program(cfg, weights, tokens, starts, lengths, cache, keys, temperature, top_k, top_p):
+    positions = starts[:, None] + jnp.arange(tokens.shape[1])
+    logits, cache = family_of(cfg).model.extend(cfg, weights, tokens, positions, cache)
+    last = logits[jnp.arange(tokens.shape[0]), jnp.clip(lengths - starts - 1, 0, tokens.shape[1] - 1)]
+    return _sample_rows(last, keys, jnp.zeros_like(lengths), temperature, top_k, top_p), cache
+
+
+_sample_program = jax.jit(_sample_rows)
+
+
+@partial(jax.jit, static_argnums=(0, 1), donate_argnames="cache")
+def _decode_program(cfg, schedule, weights, tokens, positions, live, cache, keys, counts, temperature, top_k, top_p):
+    logits, cache = family_of(cfg).model.decode_step(cfg, weights, tokens, positions, cache, schedule, live)
+    return _sample_rows(logits, keys, counts, temperature, top_k, top_p), cache
+
+
+@partial(jax.jit, static_argnums=(0, 1), donate_argnames="caches")
+def _decode_dual_program(
+    cfg, schedule, weights, tokens, positions, live, caches, keys, counts, temperature, top_k, top_p
+):
+    logits, caches = family_of(cfg).model.decode_step_dual(cfg, weights, tokens, positions, caches, schedule, live)
+    per_batch = zip(logits, keys, counts, temperature, top_k, top_p, strict=True)
+    sampled = tuple(_sample_rows(*args) for args in per_batch)
+    return sampled, caches
+
+
+@partial(jax.jit, donate_argnames="cache")
+def _insert_program(cache, rows, row, slot):
+    """cache [slots, L, ...] with row `row` of rows [b, t <= L, ...] copied to positions [0, t) of slot `slot`."""
+
+    def put(big, small):
+        one = jax.lax.dynamic_slice_in_dim(small, row, 1, axis=0).astype(big.dtype)
+        return jax.lax.dynamic_update_slice(big, one, (slot,) + (0,) * (big.ndim - 1))
+
+    return jax.tree.map(put, cache, rows)
+
+
+@partial(jax.jit, static_argnums=2)
+def _read_span(cache, slot, length, start):
+    """Positions [start, start + length) of one slot of cache: each leaf [1, length, ...]."""
+    return jax.tree.map(
+        lambda a: jax.lax.dynamic_slice(a, (slot, start) + (0,) * (a.ndim - 2), (1, length) + a.shape[2:]), cache
+    )
+
+
+@partial(jax.jit, donate_argnames="cache")
+def _write_span(cache, span, slot, start):
+    """cache with `span` (each leaf [1, n, ...]) written to positions [start, start + n) of slot `slot`."""
+    return jax.tree.map(
+        lambda a, s: jax.lax.dynamic_update_slice(a, s.astype(a.dtype), (slot, start) + (0,) * (a.ndim - 2)),
+        cache,
+        span,
+    )
+
+
+@dataclasses.dataclass
+class Prefilled:
+    """Prompts whose caches are filled: rows [b, t] of their own cache, the first new token of each [b] and
+    whether its logits were finite [b] (device arrays, not waited on), and the prompt lengths [b]."""
+
+    cache: list
+    tokens: jax.Array
+    finite: jax.Array
+    lengths: np.ndarray
+
+
+@dataclasses.dataclass
+class Step:
+    """One dispatched decode step: the new token of every slot [slots] and whether its logits were finite,
+    once the device has them (reading them waits)."""
+
+    _sampled: list
+
+    def tokens(self) -> np.ndarray:
+        return np.concatenate([np.asarray(t) for t, _ in self._sampled])
+
+    def finite(self) -> np.ndarray:
+        return np.concatenate([np.asarray(f) for _, f in self._sampled])
+
+
+def sampling_arrays(params: list[SamplingParams]) -> tuple:
+    """Per-row device arguments of the programs: (keys [b], temperature [b], top_k [b], top_p [b])."""
+    args = [p.device_args() for p in params]
+    keys = jnp.stack([p.key() for p in params])
+    return (keys, *(jnp.stack(column) for column in zip(*args, strict=True)))
+
+
+class Engine:
+    """The decode state of `slots` sequences over `model` (a hybridjit.engine.Model), each with room for
+    cache_len positions. With model.dual_batch and two or more slots, the slots form two micro-batches that
+    decode interleaved (decode_step_dual): slot s is row s of the first, or s - first's size of the second."""
+
+    def __init__(self, model, slots: int, cache_len: int):
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        if not 1 <= cache_len <= model.config.max_position_embeddings:
+            raise ValueError(f"cache_len must be in [1, {model.config.max_position_embeddings}], got {cache_len}")
+        self.model, self.slots, self.cache_len = model, slots, cache_len
+        half = slots - slots // 2
+        self.groups = [range(half), range(half, slots)] if model.dual_batch and slots > 1 else [range(slots)]
+        self.reset()
+
+    def reset(self):
+        """Every slot free, the cache zeroed: also the way back after a step failed (its donated cache is gone)."""
+        m = self.model
+        init = m.family.model.init_cache
+        self.caches = [init(m.config, len(g), self.cache_len, m.dtype, m.placement.device) for g in self.groups]
+        self.tokens = [jnp.zeros(len(g), jnp.int32) for g in self.groups]
+        self.positions = np.zeros(self.slots, np.int32)
+        self.counts = np.zeros(self.slots, np.int32)  # tokens each slot's sequence has sampled
+        greedy = SamplingParams()
+        self.keys = jnp.stack([greedy.key()] * self.slots)
+        self.temperature = np.zeros(self.slots, np.float32)
+        self.top_k = np.zeros(self.slots, np.int32)
+        self.top_p = np.ones(self.slots, np.float32)
+        self.occupied = np.zeros(self.slots, bool)
+
+    def _where(self, slot: int) -> tuple[int, int]:
+        """(micro-batch, row in it) of a slot."""
+        for g, rows in enumerate(self.groups):
+            if slot in rows:
+                return g, slot - rows.start
+        raise IndexError(f"slot {slot} outside [0, {self.slots})")
+
+    def free_slots(self) -> list[int]:
+        return [int(s) for s in np.flatnonzero(~self.occupied)]
+
+    # ------------------------------------------------------------------------------------- prefill
+
+    def prefill(self, seqs: list[list[int]], params: list[SamplingParams]) -> Prefilled:
+        """Whole prompts from position 0, right-padded to a bucket: stream-loaded or hybrid prefill as
+        stream_prefill.choose_prefill_path decides for the model."""
+        m = self.model
+        lengths = np.array([len(s) for s in seqs], np.int32)
+        width = min(bucket(int(lengths.max())), self.cache_len)
+        tokens = np.zeros((len(seqs), width), np.int32)
+        for i, s in enumerate(seqs):
+            tokens[i, : len(s)] = s
+        cache = m.family.model.init_cache(m.config, len(seqs), width, m.dtype, m.placement.device)
+        keys, *sampling = sampling_arrays(params)
+        if choose_prefill_path(m, *tokens.shape, threshold=m.stream_prefill_threshold) == "stream":
+            logits, cache = stream_prefill(m, tokens, lengths, cache)
+            first, finite = _sample_program(logits, keys, jnp.zeros(len(seqs), jnp.int32), *sampling)
+        else:
+            (first, finite), cache = _prefill_program(m.config, m.weights, tokens, lengths, cache, keys, *sampling)
+        return Prefilled(cache, first, finite, lengths)
+
+    def new_prompt_cache(self, length: int) -> list:
+        """An empty cache of one row with room for a prompt of `length` tokens (bucketed), for extend."""
+        m = self.model
+        width = min(bucket(length), self.cache_len)
+        return m.family.model.init_cache(m.config, 1, width, m.dtype, m.placement.device)
+
+    def extend(self, cache: list, tokens: list[int], start: int, params: SamplingParams, chunk: int) -> Prefilled:
+        """One row's prompt tokens at positions [start, start + len(tokens)) added to `cache` (donated),
+        which holds the positions before start: the prompt's sampled next token, as prefill gives it. The
+        tokens run padded to `chunk` (a bucket), so that every chunk of every prompt shares one program."""
+        m = self.model
+        padded = np.zeros((1, chunk), np.int32)
+        padded[0, : len(tokens)] = tokens
+        keys, *sampling = sampling_arrays([params])
+        end = np.array([start + len(tokens)], np.int32)
+        (first, finite), cache = _extend_program(
+            m.config, m.weights, padded, np.array([start], np.int32), end, cache, keys, *sampling
+        )
+        return Prefilled(cache, first, finite, end)
+
+    # -------------------------------------------------------------------------------------- slots
+
+    def insert(self, prefilled: Prefilled, row: int, slot: int, params: SamplingParams):
+        """Row `row` of `prefilled` into slot `slot`: its cache, its first token (to be fed to the next
+        step), its position and its sampling."""
+        if self.occupied[slot]:
+            raise ValueError(f"slot {slot} is occupied")
+        if (width := jax.tree.leaves(prefilled.cache)[0].shape[1]) > self.cache_len:
+            raise ValueError(f"a prefilled cache of {width} positions does not fit slots of {self.cache_len}")
+        g, r = self._where(slot)
+        self.caches[g] = _insert_program(self.caches[g], prefilled.cache, row, r)
+        self.tokens[g] = self.tokens[g].at[r].set(prefilled.tokens[row])
+        self.positions[slot] = prefilled.lengths[row]
+        self.counts[slot] = 1  # the first token, sampled by prefill
+        self.keys = self.keys.at[slot].set(params.key())
+        self.temperature[slot], self.top_k[slot], self.top_p[slot] = map(np.asarray, params.device_args())
+        self.occupied[slot] = True
+
+    def free(self, slot: int):
+        self.occupied[slot] = False
+        self.positions[slot] = 0
+
+    def read_span(self, slot: int, start: int, length: int) -> list:
+        """Cache positions [start, start + length) of a slot, a one-row cache pytree (for the prefix cache)."""
+        g, r = self._where(slot)
+        return _read_span(self.caches[g], r, length, start)
+
+    @staticmethod
+    def prompt_span(cache: list, start: int, length: int) -> list:
+        """Positions [start, start + length) of a one-row prompt cache (new_prompt_cache, Prefilled.cache)."""
+        return _read_span(cache, 0, length, start)
+
+    @staticmethod
+    def write_span(cache: list, span: list, start: int) -> list:
+        """A one-row prompt cache (donated) with `span` written from position `start`."""
+        return _write_span(cache, span, 0, start)
+
+    @staticmethod
+    def sample(logits: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
+        """The first tokens [b] of prompts whose last logits [b, vocab] are given (stream-loaded prefill's), and
+        whether each row is finite."""
+        keys, *sampling = sampling_arrays([params] * logits.shape[0])
+        return _sample_program(logits, keys, jnp.zeros(logits.shape[0], jnp.int32), *sampling)
+
+    # ----------------------------------------------------------------------------------- decoding
+
+    def generate(self) -> Step:
+        """Dispatches one decode step of every slot and advances the occupied slots' positions; returns at
+        once. Free slots compute garbage but run no routed experts. A slot whose next position would pass
+        cache_len must be freed before this call."""
+        if (self.positions[self.occupied] >= self.cache_len).any():
+            raise ValueError(f"a slot is at the end of its {self.cache_len} cache positions")
+        m, schedule = self.model, self.model.expert_schedule
+        split = [
+            # Copies: the host arrays change while the step may still be reading its arguments.
+            tuple(
+                a[g.start : g.stop].copy()
+                for a in (self.positions, self.occupied, self.counts, self.temperature, self.top_k, self.top_p)
+            )
+            for g in self.groups
+        ]
+        keys = [self.keys[g.start : g.stop] for g in self.groups]
+        if len(self.groups) == 2:
+            positions, live, counts, temperature, top_k, top_p = zip(*split, strict=True)
+            sampled, caches = _decode_dual_program(
+                m.config, schedule, m.weights, tuple(self.tokens), positions, live, tuple(self.caches), tuple(keys),
+                counts, temperature, top_k, top_p,
+            )
+            self.caches = list(caches)
+        else:
+            (positions, live, counts, temperature, top_k, top_p), = split
+            sampled, cache = _decode_program(
+                m.config, schedule, m.weights, self.tokens[0], positions, live, self.caches[0], keys[0], counts,
+                temperature, top_k, top_p,
+            )
+            sampled, self.caches = (sampled,), [cache]
+        self.tokens = [tokens for tokens, _ in sampled]
+        self.positions[self.occupied] += 1
+        self.counts[self.occupied] += 1
+        return Step(list(sampled))
