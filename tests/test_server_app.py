@@ -50,7 +50,7 @@ class ScriptedScheduler:
 
     def submit(self, request, on_event):
         if self.queue_full:
-            raise QueueFull(2.5)
+            raise QueueFull(0, retry_after=2.5)
         for token in self.tokens:
             on_event(Token(token))
         on_event(Finished(self.reason, len(request.prompt), len(self.tokens), cached_tokens=3, error=self.error))
@@ -136,7 +136,8 @@ def test_streamed_tool_calls_come_as_tool_call_deltas_after_the_content():
 def test_without_tools_or_with_tool_choice_none_the_text_is_content():
     for options in ({}, {"tools": [WEATHER_TOOL], "tool_choice": "none"}):
         choice = call(scripted(TOOL_CALL_TEXT), chat(**options)).choices[0]
-        assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (TOOL_CALL_TEXT, None, "stop")
+        message = choice.message
+        assert (message.content, message.tool_calls, choice.finish_reason) == (TOOL_CALL_TEXT, None, "stop")
 
 
 def test_a_stop_string_ends_the_text_before_it_and_cancels_the_request():

@@ -115,7 +115,9 @@ def test_transformers_settings_trimmed_blocks_and_helpers(tmp_path):
 
 
 def test_raise_exception_in_a_template_is_the_requests_fault(tmp_path):
-    source = "{% if messages[0].role != 'user' %}{{ raise_exception('conversations must start with the user') }}{% endif %}"
+    source = (
+        "{% if messages[0].role != 'user' %}{{ raise_exception('conversations must start with the user') }}{% endif %}"
+    )
     template = ChatTemplate.of_checkpoint(write_checkpoint_config(tmp_path, chat_template=source))
     with pytest.raises(ChatTemplateError, match="conversations must start with the user"):
         template.render([{"role": "assistant", "content": "hi"}])

@@ -277,8 +277,9 @@ def create_app(scheduler, *, model_name: str, api_key: str | None = None) -> Fas
             metrics.rejected.inc()
             retry_after = str(max(1, math.ceil(e.retry_after)))
             raise ApiError(429, str(e), kind="rate_limit_exceeded", headers={"Retry-After": retry_after}) from None
-        except ValueError as e:  # a request the scheduler cannot run
-            raise ApiError(400, str(e)) from None
+        except ValueError as e:  # a request the scheduler cannot run; its message begins with the field
+            field = {"prompt": prompt_field, "max_tokens": max_tokens_field}.get(str(e).partition(":")[0])
+            raise ApiError(400, str(e), param=field) from None
 
     @v1.get("/models")
     async def models():
