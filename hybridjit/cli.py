@@ -1,4 +1,5 @@
-"""The `hybridjit` command: `generate` a completion, show `info` about a checkpoint, or `convert` one.
+"""The `hybridjit` command: `generate` a completion, `serve` a model over an OpenAI-compatible HTTP API, show
+`info` about a checkpoint, or `convert` one.
 
 Only the completion goes to stdout; progress, statistics and errors go to stderr. An error is one line,
 `hybridjit: error: ...`, and the exit status says what kind: 2 bad input (arguments, files, checkpoints),
@@ -19,6 +20,7 @@ from hybridjit.resolve import resolve_model
 from hybridjit.weights import routed_expert_bytes
 
 MAX_SEED = 2**64  # the API's seeds: non-negative integers below this
+DEFAULT_MODEL_NAME = "default"  # what `serve` calls the embedded model
 
 
 def _gib(n: int) -> str:
@@ -107,6 +109,18 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import hybridjit  # deferred, as in generate
+    from hybridjit.serving.server import serve
+
+    model = hybridjit.load(args.model, dtype=args.dtype, progress=None if args.quiet else LoadingProgress())
+    serve(
+        model, model_name=args.model or DEFAULT_MODEL_NAME, host=args.host, port=args.port, api_key=args.api_key,
+        slots=args.slots, max_queue=args.max_queue,
+    )  # fmt: skip
+    return 0
+
+
 def _weight_format(cfg: ModelConfig) -> str:
     if cfg.fp8:
         return "fp8 e4m3, block " + "x".join(map(str, cfg.fp8.block))
@@ -157,11 +171,29 @@ def utf8_text(value: str) -> str:
     return value
 
 
-def seed(value: str) -> int:
+def _integer(value: str) -> int:
     try:
-        number = int(value)
+        return int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+
+
+def positive(value: str) -> int:
+    number = _integer(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return number
+
+
+def port(value: str) -> int:
+    number = _integer(value)
+    if not 0 < number < 2**16:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number (1 to 65535)")
+    return number
+
+
+def seed(value: str) -> int:
+    number = _integer(value)
     if not 0 <= number < MAX_SEED:
         raise argparse.ArgumentTypeError(f"{value} is not in [0, 2**64)")
     return number
@@ -193,6 +225,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Expert Deferral: routed experts per token added one layer late (changes the model)")
     gen.add_argument("--quiet", action="store_true", help="no loading progress, compile note or statistics")
     gen.set_defaults(run=cmd_generate)
+    srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                         formatter_class=HelpFormatter)
+    srv.add_argument("--model", help="checkpoint path, repo id or name (default: the embedded model, "
+                     f"served as {DEFAULT_MODEL_NAME!r})")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    srv.add_argument("--port", type=port, default=8000, help="TCP port to listen on")
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: no key)")
+    srv.add_argument("--slots", type=positive, default=8, help="requests decoded together")
+    srv.add_argument("--max-queue", type=positive, default=64,
+                     help="requests that may wait for a slot; more are turned away with 429")
+    srv.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: the backend's)")
+    srv.add_argument("--quiet", action="store_true", help="no loading progress")
+    srv.set_defaults(run=cmd_serve)
     info = sub.add_parser("info", help="describe a checkpoint without loading its weights",
                           formatter_class=HelpFormatter)
     info.add_argument("checkpoint", nargs="?", help="checkpoint path, repo id or name (default: the embedded model)")

@@ -30,7 +30,7 @@ from hybridjit.quant import dequantize_fp8_blocks, quantize_fp8_blocks
 from hybridjit.weights import SCALE_SUFFIX, check_checkpoint
 
 FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 WEIGHT_FORMATS = ("fp8", "bf16", "int8", "int4")
 
 

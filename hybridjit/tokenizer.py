@@ -14,7 +14,7 @@ class Tokenizer:
             self._tok = HFTokenizer.from_file(str(path))
         except Exception as e:  # the library raises a bare Exception for malformed files
             raise ValueError(f"{path}: cannot be read as a tokenizer ({e})") from None
-        settings = _read_json(directory / "tokenizer_config.json")
+        settings = read_json(directory / "tokenizer_config.json")
         # DeepSeek's tokenizer.json has no post-processor: the BOS comes from tokenizer_config.json.
         self.add_bos = bool(settings.get("add_bos_token", False)) and bos_token_id is not None
         self.bos_token_id = bos_token_id
@@ -52,7 +52,7 @@ class IncrementalDecoder:
         self.text = text
         cut = first_stop(text, self.stops)
         self.stopped = cut is not None
-        return self._emit(cut if self.stopped else len(text) - _stop_prefix_length(text, self.stops))
+        return self._emit(cut if self.stopped else len(text) - stop_prefix_length(text, self.stops))
 
     def flush(self) -> str:
         """What was held back for a stop string that never came: call it once generation has ended."""
@@ -70,7 +70,7 @@ def first_stop(text: str, stops: Sequence[str]) -> int | None:
     return min((text.index(s) for s in stops if s in text), default=None)
 
 
-def _stop_prefix_length(text: str, stops: Sequence[str]) -> int:
+def stop_prefix_length(text: str, stops: Sequence[str]) -> int:
     """The length of the longest tail of `text` that begins a stop string (and so may still become one)."""
     return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
 
@@ -79,7 +79,7 @@ def load_tokenizer(directory: Path, bos_token_id: int | None) -> Tokenizer | Non
     return Tokenizer(directory, bos_token_id) if (directory / "tokenizer.json").exists() else None
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     if not path.exists():
         return {}
     try:

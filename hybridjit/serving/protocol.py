@@ -1,0 +1,121 @@
+"""The OpenAI API's request bodies, as pydantic models: the server's validation is these declarations.
+
+Strict: a number must be a JSON number and a string a string (no "5" for 5, no true for 1), as OpenAI's
+API checks. Fields a client may send that change nothing here (user, metadata, ...) are ignored.
+"""
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_SEED = 2**64  # the seeds of SamplingParams' keys: non-negative integers below this
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(Body):
+    include_usage: bool = False
+
+
+class GenerationParams(Body):
+    """What completions and chat completions share."""
+
+    model: str | None = None  # None: the served model
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Field(ge=0)] = 0  # not OpenAI's (vLLM's): 0 keeps every token
+    seed: Annotated[int, Field(ge=0, lt=MAX_SEED)] | None = None  # None: a fresh seed per request
+    n: int = 1
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"only n=1 is supported, got {n}")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stops(cls, stop):
+        if stop is not None and not all([stop] if isinstance(stop, str) else stop):
+            raise ValueError("stop strings must not be empty")
+        return stop
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(GenerationParams):
+    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for completions
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(Body):
+    name: str
+    arguments: str
+
+
+class ToolCallMessage(Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(Body):
+    model_config = ConfigDict(strict=True, extra="allow")  # templates may read fields of their own (reasoning...)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: str | None = None
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it: content as one string (text parts joined, as vLLM does for
+        templates that take strings), no fields left unset."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "".join(part.text for part in self.content)
+        return message
+
+
+class Function(Body):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: Function
+
+
+class ChatCompletionRequest(GenerationParams):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # OpenAI's newer name for max_tokens
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto"] = "auto"  # "required" and named functions would need guided decoding
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
