@@ -92,6 +92,9 @@ const GemmKernel* GenericKernel(const LayerWeights& layer);
 const GemmKernel* Avx2Kernel(const LayerWeights& layer);
 const GemmKernel* Avx512Kernel(const LayerWeights& layer);
 const GemmKernel* AmxKernel(const LayerWeights& layer);
+// The GGUF block formats' kernels (expert_kernel_gguf.cc); null for the other formats.
+const GemmKernel* GgufGenericKernel(const LayerWeights& layer);
+const GemmKernel* GgufAvx512Kernel(const LayerWeights& layer);
 
 // With the amx family, the tokens per expert from which a layer's experts run on AMX: the override if
 // set (cpu_features.h), else the crossover measured against AVX-512 for the layer's AMX kernel.

@@ -37,7 +37,12 @@ WeightFormat ParseFormat(const std::string& name) {
   if (name == "fp8") return WeightFormat::kFp8E4M3Fn;
   if (name == "int8") return WeightFormat::kInt8;
   if (name == "int4") return WeightFormat::kInt4;
-  throw std::invalid_argument("unknown weight format '" + name + "' (expected f32, bf16, fp8, int8 or int4)");
+  if (name == "q8_0") return WeightFormat::kQ8_0;
+  if (name == "q4_k") return WeightFormat::kQ4K;
+  if (name == "q5_k") return WeightFormat::kQ5K;
+  if (name == "q6_k") return WeightFormat::kQ6K;
+  throw std::invalid_argument("unknown weight format '" + name +
+                              "' (expected f32, bf16, fp8, int8, int4, q8_0, q4_k, q5_k or q6_k)");
 }
 
 template <typename T>
@@ -110,10 +115,11 @@ nb::dict KernelInfo() {
   // one with very many; layer_kernel answers for a registered layer and a token count.
   nb::dict formats;
   for (WeightFormat f : {WeightFormat::kF32, WeightFormat::kBf16, WeightFormat::kFp8E4M3Fn, WeightFormat::kInt8,
-                         WeightFormat::kInt4}) {
+                         WeightFormat::kInt4, WeightFormat::kQ8_0, WeightFormat::kQ4K, WeightFormat::kQ5K,
+                         WeightFormat::kQ6K}) {
     LayerWeights layer;
     layer.format = f;
-    layer.hidden = layer.inter = kIntGroupQuantum;
+    layer.hidden = layer.inter = 256;  // a multiple of every format's block (kIntGroupQuantum, 32, 256)
     layer.block_rows = f == WeightFormat::kFp8E4M3Fn ? 128 : 1;
     layer.block_cols = 128;
     nb::dict entry;

@@ -11,6 +11,7 @@
 
 #include "expert_kernels.h"
 #include "fp8_special.h"
+#include "gguf_blocks.h"
 #include "thread_pool.h"
 
 namespace hybridjit {
@@ -27,6 +28,14 @@ const char* WeightFormatName(WeightFormat format) {
       return "int8";
     case WeightFormat::kInt4:
       return "int4";
+    case WeightFormat::kQ8_0:
+      return "q8_0";
+    case WeightFormat::kQ4K:
+      return "q4_k";
+    case WeightFormat::kQ5K:
+      return "q5_k";
+    case WeightFormat::kQ6K:
+      return "q6_k";
   }
   return "unknown";
 }
@@ -46,6 +55,13 @@ void CheckLayer(const LayerWeights& layer) {
   if (integer && (layer.block_rows != 1 || layer.block_cols % kIntGroupQuantum != 0)) {
     throw std::invalid_argument("int8/int4 scale groups must be one row by a multiple of " +
                                 std::to_string(kIntGroupQuantum) + " columns");
+  }
+  if (IsGgufFormat(layer.format) &&
+      (layer.hidden % GgufBlockElements(layer.format) || layer.inter % GgufBlockElements(layer.format))) {
+    throw std::invalid_argument(std::string(WeightFormatName(layer.format)) + " rows are whole blocks of " +
+                                std::to_string(GgufBlockElements(layer.format)) + " elements: hidden " +
+                                std::to_string(layer.hidden) + " and inter " + std::to_string(layer.inter) +
+                                " must be multiples of it");
   }
   if (layer.format == WeightFormat::kFp8E4M3Fn && layer.hidden * layer.inter > int64_t{UINT32_MAX}) {
     throw std::invalid_argument("fp8 projections of " + std::to_string(layer.inter) + " x " +
@@ -112,6 +128,11 @@ int64_t LayerWeights::RowBytes(int64_t cols) const {
       return cols;
     case WeightFormat::kInt4:
       return (cols + 1) / 2;
+    case WeightFormat::kQ8_0:
+    case WeightFormat::kQ4K:
+    case WeightFormat::kQ5K:
+    case WeightFormat::kQ6K:
+      return cols / GgufBlockElements(format) * GgufBlockBytes(format);
   }
   return 0;
 }

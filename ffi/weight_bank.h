@@ -15,7 +15,8 @@
 
 namespace hybridjit {
 
-enum class WeightFormat { kF32, kBf16, kFp8E4M3Fn, kInt8, kInt4 };
+// kQ8_0 ... kQ6K: GGUF block formats as llama.cpp stores them, scales inside the blocks (gguf_blocks.h).
+enum class WeightFormat { kF32, kBf16, kFp8E4M3Fn, kInt8, kInt4, kQ8_0, kQ4K, kQ5K, kQ6K };
 
 // int8/int4 scale groups run along the input dimension and hold a multiple of this many elements, so
 // that no SIMD chunk or AMX tile step of any kernel straddles two groups.
@@ -57,7 +58,10 @@ struct LayerWeights {
   std::vector<Fp8Specials> fp8_specials;
 
   int64_t n_experts() const { return static_cast<int64_t>(experts.size()); }
-  bool scaled() const { return format != WeightFormat::kF32 && format != WeightFormat::kBf16; }
+  // Whether the layer has separate scale grids (the GGUF formats keep their scales in the blocks).
+  bool scaled() const {
+    return format == WeightFormat::kFp8E4M3Fn || format == WeightFormat::kInt8 || format == WeightFormat::kInt4;
+  }
   // Bytes of one row of `cols` elements.
   int64_t RowBytes(int64_t cols) const;
 };
