@@ -77,14 +77,15 @@ DecodedRow& RowBuffer(int64_t cols) {
 }
 
 const uint8_t* RowData(const LayerWeights& layer, const Projection& p, int64_t row) {
-  return static_cast<const uint8_t*>(p.data) + row * layer.RowBytes(p.cols);
+  return static_cast<const uint8_t*>(p.data) + row * layer.RowBytes(p.cols, p.which);
 }
 
 void DecodeRowScalar(const LayerWeights& layer, const Projection& p, int64_t row, DecodedRow& out) {
-  const int64_t n = GgufBlockElements(layer.format), bytes = GgufBlockBytes(layer.format);
+  const WeightFormat format = layer.ProjectionFormat(p.which);
+  const int64_t n = GgufBlockElements(format), bytes = GgufBlockBytes(format);
   const uint8_t* data = RowData(layer, p, row);
   for (int64_t b = 0; b < p.cols / n; ++b) {
-    DecodeGgufBlock(layer.format, data + b * bytes, out.q.data() + b * n, out.lane_scale.data() + b * n / 4,
+    DecodeGgufBlock(format, data + b * bytes, out.q.data() + b * n, out.lane_scale.data() + b * n / 4,
                     out.sub_min.data() + b * n / 16);
   }
 }
@@ -183,7 +184,8 @@ HJ_AVX512_VNNI void DecodeQ80Block(const uint8_t* b, uint8_t* q, float* lane_sca
 }
 
 HJ_AVX512_VNNI void DecodeRowAvx512(const LayerWeights& layer, const Projection& p, int64_t row, DecodedRow& out) {
-  const int64_t n = GgufBlockElements(layer.format), bytes = GgufBlockBytes(layer.format);
+  const WeightFormat format = layer.ProjectionFormat(p.which);
+  const int64_t n = GgufBlockElements(format), bytes = GgufBlockBytes(format);
   const uint8_t* data = RowData(layer, p, row);
   const int64_t ahead = WeightPrefetchBytes();
   for (int64_t b = 0; b < p.cols / n; ++b) {
@@ -194,13 +196,13 @@ HJ_AVX512_VNNI void DecodeRowAvx512(const LayerWeights& layer, const Projection&
     uint8_t* q = out.q.data() + b * n;
     float* lane_scale = out.lane_scale.data() + b * n / 4;
     float* sub_min = out.sub_min.data() + b * n / 16;
-    switch (layer.format) {
+    switch (format) {
       case WeightFormat::kQ8_0:
         DecodeQ80Block(block, q, lane_scale, sub_min);
         break;
       case WeightFormat::kQ4K:
       case WeightFormat::kQ5K:
-        DecodeQ4KBlock(block, layer.format == WeightFormat::kQ5K, q, lane_scale, sub_min);
+        DecodeQ4KBlock(block, format == WeightFormat::kQ5K, q, lane_scale, sub_min);
         break;
       case WeightFormat::kQ6K:
         DecodeQ6KBlock(block, q, lane_scale, sub_min);

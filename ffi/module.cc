@@ -56,9 +56,11 @@ using Addresses = std::vector<uintptr_t>;
 
 int64_t RegisterLayer(const std::string& format, int64_t hidden, int64_t inter, int64_t block_rows,
                       int64_t block_cols, const Addresses& gate, const Addresses& up, const Addresses& down,
-                      const Addresses& gate_scale, const Addresses& up_scale, const Addresses& down_scale) {
+                      const Addresses& gate_scale, const Addresses& up_scale, const Addresses& down_scale,
+                      const std::string& down_format) {
   LayerWeights layer;
   layer.format = ParseFormat(format);
+  if (!down_format.empty() && down_format != format) layer.down_format = ParseFormat(down_format);
   layer.hidden = hidden;
   layer.inter = inter;
   layer.block_rows = block_rows;
@@ -203,8 +205,9 @@ NB_MODULE(hybridjit_ffi, m) {
   m.doc() = "hybridjit C++ extension: routed-expert weight bank and XLA FFI handlers (private API).";
   m.def("register_layer", &RegisterLayer, nb::arg("format"), nb::arg("hidden"), nb::arg("inter"),
         nb::arg("block_rows"), nb::arg("block_cols"), nb::arg("gate"), nb::arg("up"), nb::arg("down"),
-        nb::arg("gate_scale"), nb::arg("up_scale"), nb::arg("down_scale"),
-        "Registers a layer from weight addresses; returns its id (never reused).");
+        nb::arg("gate_scale"), nb::arg("up_scale"), nb::arg("down_scale"), nb::arg("down_format") = "",
+        "Registers a layer from weight addresses; returns its id (never reused). down_format: GGUF layers whose "
+        "down projections are in another block format.");
   m.def("unregister_layer", &UnregisterLayer, nb::arg("id"),
         "Removes a layer once its running calls finish; False if the id is unknown.");
   m.def("registered_layer_ids", [] { return WeightBank::Global().Ids(); });

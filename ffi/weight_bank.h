@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <shared_mutex>
 #include <unordered_map>
 #include <vector>
@@ -56,14 +57,20 @@ struct LayerWeights {
   std::vector<ExpertWeights> experts;
   // fp8 layers: per expert, filled by WeightBank::Add (which reads every weight once).
   std::vector<Fp8Specials> fp8_specials;
+  // GGUF layers whose down projections have another block format than gate and up (llama.cpp's Q4_K_M
+  // keeps ffn_down in Q6_K); unset: every projection is in `format`.
+  std::optional<WeightFormat> down_format;
 
   int64_t n_experts() const { return static_cast<int64_t>(experts.size()); }
+  WeightFormat ProjectionFormat(Matrix which) const {
+    return which == Matrix::kDown && down_format ? *down_format : format;
+  }
   // Whether the layer has separate scale grids (the GGUF formats keep their scales in the blocks).
   bool scaled() const {
     return format == WeightFormat::kFp8E4M3Fn || format == WeightFormat::kInt8 || format == WeightFormat::kInt4;
   }
-  // Bytes of one row of `cols` elements.
-  int64_t RowBytes(int64_t cols) const;
+  // Bytes of one row of `cols` elements (of projection `which`).
+  int64_t RowBytes(int64_t cols, Matrix which = Matrix::kGate) const;
 };
 
 // Read access to one registered layer. While a lease is alive the layer cannot finish being removed,

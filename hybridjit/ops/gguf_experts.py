@@ -39,26 +39,29 @@ def register_gguf_layer(
     gguf_type: str,
     hidden: int,
     inter: int,
+    down_type: str | None = None,
 ) -> ExpertLayer:
-    """Registers one layer of routed experts stored as `gguf_type` blocks: gate and up [inter, hidden] and down
-    [hidden, inter] matrices, each uint8 [rows, row_bytes(cols)]. Raises ValueError naming the expert and
-    projection."""
-    if gguf_type not in GGUF_EXPERT_FORMATS:
-        raise ValueError(f"{gguf_type} is not a GGUF expert format ({', '.join(GGUF_EXPERT_FORMATS)})")
+    """Registers one layer of routed experts stored as GGUF blocks: gate and up [inter, hidden] matrices of
+    `gguf_type` and down [hidden, inter] ones of `down_type` (default the same; llama.cpp's Q4_K_M keeps down in
+    Q6_K), each uint8 [rows, row_bytes(cols)]. Raises ValueError naming the expert and projection."""
+    down_type = down_type or gguf_type
+    for t in (gguf_type, down_type):
+        if t not in GGUF_EXPERT_FORMATS:
+            raise ValueError(f"{t} is not a GGUF expert format ({', '.join(GGUF_EXPERT_FORMATS)})")
     gate, up, down = list(gate), list(up), list(down)
     if not gate or not len(gate) == len(up) == len(down):
         raise ValueError(f"expert counts: gate {len(gate)}, up {len(up)}, down {len(down)} (equal and > 0 needed)")
     stored = {
         "gate_proj": (inter, row_bytes(gguf_type, hidden)),
         "up_proj": (inter, row_bytes(gguf_type, hidden)),
-        "down_proj": (hidden, row_bytes(gguf_type, inter)),
+        "down_proj": (hidden, row_bytes(down_type, inter)),
     }
     weights = dict(zip(stored, (gate, up, down), strict=True))
     for proj, arrays in weights.items():
         for e, a in enumerate(arrays):
             _check_matrix(a, e, proj, stored[proj], np.dtype(np.uint8))
     fmt = GGUF_EXPERT_FORMATS[gguf_type]
-    layer_id = _ffi.register_layer(
-        fmt, hidden, inter, 0, 0, *([a.ctypes.data for a in arrays] for arrays in weights.values()), [], [], []
-    )
-    return ExpertLayer(layer_id, len(gate), hidden, inter, fmt, [*gate, *up, *down])
+    addresses = [[a.ctypes.data for a in arrays] for arrays in weights.values()]
+    layer_id = _ffi.register_layer(fmt, hidden, inter, 0, 0, *addresses, [], [], [], GGUF_EXPERT_FORMATS[down_type])
+    name = fmt if down_type == gguf_type else f"{fmt}/{GGUF_EXPERT_FORMATS[down_type]}"
+    return ExpertLayer(layer_id, len(gate), hidden, inter, name, [*gate, *up, *down])
