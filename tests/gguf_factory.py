@@ -68,10 +68,8 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     q = np.where(step > 0, np.rint((x + (dminf * m)[..., None]) / np.where(step > 0, step, 1)), 0).clip(0, 15)
     q = q.astype(np.uint8).reshape(-1, 4, 2, 32)
     qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
-    scales = np.concatenate(
-        [sc[:, :4] | ((sc[:, 4:] >> 4) << 6), m[:, :4] | ((m[:, 4:] >> 4) << 6), (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)],
-        axis=1,
-    )
+    high_bits = (sc[:, :4] | ((sc[:, 4:] >> 4) << 6), m[:, :4] | ((m[:, 4:] >> 4) << 6))
+    scales = np.concatenate([*high_bits, (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)], axis=1)
     blocks = np.concatenate([_f16_bytes(d), _f16_bytes(dmin), scales, qs], axis=1)
     return blocks.reshape(w.shape[0], -1)
 

@@ -149,13 +149,16 @@ def test_bf16_experts_stay_in_place_and_split_files_load(tmp_path):
     src = build_case("v3_bf16", tmp_path / "hf")
     cfg = json.loads((src / "config.json").read_text())
     tensors = checkpoint_as_float32(src)
-    path = write_gguf(tmp_path / "m.gguf", cfg, tensors, expert_types=(Q.BF16, Q.BF16), kv_b="both",
-                      split_max_tensors=40)  # fmt: skip
+    path = write_gguf(
+        tmp_path / "m.gguf", cfg, tensors, expert_types=(Q.BF16, Q.BF16), kv_b="both", split_max_tensors=40
+    )
     assert path.name.startswith("m-00001-of-") and len(GGUFFile(path).parts) > 1
     ckpt = GGUFCheckpoint(path)
     expert = ckpt.get("model.layers.1.mlp.experts.3.down_proj.weight")
     assert isinstance(expert.base, np.memmap) or isinstance(expert.base.base, np.memmap)  # a view, no copy
-    np.testing.assert_array_equal(expert.astype(np.float32), read_tensors(src)["model.layers.1.mlp.experts.3.down_proj.weight"].astype(np.float32))
+    np.testing.assert_array_equal(
+        expert.astype(np.float32), read_tensors(src)["model.layers.1.mlp.experts.3.down_proj.weight"].astype(np.float32)
+    )
     assert rel_rms(logits(path), logits(src)) <= 1e-5  # the same bf16 experts, the same kernels
 
 
@@ -168,8 +171,12 @@ def test_quantised_gguf_within_its_quantisation(tmp_path):
     tensors = checkpoint_as_float32(src)
     path = write_gguf(tmp_path / "m.gguf", cfg, tensors, expert_types=(Q.Q4_K, Q.Q6_K))
     ckpt = GGUFCheckpoint(path)
-    dequantised = {name: ckpt.get(name) if not ckpt.info(name).dtype.startswith("Q") else
-                   gguf.quants.dequantize(ckpt.get(name), Q[ckpt.info(name).dtype]) for name in ckpt.tensors}  # fmt: skip
+    dequantised = {
+        name: ckpt.get(name)
+        if not ckpt.info(name).dtype.startswith("Q")
+        else gguf.quants.dequantize(ckpt.get(name), Q[ckpt.info(name).dtype])
+        for name in ckpt.tensors
+    }
     ref_dir = tmp_path / "dequantised"
     write_checkpoint(ref_dir, cfg, seed=7, weight_format="f32")
     for f in ref_dir.glob("*.safetensors"):
@@ -257,8 +264,11 @@ def test_expert_type_without_kernel(tmp_path):
     src = build_case("qwen3_moe_bf16", tmp_path / "hf")  # hidden 96: whole Q4_0 blocks of 32
     cfg = json.loads((src / "config.json").read_text())
     path = write_gguf(tmp_path / "m.gguf", cfg, checkpoint_as_float32(src), expert_types=(Q.Q4_0, Q.F32))
-    with pytest.raises(CheckpointError, match=r"tensor blk\.0\.ffn_gate_exps\.weight: routed experts stored as Q4_0, "
-                       r"which no CPU kernel runs; supported: F32, BF16, F16 \(converted to BF16\), Q8_0, Q4_K"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"tensor blk\.0\.ffn_gate_exps\.weight: routed experts stored as Q4_0, "
+        r"which no CPU kernel runs; supported: F32, BF16, F16 \(converted to BF16\), Q8_0, Q4_K",
+    ):
         GGUFCheckpoint(path)
 
 
