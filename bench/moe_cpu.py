@@ -19,9 +19,12 @@ floor being their median (the lent machines share memory bandwidth with other te
 once per process can be 25% off the one a case saw).
 
 Formats: fp8 (E4M3FN, 128x128 block scales), bf16, int8 and int4 (one float32 scale per 128 input columns of
-a row), int8_row (one scale per row: AMX keeps int8 tiles). Baselines in the same process: NumPy (float32
-weights, matmul per expert) and PyTorch CPU (bfloat16 weights, if torch is installed). --crossover times AVX-512
-against AMX by tokens per expert (the basis of HYBRIDJIT_AMX_MIN_TOKENS). Ends with one JSON line.
+a row), int8_row (one scale per row: AMX keeps int8 tiles); named only, the GGUF block formats q8_0, q4_k,
+q5_k, q6_k and q4_k_m (Q4_K gate/up, Q6_K down), e.g. `--formats q4_k_m q6_k q8_0 --hidden 4096 --inter 1536`
+for Qwen3-235B's experts (llama.cpp's MUL_MAT_ID as a peer is not built here yet). Baselines in the same
+process: NumPy (float32 weights, matmul per expert) and PyTorch CPU (bfloat16 weights, if torch is installed).
+--crossover times AVX-512 against AMX by tokens per expert (the basis of HYBRIDJIT_AMX_MIN_TOKENS). Ends with one
+JSON line.
 """
 
 import argparse
@@ -31,10 +34,12 @@ import statistics
 import sys
 import time
 
+import gguf
 import ml_dtypes
 import numpy as np
 
 from floors import ReadFloor, floors_line, machine, memory_floors
+from hybridjit.ops.gguf_experts import register_gguf_layer, row_bytes
 from hybridjit.ops.routed_experts import (
     kernel_info,
     layer_kernel,
@@ -46,7 +51,20 @@ from hybridjit.ops.routed_experts import (
 )
 
 FORMATS = ("fp8", "bf16", "int8", "int4", "int8_row")
+# GGUF block formats (issue #24), benched when named: gate/up and down types; q4_k_m is Q4_K_M's experts.
+GGUF_FORMATS = {"q8_0": ("Q8_0", "Q8_0"), "q4_k": ("Q4_K", "Q4_K"), "q5_k": ("Q5_K", "Q5_K"),
+                "q6_k": ("Q6_K", "Q6_K"), "q4_k_m": ("Q4_K", "Q6_K")}  # fmt: skip
 GROUP = 128
+
+
+def make_gguf_projection(rng, gguf_type: str, n: int, rows: int, cols: int) -> list[np.ndarray]:
+    """n experts' [rows, cols] matrices as random GGUF blocks with small finite fp16 scales (the codes are any)."""
+    block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[gguf_type]]
+    blocks = random_bytes(rng, n * rows * (cols // block) * nbytes).reshape(n, rows, cols // block, nbytes)
+    for at in {"Q8_0": [0], "Q6_K": [208]}.get(gguf_type, [0, 2]):
+        d = rng.uniform(1e-4, 1e-3, blocks.shape[:3]).astype(np.float16)
+        blocks[..., at : at + 2] = d.view(np.uint8).reshape(*blocks.shape[:3], 2)
+    return list(blocks.reshape(n, rows, -1))
 
 
 def random_bytes(rng, n: int) -> np.ndarray:
@@ -95,6 +113,15 @@ def make_layer(rng, fmt, n_experts, hidden, inter, memory="numpy"):
     """A registered layer of random experts, held in `memory`: numpy (the allocator's pages), huge (advised
     into huge pages) or pinned (hybridjit.pinned_experts: pinned host memory of the first JAX device, as
     hybrid decode holds experts)."""
+    if fmt in GGUF_FORMATS:
+        if memory == "pinned":
+            raise ValueError("GGUF experts are not pinned (hybridjit/weights.py): use --memory numpy or huge")
+        gate_up, down_type = GGUF_FORMATS[fmt]
+        gate, up = (make_gguf_projection(rng, gate_up, n_experts, inter, hidden) for _ in range(2))
+        down = make_gguf_projection(rng, down_type, n_experts, hidden, inter)
+        if memory == "huge":
+            gate, up, down = on_huge_pages(gate), on_huge_pages(up), on_huge_pages(down)
+        return register_gguf_layer(gate, up, down, gguf_type=gate_up, down_type=down_type, hidden=hidden, inter=inter)
     gate, gate_s = make_projection(rng, fmt, n_experts, inter, hidden)
     up, up_s = make_projection(rng, fmt, n_experts, inter, hidden)
     down, down_s = make_projection(rng, fmt, n_experts, hidden, inter)
@@ -114,6 +141,9 @@ def make_layer(rng, fmt, n_experts, hidden, inter, memory="numpy"):
 
 
 def expert_bytes(fmt, hidden, inter) -> int:
+    if fmt in GGUF_FORMATS:
+        gate_up, down_type = GGUF_FORMATS[fmt]
+        return 2 * inter * row_bytes(gate_up, hidden) + hidden * row_bytes(down_type, inter)
     weights = 3 * hidden * inter * {"fp8": 1, "bf16": 2, "int8": 1, "int8_row": 1, "int4": 0.5}[fmt]
     if fmt == "fp8":
         scales = 3 * (-(-hidden // 128)) * (-(-inter // 128))
@@ -361,7 +391,7 @@ def row(r) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    parser.add_argument("--formats", nargs="+", choices=[*FORMATS, *GGUF_FORMATS], default=list(FORMATS))
     parser.add_argument("--decode", nargs="*", type=int, default=[1, 2, 4, 8])
     parser.add_argument("--prefill", nargs="*", type=int, default=[128, 512, 2048])
     parser.add_argument("--hidden", type=int, default=7168)

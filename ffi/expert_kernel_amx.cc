@@ -23,6 +23,7 @@
 #include "amx_tile_multiply.h"
 #include "expert_kernels.h"
 #include "fp8_bf16.h"
+#include "gguf_blocks.h"
 #include "numeric_formats.h"
 
 #define HJ_AMX                                                                                                   \
@@ -220,6 +221,7 @@ HJ_AMX void LoadRowFloats(const LayerWeights& layer, const unsigned char* row, i
     }
     case WeightFormat::kF32:
     case WeightFormat::kBf16:
+    default:  // GGUF formats never reach AMX (AmxKernel)
       break;
   }
   *lo = *hi = _mm512_setzero_ps();
@@ -372,6 +374,7 @@ constexpr GemmKernel kInt8Tiles{"amx_int8", 32, Int8PackedBytes, Int8Pack, AmxGe
 
 const GemmKernel* AmxKernel(const LayerWeights& layer) {
   if (layer.format == WeightFormat::kF32) return nullptr;  // float32 weights: no lossless AMX type
+  if (IsGgufFormat(layer.format)) return nullptr;  // GGUF blocks: the AVX-512 VNNI kernel at every token count
   return IntTiles(layer) ? &kInt8Tiles : &kBf16Tiles;
 }
 

@@ -482,6 +482,11 @@ const GemmKernel* Avx2Kernel(const LayerWeights& layer) {
       return &kInt8;
     case WeightFormat::kInt4:
       return &kInt4;
+    case WeightFormat::kQ8_0:
+    case WeightFormat::kQ4K:
+    case WeightFormat::kQ5K:
+    case WeightFormat::kQ6K:
+      return nullptr;  // no AVX2 GGUF kernel yet: the generic one serves
   }
   return nullptr;
 }

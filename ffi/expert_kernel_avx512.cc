@@ -441,6 +441,11 @@ const GemmKernel* Avx512Kernel(const LayerWeights& layer) {
       return &kInt8;
     case WeightFormat::kInt4:
       return &kInt4;
+    case WeightFormat::kQ8_0:
+    case WeightFormat::kQ4K:
+    case WeightFormat::kQ5K:
+    case WeightFormat::kQ6K:
+      return GgufAvx512Kernel(layer);
   }
   return nullptr;
 }

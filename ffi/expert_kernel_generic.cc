@@ -39,6 +39,8 @@ void DecodeRow(const LayerWeights& layer, const Projection& p, int64_t row, floa
     case WeightFormat::kInt4:
       for (int64_t c = 0; c < p.cols; ++c) out[c] = static_cast<float>(((bytes[c / 2] >> (4 * (c & 1))) & 0xf) - 8);
       break;
+    default:  // the GGUF formats have their own kernels (GenericKernel)
+      return;
   }
   for (int64_t block = 0; block < scale_cols; ++block) {
     float scale;
@@ -158,6 +160,7 @@ constexpr GemmKernel kInt{"generic", 1, IntPackedBytes, IntPack, IntGemm};
 }  // namespace
 
 const GemmKernel* GenericKernel(const LayerWeights& layer) {
+  if (const GemmKernel* gguf = GgufGenericKernel(layer)) return gguf;
   return layer.format == WeightFormat::kInt8 || layer.format == WeightFormat::kInt4 ? &kInt : &kFloat;
 }
 

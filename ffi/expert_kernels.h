@@ -47,6 +47,7 @@ struct Projection {
   // need them (without, their results are wrong wherever a special code sits); generic and AMX ignore them.
   const uint32_t* fp8_specials = nullptr;
   int64_t n_fp8_specials = 0;
+  Matrix which = Matrix::kGate;  // which projection: its format is layer.ProjectionFormat(which)
 };
 
 // Projection `which` of expert `expert` of a registered layer, with its fp8 special codes once the bank
@@ -65,6 +66,7 @@ inline Projection ExpertProjection(const LayerWeights& layer, int64_t expert, Ma
       p = {w.down, w.down_scale, layer.hidden, layer.inter};
       break;
   }
+  p.which = which;
   if (!layer.fp8_specials.empty()) {
     const std::vector<uint32_t>& specials = layer.fp8_specials[expert][static_cast<int>(which)];
     p.fp8_specials = specials.data();
@@ -92,6 +94,9 @@ const GemmKernel* GenericKernel(const LayerWeights& layer);
 const GemmKernel* Avx2Kernel(const LayerWeights& layer);
 const GemmKernel* Avx512Kernel(const LayerWeights& layer);
 const GemmKernel* AmxKernel(const LayerWeights& layer);
+// The GGUF block formats' kernels (expert_kernel_gguf.cc); null for the other formats.
+const GemmKernel* GgufGenericKernel(const LayerWeights& layer);
+const GemmKernel* GgufAvx512Kernel(const LayerWeights& layer);
 
 // With the amx family, the tokens per expert from which a layer's experts run on AMX: the override if
 // set (cpu_features.h), else the crossover measured against AVX-512 for the layer's AMX kernel.

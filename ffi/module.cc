@@ -37,7 +37,12 @@ WeightFormat ParseFormat(const std::string& name) {
   if (name == "fp8") return WeightFormat::kFp8E4M3Fn;
   if (name == "int8") return WeightFormat::kInt8;
   if (name == "int4") return WeightFormat::kInt4;
-  throw std::invalid_argument("unknown weight format '" + name + "' (expected f32, bf16, fp8, int8 or int4)");
+  if (name == "q8_0") return WeightFormat::kQ8_0;
+  if (name == "q4_k") return WeightFormat::kQ4K;
+  if (name == "q5_k") return WeightFormat::kQ5K;
+  if (name == "q6_k") return WeightFormat::kQ6K;
+  throw std::invalid_argument("unknown weight format '" + name +
+                              "' (expected f32, bf16, fp8, int8, int4, q8_0, q4_k, q5_k or q6_k)");
 }
 
 template <typename T>
@@ -51,9 +56,11 @@ using Addresses = std::vector<uintptr_t>;
 
 int64_t RegisterLayer(const std::string& format, int64_t hidden, int64_t inter, int64_t block_rows,
                       int64_t block_cols, const Addresses& gate, const Addresses& up, const Addresses& down,
-                      const Addresses& gate_scale, const Addresses& up_scale, const Addresses& down_scale) {
+                      const Addresses& gate_scale, const Addresses& up_scale, const Addresses& down_scale,
+                      const std::string& down_format) {
   LayerWeights layer;
   layer.format = ParseFormat(format);
+  if (!down_format.empty() && down_format != format) layer.down_format = ParseFormat(down_format);
   layer.hidden = hidden;
   layer.inter = inter;
   layer.block_rows = block_rows;
@@ -110,10 +117,11 @@ nb::dict KernelInfo() {
   // one with very many; layer_kernel answers for a registered layer and a token count.
   nb::dict formats;
   for (WeightFormat f : {WeightFormat::kF32, WeightFormat::kBf16, WeightFormat::kFp8E4M3Fn, WeightFormat::kInt8,
-                         WeightFormat::kInt4}) {
+                         WeightFormat::kInt4, WeightFormat::kQ8_0, WeightFormat::kQ4K, WeightFormat::kQ5K,
+                         WeightFormat::kQ6K}) {
     LayerWeights layer;
     layer.format = f;
-    layer.hidden = layer.inter = kIntGroupQuantum;
+    layer.hidden = layer.inter = 256;  // a multiple of every format's block (kIntGroupQuantum, 32, 256)
     layer.block_rows = f == WeightFormat::kFp8E4M3Fn ? 128 : 1;
     layer.block_cols = 128;
     nb::dict entry;
@@ -197,8 +205,9 @@ NB_MODULE(hybridjit_ffi, m) {
   m.doc() = "hybridjit C++ extension: routed-expert weight bank and XLA FFI handlers (private API).";
   m.def("register_layer", &RegisterLayer, nb::arg("format"), nb::arg("hidden"), nb::arg("inter"),
         nb::arg("block_rows"), nb::arg("block_cols"), nb::arg("gate"), nb::arg("up"), nb::arg("down"),
-        nb::arg("gate_scale"), nb::arg("up_scale"), nb::arg("down_scale"),
-        "Registers a layer from weight addresses; returns its id (never reused).");
+        nb::arg("gate_scale"), nb::arg("up_scale"), nb::arg("down_scale"), nb::arg("down_format") = "",
+        "Registers a layer from weight addresses; returns its id (never reused). down_format: GGUF layers whose "
+        "down projections are in another block format.");
   m.def("unregister_layer", &UnregisterLayer, nb::arg("id"),
         "Removes a layer once its running calls finish; False if the id is unknown.");
   m.def("registered_layer_ids", [] { return WeightBank::Global().Ids(); });

@@ -11,6 +11,7 @@
 
 #include "expert_kernels.h"
 #include "fp8_special.h"
+#include "gguf_blocks.h"
 #include "thread_pool.h"
 
 namespace hybridjit {
@@ -27,6 +28,14 @@ const char* WeightFormatName(WeightFormat format) {
       return "int8";
     case WeightFormat::kInt4:
       return "int4";
+    case WeightFormat::kQ8_0:
+      return "q8_0";
+    case WeightFormat::kQ4K:
+      return "q4_k";
+    case WeightFormat::kQ5K:
+      return "q5_k";
+    case WeightFormat::kQ6K:
+      return "q6_k";
   }
   return "unknown";
 }
@@ -46,6 +55,17 @@ void CheckLayer(const LayerWeights& layer) {
   if (integer && (layer.block_rows != 1 || layer.block_cols % kIntGroupQuantum != 0)) {
     throw std::invalid_argument("int8/int4 scale groups must be one row by a multiple of " +
                                 std::to_string(kIntGroupQuantum) + " columns");
+  }
+  if (layer.down_format && !(IsGgufFormat(layer.format) && IsGgufFormat(*layer.down_format))) {
+    throw std::invalid_argument("a separate down-projection format is for GGUF block formats only");
+  }
+  for (const WeightFormat f : {layer.format, layer.ProjectionFormat(Matrix::kDown)}) {
+    if (IsGgufFormat(f) && (layer.hidden % GgufBlockElements(f) || layer.inter % GgufBlockElements(f))) {
+      throw std::invalid_argument(std::string(WeightFormatName(f)) + " rows are whole blocks of " +
+                                  std::to_string(GgufBlockElements(f)) + " elements: hidden " +
+                                  std::to_string(layer.hidden) + " and inter " + std::to_string(layer.inter) +
+                                  " must be multiples of it");
+    }
   }
   if (layer.format == WeightFormat::kFp8E4M3Fn && layer.hidden * layer.inter > int64_t{UINT32_MAX}) {
     throw std::invalid_argument("fp8 projections of " + std::to_string(layer.inter) + " x " +
@@ -92,7 +112,7 @@ void PrepareExperts(LayerWeights& layer) {
     if (fp8) {
       layer.fp8_specials[task / 3][task % 3] = FindFp8Specials(static_cast<const uint8_t*>(p.data), p.rows, p.cols);
     } else {
-      FaultIn(p.data, p.rows * layer.RowBytes(p.cols));
+      FaultIn(p.data, p.rows * layer.RowBytes(p.cols, p.which));
     }
   };
   const std::string error = pool->Run(job);
@@ -101,7 +121,8 @@ void PrepareExperts(LayerWeights& layer) {
 
 }  // namespace
 
-int64_t LayerWeights::RowBytes(int64_t cols) const {
+int64_t LayerWeights::RowBytes(int64_t cols, Matrix which) const {
+  const WeightFormat format = ProjectionFormat(which);
   switch (format) {
     case WeightFormat::kF32:
       return cols * 4;
@@ -112,6 +133,11 @@ int64_t LayerWeights::RowBytes(int64_t cols) const {
       return cols;
     case WeightFormat::kInt4:
       return (cols + 1) / 2;
+    case WeightFormat::kQ8_0:
+    case WeightFormat::kQ4K:
+    case WeightFormat::kQ5K:
+    case WeightFormat::kQ6K:
+      return cols / GgufBlockElements(format) * GgufBlockBytes(format);
   }
   return 0;
 }

@@ -9,13 +9,15 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <shared_mutex>
 #include <unordered_map>
 #include <vector>
 
 namespace hybridjit {
 
-enum class WeightFormat { kF32, kBf16, kFp8E4M3Fn, kInt8, kInt4 };
+// kQ8_0 ... kQ6K: GGUF block formats as llama.cpp stores them, scales inside the blocks (gguf_blocks.h).
+enum class WeightFormat { kF32, kBf16, kFp8E4M3Fn, kInt8, kInt4, kQ8_0, kQ4K, kQ5K, kQ6K };
 
 // int8/int4 scale groups run along the input dimension and hold a multiple of this many elements, so
 // that no SIMD chunk or AMX tile step of any kernel straddles two groups.
@@ -55,11 +57,20 @@ struct LayerWeights {
   std::vector<ExpertWeights> experts;
   // fp8 layers: per expert, filled by WeightBank::Add (which reads every weight once).
   std::vector<Fp8Specials> fp8_specials;
+  // GGUF layers whose down projections have another block format than gate and up (llama.cpp's Q4_K_M
+  // keeps ffn_down in Q6_K); unset: every projection is in `format`.
+  std::optional<WeightFormat> down_format;
 
   int64_t n_experts() const { return static_cast<int64_t>(experts.size()); }
-  bool scaled() const { return format != WeightFormat::kF32 && format != WeightFormat::kBf16; }
-  // Bytes of one row of `cols` elements.
-  int64_t RowBytes(int64_t cols) const;
+  WeightFormat ProjectionFormat(Matrix which) const {
+    return which == Matrix::kDown && down_format ? *down_format : format;
+  }
+  // Whether the layer has separate scale grids (the GGUF formats keep their scales in the blocks).
+  bool scaled() const {
+    return format == WeightFormat::kFp8E4M3Fn || format == WeightFormat::kInt8 || format == WeightFormat::kInt4;
+  }
+  // Bytes of one row of `cols` elements (of projection `which`).
+  int64_t RowBytes(int64_t cols, Matrix which = Matrix::kGate) const;
 };
 
 // Read access to one registered layer. While a lease is alive the layer cannot finish being removed,

@@ -13,9 +13,9 @@ import sys
 import time
 
 from hybridjit import __version__
-from hybridjit.checkpoint import Checkpoint
 from hybridjit.convert import WEIGHT_FORMATS, convert_checkpoint
-from hybridjit.models.registry import ModelConfig, config_from_json
+from hybridjit.model_files import open_checkpoint
+from hybridjit.models.registry import ModelConfig
 from hybridjit.resolve import resolve_model
 from hybridjit.weights import routed_expert_bytes
 
@@ -131,11 +131,10 @@ def _weight_format(cfg: ModelConfig) -> str:
 
 def cmd_info(args) -> int:
     path = resolve_model(args.checkpoint)
-    cfg = config_from_json(path / "config.json")
-    ckpt = Checkpoint(path)
+    cfg, ckpt = open_checkpoint(path)
     by_dtype = collections.Counter()
     for info in ckpt.tensors.values():
-        by_dtype[info.dtype] += info.nbytes
+        by_dtype[getattr(info, "stored", info.dtype)] += info.nbytes  # a GGUF tensor's stored type
     expert_bytes = routed_expert_bytes(cfg, ckpt)
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     lines = [

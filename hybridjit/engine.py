@@ -13,16 +13,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybridjit.checkpoint import Checkpoint
+from hybridjit.model_files import open_checkpoint, open_tokenizer
 from hybridjit.models.common.moe import ExpertSchedule
-from hybridjit.models.registry import ModelConfig, config_from_json, family_of
+from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.ops.async_experts import raise_gpu_errors
 from hybridjit.pinned_experts import size_host_memory_pool
 from hybridjit.placement import Placement, compute_dtype
 from hybridjit.resolve import resolve_model
 from hybridjit.sampling import SamplingParams, integer, is_integer
 from hybridjit.serving.engine import Engine, bucket
-from hybridjit.tokenizer import IncrementalDecoder, first_stop, load_tokenizer
+from hybridjit.tokenizer import IncrementalDecoder, first_stop
 from hybridjit.weights import Progress, WeightLoader, routed_expert_bytes
 
 
@@ -340,11 +340,10 @@ def load(
         if placement is not None and placement.dtype != dtype:
             raise ValueError(f"dtype {dtype.name!r} contradicts placement.dtype {placement.dtype}: pass one of them")
     path = resolve_model(name_or_path)
-    config = config_from_json(path / "config.json")
-    ckpt = Checkpoint(path)
+    config, ckpt = open_checkpoint(path)
     if placement is None or placement.pinned_experts:  # before Placement.default touches a device
         size_host_memory_pool(routed_expert_bytes(config, ckpt), placement and placement.device)
     placement = placement or Placement.default(dtype)
     weights, expert_layers = WeightLoader(config, ckpt, placement, progress).load()
-    tokenizer = load_tokenizer(path, config.bos_token_id)
+    tokenizer = open_tokenizer(path, config, ckpt)
     return Model(path, config, weights, expert_layers, tokenizer, placement)

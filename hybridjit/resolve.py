@@ -10,6 +10,7 @@ import os
 from importlib import resources
 from pathlib import Path
 
+from hybridjit.gguf_file import is_gguf
 from hybridjit.models.registry import NAMES as ALIASES
 
 
@@ -93,9 +94,13 @@ def resolve_model(name_or_path: str | os.PathLike | None) -> Path:
 
 
 def _checkpoint_dir(path: Path, shown: str) -> Path:
+    if path.is_file() and is_gguf(path):
+        return path
     if not path.is_dir():
         state = "is not a directory" if path.exists() else "does not exist"
-        raise ModelNotFoundError(f"{shown} {state}: a checkpoint is a directory with config.json and *.safetensors")
+        raise ModelNotFoundError(
+            f"{shown} {state}: a checkpoint is a directory with config.json and *.safetensors, or a .gguf file"
+        )
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"{shown} is a directory but has no config.json: not a checkpoint")
     return path

@@ -18,6 +18,17 @@ class Tokenizer:
         # DeepSeek's tokenizer.json has no post-processor: the BOS comes from tokenizer_config.json.
         self.add_bos = bool(settings.get("add_bos_token", False)) and bos_token_id is not None
         self.bos_token_id = bos_token_id
+        self.chat_template: str | None = settings.get("chat_template")
+
+    @classmethod
+    def from_tokenizer(
+        cls, tok: HFTokenizer, bos_token_id: int | None, add_bos: bool, chat_template: str | None = None
+    ) -> "Tokenizer":
+        """A tokenizer built in memory (a GGUF file's, hybridjit/gguf_tokenizer.py)."""
+        self = cls.__new__(cls)
+        self._tok, self.bos_token_id, self.chat_template = tok, bos_token_id, chat_template
+        self.add_bos = add_bos and bos_token_id is not None
+        return self
 
     def encode(self, text: str) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=True).ids

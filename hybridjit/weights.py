@@ -20,6 +20,8 @@ import numpy as np
 from hybridjit.checkpoint import CheckpointError
 from hybridjit.models.common.moe import Experts
 from hybridjit.models.registry import ModelConfig, family_of
+from hybridjit.ops.gguf_experts import GGUF_EXPERT_FORMATS, register_gguf_layer
+from hybridjit.ops.gguf_experts import dequantize as dequantize_gguf
 from hybridjit.ops.routed_experts import ExpertLayer, register_layer
 from hybridjit.pinned_experts import register_pinned
 from hybridjit.placement import Placement
@@ -57,6 +59,8 @@ def check_checkpoint(cfg: ModelConfig, ckpt) -> None:
             if info.dtype != dtype:
                 problems.append(f"{info.file.name}: {name} has dtype {info.dtype}, expected {dtype} (int quantization)")
             expected_scales[name + SCALE_SUFFIX] = cfg.int_quant.scale_shape(spec.shape)
+        elif spec.routed_expert and info.dtype in GGUF_EXPERT_FORMATS:
+            pass  # GGUF blocks, their type checked by the GGUF checkpoint
         elif info.dtype not in FLOAT_DTYPES:
             problems.append(f"{info.file.name}: {name} has dtype {info.dtype}, expected a float type")
         elif info.dtype == "F8_E4M3":
@@ -131,6 +135,8 @@ class WeightLoader:
 
     def _dequantized(self, name: str) -> np.ndarray:
         w = self._take(name)
+        if self.ckpt.info(name).dtype in GGUF_EXPERT_FORMATS:
+            return dequantize_gguf(w, self.ckpt.info(name).dtype)
         if w.dtype == ml_dtypes.float8_e4m3fn:
             w = dequantize_fp8_blocks(w, self._scale(name), self.cfg.fp8.block)
         return w
@@ -148,6 +154,8 @@ class WeightLoader:
         """Registers a layer's routed experts (the names of every expert's gate, up and down matrices) with the
         C++ bank, zero-copy, in their stored format."""
         dtypes = {self.ckpt.info(n).dtype for ns in names for n in ns}
+        if dtypes & GGUF_EXPERT_FORMATS.keys():
+            return self._gguf_experts(names)
         if len(dtypes) > 1 or not dtypes <= set(EXPERT_DTYPES):
             raise CheckpointError(
                 f"{names[0][0]}...: routed experts stored as {sorted(dtypes)}; one of {', '.join(EXPERT_DTYPES)} "
@@ -162,6 +170,28 @@ class WeightLoader:
         scales = [[self._scale(n) for n in ns] for ns in names]
         block = self.cfg.fp8.block if dtypes == {"F8_E4M3"} else (1, self.cfg.int_quant.group_size)
         return register(*weights, *scales, block=block)
+
+    def _gguf_experts(self, names: tuple[list[str], ...]) -> ExpertLayer:
+        """A layer of GGUF block experts: gate and up of one type, down of one (maybe another: Q4_K_M)."""
+        gate_up = {self.ckpt.info(n).dtype for ns in names[:2] for n in ns}
+        down = {self.ckpt.info(n).dtype for n in names[2]}
+        if len(gate_up) > 1 or len(down) > 1 or not (gate_up | down) <= GGUF_EXPERT_FORMATS.keys():
+            raise CheckpointError(
+                f"{names[0][0]}...: routed experts stored as gate/up {sorted(gate_up)}, down {sorted(down)}; one "
+                f"GGUF block type for gate and up and one for down ({', '.join(GGUF_EXPERT_FORMATS)}) is needed"
+            )
+        if self.placement.pinned_experts:
+            # Pinned experts feed stream-loaded prefill, which has no GGUF block dequantisation on the device yet;
+            # GGUF experts stay unpinned, which keeps choose_prefill_path on the hybrid path.
+            raise CheckpointError("GGUF block experts cannot be pinned on the device (no GPU GGUF dequantisation yet)")
+        weights = [[self._take(n) for n in ns] for ns in names]
+        return register_gguf_layer(
+            *weights,
+            gguf_type=gate_up.pop(),
+            down_type=down.pop(),
+            hidden=self.cfg.hidden_size,
+            inter=self.cfg.moe_intermediate_size,
+        )
 
     def load(self) -> tuple[Any, list[ExpertLayer]]:
         check_checkpoint(self.cfg, self.ckpt)

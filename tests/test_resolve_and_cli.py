@@ -145,7 +145,8 @@ def test_an_argument_written_as_a_path_is_only_that_path(my_model, written, stat
     with pytest.raises(ModelNotFoundError) as e:
         resolve_model(written)
     assert str(e.value) == (
-        f"{os.path.expanduser(written)} {state}: a checkpoint is a directory with config.json and *.safetensors"
+        f"{os.path.expanduser(written)} {state}: a checkpoint is a directory with config.json and *.safetensors, "
+        "or a .gguf file"
     )
 
 
@@ -160,7 +161,8 @@ def test_bare_names_are_looked_up_after_a_directory_of_that_name(my_model):
 def test_cli_path_that_does_not_exist(my_model, capsys):
     assert cli.main(["info", "./typo-dir"]) == 2
     assert capsys.readouterr().err == (
-        "hybridjit: error: ./typo-dir does not exist: a checkpoint is a directory with config.json and *.safetensors\n"
+        "hybridjit: error: ./typo-dir does not exist: a checkpoint is a directory with config.json and *.safetensors, "
+        "or a .gguf file\n"
     )
 
 

@@ -1,0 +1,269 @@
+// Kernels for routed experts stored in GGUF block formats (gguf_blocks.h): Q8_0, Q4_K, Q5_K, Q6_K.
+//
+// The fused operator of seed 000 §3.5.2: activations are quantised on the fly to int8 per 32 elements
+// (as every int8 kernel does, expert_kernels.h), each weight row is decoded once per call into unsigned
+// bytes plus float multipliers (gguf_blocks.h), and the products are integer dot products: in plain C++
+// here, with AVX-512 VNNI (vpdpbusd, unsigned weight bytes x signed activation bytes) in the avx512 family.
+// A row's decoded form (a few KiB) stays in L1 for all the tokens of the call. No AMX kernel yet: with
+// many tokens the VNNI kernel serves (its integer dot products are one instruction per 64 weights).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "expert_kernels.h"
+#include "gguf_blocks.h"
+#include "numeric_formats.h"
+#include "weight_prefetch.h"
+
+namespace hybridjit {
+namespace {
+
+constexpr int64_t kActBlock = 32;  // activation quantisation group
+
+int64_t Round64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
+
+// Packed activations, per token: int8 q[cols] (padded to 64 bytes), float lane_dx[cols / 4] (the scale of
+// the 32-group each 4-element lane is in), float sub_sum[cols / 16] (scale * sum of q over 16 elements).
+struct TokenLayout {
+  int64_t lane_dx, sub_sum, bytes;
+  explicit TokenLayout(int64_t cols)
+      : lane_dx(Round64(cols)), sub_sum(lane_dx + Round64(cols)), bytes(sub_sum + Round64(cols / 4)) {}
+};
+
+size_t GgufPackedBytes(const LayerWeights&, int64_t tokens, int64_t cols) { return tokens * TokenLayout(cols).bytes; }
+
+void GgufPack(const LayerWeights&, const ActivationRows& rows, int64_t cols, void* packed) {
+  const TokenLayout layout(cols);
+  std::vector<float> x(cols);
+  for (int64_t t = 0; t < rows.count; ++t) {
+    const void* src = rows.Row(t);
+    if (rows.bf16) {
+      for (int64_t c = 0; c < cols; ++c) x[c] = Bf16BitsToFloat(static_cast<const uint16_t*>(src)[c]);
+    } else {
+      std::copy_n(static_cast<const float*>(src), cols, x.data());
+    }
+    char* token = static_cast<char*>(packed) + t * layout.bytes;
+    auto* q = reinterpret_cast<int8_t*>(token);
+    auto* lane_dx = reinterpret_cast<float*>(token + layout.lane_dx);
+    auto* sub_sum = reinterpret_cast<float*>(token + layout.sub_sum);
+    for (int64_t g = 0; g < cols; g += kActBlock) {
+      const float scale = QuantizeInt8(x.data() + g, kActBlock, q + g);
+      std::fill_n(lane_dx + g / 4, kActBlock / 4, scale);
+      for (int64_t s = g; s < g + kActBlock; s += 16) {
+        int sum = 0;
+        for (int64_t i = s; i < s + 16; ++i) sum += q[i];
+        sub_sum[s / 16] = scale * static_cast<float>(sum);
+      }
+    }
+  }
+}
+
+// A weight row decoded (gguf_blocks.h), reused by every token of the call; one per thread.
+struct DecodedRow {
+  std::vector<uint8_t> q;
+  std::vector<float> lane_scale, sub_min;
+  void Resize(int64_t cols) {
+    q.resize(Round64(cols));
+    lane_scale.resize(cols / 4);
+    sub_min.resize(cols / 16);
+  }
+};
+
+DecodedRow& RowBuffer(int64_t cols) {
+  thread_local DecodedRow row;
+  row.Resize(cols);
+  return row;
+}
+
+const uint8_t* RowData(const LayerWeights& layer, const Projection& p, int64_t row) {
+  return static_cast<const uint8_t*>(p.data) + row * layer.RowBytes(p.cols, p.which);
+}
+
+void DecodeRowScalar(const LayerWeights& layer, const Projection& p, int64_t row, DecodedRow& out) {
+  const WeightFormat format = layer.ProjectionFormat(p.which);
+  const int64_t n = GgufBlockElements(format), bytes = GgufBlockBytes(format);
+  const uint8_t* data = RowData(layer, p, row);
+  for (int64_t b = 0; b < p.cols / n; ++b) {
+    DecodeGgufBlock(format, data + b * bytes, out.q.data() + b * n, out.lane_scale.data() + b * n / 4,
+                    out.sub_min.data() + b * n / 16);
+  }
+}
+
+float DotScalar(const DecodedRow& w, const char* token, const TokenLayout& layout, int64_t cols) {
+  const auto* xq = reinterpret_cast<const int8_t*>(token);
+  const auto* lane_dx = reinterpret_cast<const float*>(token + layout.lane_dx);
+  const auto* sub_sum = reinterpret_cast<const float*>(token + layout.sub_sum);
+  float sum = 0.0f;
+  for (int64_t l = 0; l < cols / 4; ++l) {
+    int32_t dot = 0;
+    for (int64_t i = 4 * l; i < 4 * l + 4; ++i) dot += int32_t{w.q[i]} * xq[i];
+    sum += static_cast<float>(dot) * (w.lane_scale[l] * lane_dx[l]);
+  }
+  for (int64_t s = 0; s < cols / 16; ++s) sum -= w.sub_min[s] * sub_sum[s];
+  return sum;
+}
+
+void GgufGemmGeneric(const LayerWeights& layer, const Projection* w, int n_proj, int64_t row0, int64_t rows,
+                     const void* packed, int64_t tokens, float* const* out, int64_t out_stride) {
+  const int64_t cols = w[0].cols;
+  const TokenLayout layout(cols);
+  DecodedRow& row = RowBuffer(cols);
+  for (int p = 0; p < n_proj; ++p) {
+    for (int64_t r = 0; r < rows; ++r) {
+      DecodeRowScalar(layer, w[p], row0 + r, row);
+      for (int64_t t = 0; t < tokens; ++t) {
+        const char* token = static_cast<const char*>(packed) + t * layout.bytes;
+        out[p][r * out_stride + t] = DotScalar(row, token, layout, cols);
+      }
+    }
+  }
+}
+
+// --- AVX-512 VNNI ------------------------------------------------------------------------------------
+
+#define HJ_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+
+HJ_AVX512_VNNI void DecodeQ4KBlock(const uint8_t* b, bool five, uint8_t* q, float* lane_scale, float* sub_min) {
+  const float d = LoadHalf(b), dmin = LoadHalf(b + 2);
+  const uint8_t* qs = five ? b + 48 : b + 16;
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  const __m256i qh = five ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)) : _mm256_setzero_si256();
+  const __m256i one = _mm256_set1_epi8(1);
+  for (int c = 0; c < 4; ++c) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+    __m256i lo = _mm256_and_si256(v, low4);
+    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    if (five) {  // bit 2c of qh[l] is the fifth bit of element 64c + l, bit 2c + 1 that of 64c + 32 + l
+      const __m256i bit_lo = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one);
+      const __m256i bit_hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one);
+      lo = _mm256_or_si256(lo, _mm256_slli_epi16(bit_lo, 4));
+      hi = _mm256_or_si256(hi, _mm256_slli_epi16(bit_hi, 4));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 64 * c), lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 64 * c + 32), hi);
+  }
+  for (int j = 0; j < 8; ++j) {
+    int sc, m;
+    KScaleMin(b + 4, j, &sc, &m);
+    _mm256_storeu_ps(lane_scale + 8 * j, _mm256_set1_ps(d * static_cast<float>(sc)));
+    sub_min[2 * j] = sub_min[2 * j + 1] = dmin * static_cast<float>(m);
+  }
+}
+
+HJ_AVX512_VNNI void DecodeQ6KBlock(const uint8_t* b, uint8_t* q, float* lane_scale, float* sub_min) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(3);
+  for (int half = 0; half < 2; ++half) {
+    const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half));
+    const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half + 32));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
+    const __m256i low[4] = {_mm256_and_si256(ql0, low4), _mm256_and_si256(ql1, low4),
+                            _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                            _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4)};
+    for (int s = 0; s < 4; ++s) {
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), low2);
+      const __m256i v = _mm256_or_si256(low[s], _mm256_slli_epi16(high, 4));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 128 * half + 32 * s), v);
+    }
+  }
+  const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = LoadHalf(b + 208);
+  for (int s = 0; s < 16; ++s) {
+    const float scale = d * static_cast<float>(scales[s]);
+    _mm_storeu_ps(lane_scale + 4 * s, _mm_set1_ps(scale));
+    sub_min[s] = 32.0f * scale;
+  }
+}
+
+HJ_AVX512_VNNI void DecodeQ80Block(const uint8_t* b, uint8_t* q, float* lane_scale, float* sub_min) {
+  const float d = LoadHalf(b);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_xor_si256(v, _mm256_set1_epi8(-128)));  // q + 128
+  _mm256_storeu_ps(lane_scale, _mm256_set1_ps(d));
+  sub_min[0] = sub_min[1] = 128.0f * d;
+}
+
+HJ_AVX512_VNNI void DecodeRowAvx512(const LayerWeights& layer, const Projection& p, int64_t row, DecodedRow& out) {
+  const WeightFormat format = layer.ProjectionFormat(p.which);
+  const int64_t n = GgufBlockElements(format), bytes = GgufBlockBytes(format);
+  const uint8_t* data = RowData(layer, p, row);
+  const int64_t ahead = WeightPrefetchBytes();
+  for (int64_t b = 0; b < p.cols / n; ++b) {
+    const uint8_t* block = data + b * bytes;
+    if (ahead > 0) {
+      for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(block + ahead + line), _MM_HINT_T0);
+    }
+    uint8_t* q = out.q.data() + b * n;
+    float* lane_scale = out.lane_scale.data() + b * n / 4;
+    float* sub_min = out.sub_min.data() + b * n / 16;
+    switch (format) {
+      case WeightFormat::kQ8_0:
+        DecodeQ80Block(block, q, lane_scale, sub_min);
+        break;
+      case WeightFormat::kQ4K:
+      case WeightFormat::kQ5K:
+        DecodeQ4KBlock(block, format == WeightFormat::kQ5K, q, lane_scale, sub_min);
+        break;
+      case WeightFormat::kQ6K:
+        DecodeQ6KBlock(block, q, lane_scale, sub_min);
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+HJ_AVX512_VNNI float DotAvx512(const DecodedRow& w, const char* token, const TokenLayout& layout, int64_t cols) {
+  const auto* xq = reinterpret_cast<const int8_t*>(token);
+  const auto* lane_dx = reinterpret_cast<const float*>(token + layout.lane_dx);
+  const auto* sub_sum = reinterpret_cast<const float*>(token + layout.sub_sum);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t c = 0; c < cols; c += 64) {
+    // cols is a multiple of 32: a last half chunk reads zeros past the row (masked loads).
+    const __mmask64 bytes = cols - c >= 64 ? ~__mmask64{0} : (__mmask64{1} << (cols - c)) - 1;
+    const __mmask16 lanes = cols - c >= 64 ? __mmask16(0xffff) : __mmask16(0x00ff);
+    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_maskz_loadu_epi8(bytes, w.q.data() + c),
+                                            _mm512_maskz_loadu_epi8(bytes, xq + c));
+    const __m512 scale = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, w.lane_scale.data() + c / 4),
+                                       _mm512_maskz_loadu_ps(lanes, lane_dx + c / 4));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc);
+  }
+  __m512 mins = _mm512_setzero_ps();
+  for (int64_t s = 0; s < cols / 16; s += 16) {
+    const __mmask16 m = cols / 16 - s >= 16 ? __mmask16(0xffff) : __mmask16((1u << (cols / 16 - s)) - 1);
+    mins = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w.sub_min.data() + s), _mm512_maskz_loadu_ps(m, sub_sum + s), mins);
+  }
+  return _mm512_reduce_add_ps(acc) - _mm512_reduce_add_ps(mins);
+}
+
+HJ_AVX512_VNNI void GgufGemmAvx512(const LayerWeights& layer, const Projection* w, int n_proj, int64_t row0,
+                                   int64_t rows, const void* packed, int64_t tokens, float* const* out,
+                                   int64_t out_stride) {
+  const int64_t cols = w[0].cols;
+  const TokenLayout layout(cols);
+  DecodedRow& row = RowBuffer(cols);
+  for (int p = 0; p < n_proj; ++p) {
+    for (int64_t r = 0; r < rows; ++r) {
+      DecodeRowAvx512(layer, w[p], row0 + r, row);
+      for (int64_t t = 0; t < tokens; ++t) {
+        const char* token = static_cast<const char*>(packed) + t * layout.bytes;
+        out[p][r * out_stride + t] = DotAvx512(row, token, layout, cols);
+      }
+    }
+  }
+}
+
+constexpr GemmKernel kGgufGeneric{"generic", 1, GgufPackedBytes, GgufPack, GgufGemmGeneric};
+constexpr GemmKernel kGgufAvx512{"avx512", 1, GgufPackedBytes, GgufPack, GgufGemmAvx512};
+
+}  // namespace
+
+const GemmKernel* GgufGenericKernel(const LayerWeights& layer) {
+  return IsGgufFormat(layer.format) ? &kGgufGeneric : nullptr;
+}
+
+const GemmKernel* GgufAvx512Kernel(const LayerWeights& layer) {
+  return IsGgufFormat(layer.format) ? &kGgufAvx512 : nullptr;
+}
+
+}  // namespace hybridjit

@@ -1,0 +1,142 @@
+// The GGUF block formats of routed experts (llama.cpp's ggml block layouts), and their decoding into the
+// form the GGUF kernels compute on.
+//
+// A row of a GGUF matrix is whole blocks: Q8_0 blocks of 32 elements (fp16 d, int8 q[32]: w = d * q), and
+// the K-quants' super-blocks of 256 (so K-quant rows are multiples of 256 columns):
+//   Q4_K  144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32, 128 bytes
+//         of 4-bit q: w = d * sc * q - dmin * m
+//   Q5_K  176 bytes: as Q4_K with a fifth bit per element in 32 bytes qh
+//   Q6_K  210 bytes: 128 bytes low 4 bits, 64 bytes high 2 bits, int8 scales for 16 sub-blocks of 16,
+//         fp16 d: w = d * sc * (q - 32)
+//
+// Decoded form (DecodedRow): every format's element as w = lane_scale * q - sub_min, q an unsigned byte in
+// natural element order, lane_scale one float per 4 elements (one int32 lane of a u8 x s8 dot product),
+// sub_min one float per 16 elements. The integer dot products of q with the int8 activations (quantised per
+// 32 elements, expert_kernels.h) then give a row's result with one float multiply per 4 elements.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "weight_bank.h"
+
+namespace hybridjit {
+
+inline bool IsGgufFormat(WeightFormat f) {
+  return f == WeightFormat::kQ8_0 || f == WeightFormat::kQ4K || f == WeightFormat::kQ5K || f == WeightFormat::kQ6K;
+}
+
+// Elements and bytes of one block.
+inline int64_t GgufBlockElements(WeightFormat f) { return f == WeightFormat::kQ8_0 ? 32 : 256; }
+inline int64_t GgufBlockBytes(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::kQ8_0:
+      return 34;
+    case WeightFormat::kQ4K:
+      return 144;
+    case WeightFormat::kQ5K:
+      return 176;
+    case WeightFormat::kQ6K:
+      return 210;
+    default:
+      return 0;
+  }
+}
+
+// IEEE binary16 to float32, exact (denormals included).
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = uint32_t{h & 0x8000u} << 16;
+  const uint32_t exponent = (h >> 10) & 0x1f;
+  uint32_t mantissa = h & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // denormal: normalise
+    int e = -1;
+    do {
+      ++e;
+      mantissa <<= 1;
+    } while ((mantissa & 0x400u) == 0);
+    bits = sign | (static_cast<uint32_t>(112 - e) << 23) | ((mantissa & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline float LoadHalf(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return HalfToFloat(h);
+}
+
+// Q4_K's and Q5_K's 6-bit scale and min of sub-block j (0..7) from their 12 packed bytes.
+inline void KScaleMin(const uint8_t* s, int j, int* scale, int* min) {
+  if (j < 4) {
+    *scale = s[j] & 63;
+    *min = s[j + 4] & 63;
+  } else {
+    *scale = (s[j + 4] & 0xf) | ((s[j - 4] >> 6) << 4);
+    *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// One block decoded: q[n], lane_scale[n / 4], sub_min[n / 16] for the block's n elements.
+inline void DecodeGgufBlock(WeightFormat f, const uint8_t* b, uint8_t* q, float* lane_scale, float* sub_min) {
+  switch (f) {
+    case WeightFormat::kQ8_0: {
+      const float d = LoadHalf(b);
+      for (int i = 0; i < 32; ++i) q[i] = static_cast<uint8_t>(static_cast<int8_t>(b[2 + i]) + 128);
+      for (int l = 0; l < 8; ++l) lane_scale[l] = d;
+      sub_min[0] = sub_min[1] = 128.0f * d;
+      return;
+    }
+    case WeightFormat::kQ4K:
+    case WeightFormat::kQ5K: {
+      const bool five = f == WeightFormat::kQ5K;
+      const float d = LoadHalf(b), dmin = LoadHalf(b + 2);
+      const uint8_t* scales = b + 4;
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = five ? b + 48 : b + 16;
+      for (int i = 0; i < 256; ++i) {
+        const int chunk = i / 64, l = i % 32, high = (i % 64) >= 32;
+        int v = (qs[chunk * 32 + l] >> (4 * high)) & 0xf;
+        if (five) v |= ((qh[l] >> (i / 32)) & 1) << 4;
+        q[i] = static_cast<uint8_t>(v);
+      }
+      for (int j = 0; j < 8; ++j) {
+        int sc, m;
+        KScaleMin(scales, j, &sc, &m);
+        for (int l = 0; l < 8; ++l) lane_scale[j * 8 + l] = d * static_cast<float>(sc);
+        sub_min[2 * j] = sub_min[2 * j + 1] = dmin * static_cast<float>(m);
+      }
+      return;
+    }
+    case WeightFormat::kQ6K: {
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
+      const float d = LoadHalf(b + 208);
+      for (int i = 0; i < 256; ++i) {
+        const int half = i / 128, j = i % 128;
+        const int low = (ql[half * 64 + j % 64] >> (4 * (j / 64))) & 0xf;
+        const int high = (qh[half * 32 + j % 32] >> (2 * (j / 32))) & 3;
+        q[i] = static_cast<uint8_t>(low | (high << 4));
+      }
+      for (int s = 0; s < 16; ++s) {
+        const float scale = d * static_cast<float>(scales[s]);
+        for (int l = 0; l < 4; ++l) lane_scale[s * 4 + l] = scale;
+        sub_min[s] = 32.0f * scale;
+      }
+      return;
+    }
+    default:
+      return;
+  }
+}
+
+}  // namespace hybridjit

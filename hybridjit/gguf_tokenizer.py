@@ -1,0 +1,64 @@
+"""The tokenizer of a GGUF file, from its metadata (tokenizer.ggml.*), as a `tokenizers` Tokenizer.
+
+llama.cpp's "gpt2" tokenizer model is byte-level BPE: the vocabulary (tokenizer.ggml.tokens, already in the
+byte-to-unicode alphabet), its merges ("a b" strings) and a pre-tokenizer regex chosen by tokenizer.ggml.pre
+(llama.cpp's llama-vocab.cpp lists them; the common ones are here, any other gets GPT-2's). Control and
+user-defined tokens (token types 3 and 4) are special: matched whole, dropped when decoding. Other tokenizer
+models (SentencePiece "llama", ...) are not built: the model then takes token ids only.
+"""
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from hybridjit.gguf_file import GGUFFile
+from hybridjit.tokenizer import Tokenizer
+
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
+_DEEPSEEK_V3 = (
+    r"\p{N}{1,3}",
+    r"[一-龥\u3040-ゟ゠-ヿ]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+# tokenizer.ggml.pre -> the regexes that split text before byte-level BPE, in order.
+PRE_TOKENIZER_REGEXES = {
+    "llama-bpe": (_LLAMA3,),
+    "llama3": (_LLAMA3,),
+    "qwen2": (_QWEN2,),
+    "deepseek-v3": _DEEPSEEK_V3,
+    "kimi-k2": (_LLAMA3,),
+}
+_SPECIAL_TYPES = (3, 4)  # llama.cpp's token types CONTROL and USER_DEFINED
+
+
+def _pre_tokenizer(pre: str):
+    regexes = PRE_TOKENIZER_REGEXES.get(pre)
+    if regexes is None:  # "gpt2", "default", and those not listed: GPT-2's own split
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+    return pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def gguf_tokenizer(g: GGUFFile) -> Tokenizer | None:
+    """The file's tokenizer, or None where it has none we build (see the module docstring)."""
+    if g.key("tokenizer.ggml.model", None) != "gpt2":
+        return None
+    tokens = g.key("tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in g.key("tokenizer.ggml.merges", [])]
+    tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=False))
+    tok.pre_tokenizer = _pre_tokenizer(g.key("tokenizer.ggml.pre", "gpt2"))
+    tok.decoder = decoders.ByteLevel()
+    types = g.key("tokenizer.ggml.token_type", [])
+    tok.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t in _SPECIAL_TYPES]
+    )
+    bos = g.key("tokenizer.ggml.bos_token_id", None)
+    add_bos = bool(g.key("tokenizer.ggml.add_bos_token", False))
+    return Tokenizer.from_tokenizer(tok, bos, add_bos, chat_template=g.key("tokenizer.chat_template", None))

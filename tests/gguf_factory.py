@@ -1,0 +1,240 @@
+"""Tiny checkpoints written as GGUF files the way llama.cpp's convert_hf_to_gguf.py writes them, for tests.
+
+Written from its own statement of llama.cpp's conventions (not the loader's tables): tensor names, stacked
+routed experts, numpy shapes (ggml's reversed), Llama-arch Q/K rows permuted for RoPE, DeepSeek's kv_b kept or
+split into k_b (transposed per head) and v_b, the metadata keys of each architecture, and K-quant blocks from
+a simple quantiser of its own (checked against gguf.quants.dequantize by the tests).
+"""
+
+import re
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+Q = gguf.GGMLQuantizationType
+ARCH = {"deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "qwen3_moe": "qwen3moe", "mixtral": "llama",
+        "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2"}  # fmt: skip
+_PER_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "block_sparse_moe.e_score_correction_bias": "exp_probs_b.bias",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+}
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+# --- K-quant and Q8_0 blocks --------------------------------------------------------------------------------
+
+
+def _f16_bytes(v: np.ndarray) -> np.ndarray:
+    return v.astype(np.float16).view(np.uint8).reshape(*v.shape, 2)
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """float [rows, cols % 256 == 0] -> Q4_K bytes [rows, cols / 256 * 144]: per 32, w ~ d*sc*q - dmin*m."""
+    x = w.astype(np.float32).reshape(-1, 8, 32)
+    lo = np.minimum(x.min(-1), 0)
+    scale, mins = (x.max(-1) - lo) / 15, -lo
+    d, dmin = (scale.max(-1) / 63).astype(np.float16), (mins.max(-1) / 63).astype(np.float16)
+    df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.where(df > 0, np.rint(scale / np.where(df > 0, df, 1)), 0).clip(0, 63).astype(np.uint8)
+    m = np.where(dminf > 0, np.rint(mins / np.where(dminf > 0, dminf, 1)), 0).clip(0, 63).astype(np.uint8)
+    step = (df * sc)[..., None]
+    q = np.where(step > 0, np.rint((x + (dminf * m)[..., None]) / np.where(step > 0, step, 1)), 0).clip(0, 15)
+    q = q.astype(np.uint8).reshape(-1, 4, 2, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    high_bits = (sc[:, :4] | ((sc[:, 4:] >> 4) << 6), m[:, :4] | ((m[:, 4:] >> 4) << 6))
+    scales = np.concatenate([*high_bits, (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)], axis=1)
+    blocks = np.concatenate([_f16_bytes(d), _f16_bytes(dmin), scales, qs], axis=1)
+    return blocks.reshape(w.shape[0], -1)
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """float [rows, cols % 256 == 0] -> Q6_K bytes [rows, cols / 256 * 210]: per 16, w ~ d*sc*(q - 32)."""
+    x = w.astype(np.float32).reshape(-1, 16, 16)
+    scale = np.abs(x).max(-1) / 31
+    d = (scale.max(-1) / 127).astype(np.float16)
+    df = d.astype(np.float32)[:, None]
+    sc = np.where(df > 0, np.rint(scale / np.where(df > 0, df, 1)), 0).clip(-128, 127).astype(np.int8)
+    step = (df * sc)[..., None]
+    q = (np.where(step != 0, np.rint(x / np.where(step != 0, step, 1)), 0).clip(-32, 31) + 32).astype(np.uint8)
+    q = q.reshape(-1, 2, 128)  # two halves of 128
+    ql = (q[:, :, :64] & 15) | ((q[:, :, 64:] & 15) << 4)  # element j and j + 64 share a byte
+    hi = (q >> 4).reshape(-1, 2, 4, 32)
+    qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
+    blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), _f16_bytes(d)], axis=1)
+    return blocks.reshape(w.shape[0], -1)
+
+
+def quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
+    """A matrix as `qtype` bytes (F32, BF16 and Q8_0 from the gguf package, Q4_K and Q6_K from above)."""
+    if qtype == Q.Q4_K:
+        return quantize_q4_k(w)
+    if qtype == Q.Q6_K:
+        return quantize_q6_k(w)
+    return gguf.quants.quantize(w.astype(np.float32), qtype)
+
+
+# --- writing ------------------------------------------------------------------------------------------------
+
+
+def _metadata(w: gguf.GGUFWriter, arch: str, cfg: dict, kv_b_split: bool) -> None:
+    a = arch
+    heads = cfg["num_attention_heads"]
+    nextn = cfg.get("num_nextn_predict_layers", 0) if arch == "glm4moe" else 0
+    w.add_uint32(f"{a}.block_count", cfg["num_hidden_layers"] + nextn)
+    w.add_uint32(f"{a}.context_length", cfg["max_position_embeddings"])
+    w.add_uint32(f"{a}.embedding_length", cfg["hidden_size"])
+    w.add_uint32(f"{a}.feed_forward_length", cfg["intermediate_size"])
+    w.add_uint32(f"{a}.attention.head_count", heads)
+    w.add_uint32(f"{a}.attention.head_count_kv", cfg.get("num_key_value_heads", heads))
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    w.add_float32(f"{a}.rope.freq_base", cfg.get("rope_theta", 10000.0))
+    experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts")
+    w.add_uint32(f"{a}.expert_count", experts)
+    w.add_uint32(f"{a}.expert_used_count", cfg["num_experts_per_tok"])
+    if arch in ("deepseek2", "glm4moe", "qwen3moe", "minimax-m2"):
+        inter = cfg["intermediate_size"] if arch == "minimax-m2" else cfg["moe_intermediate_size"]
+        w.add_uint32(f"{a}.expert_feed_forward_length", inter)
+    if arch in ("deepseek2", "glm4moe"):
+        w.add_uint32(f"{a}.leading_dense_block_count", cfg["first_k_dense_replace"])
+        w.add_uint32(f"{a}.expert_shared_count", cfg["n_shared_experts"])
+        w.add_float32(f"{a}.expert_weights_scale", cfg["routed_scaling_factor"])
+        w.add_bool(f"{a}.expert_weights_norm", cfg["norm_topk_prob"])
+        w.add_uint32(f"{a}.expert_group_count", cfg["n_group"])
+        w.add_uint32(f"{a}.expert_group_used_count", cfg["topk_group"])
+    sigmoid = cfg.get("scoring_func", "sigmoid" if arch == "glm4moe" else "softmax") == "sigmoid"
+    if arch in ("deepseek2", "glm4moe", "minimax-m2"):
+        w.add_uint32(f"{a}.expert_gating_func", 2 if sigmoid else 1)
+    if arch == "deepseek2":
+        rope, nope, v, rank = cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+        if cfg.get("q_lora_rank"):
+            w.add_uint32(f"{a}.attention.q_lora_rank", cfg["q_lora_rank"])
+        w.add_uint32(f"{a}.attention.kv_lora_rank", rank)
+        w.add_uint32(f"{a}.rope.dimension_count", rope)
+        if kv_b_split:  # recent conversions: MLA's sizes under *_mla, key/value_length those of the latent cache
+            w.add_uint32(f"{a}.attention.key_length", rank + rope)
+            w.add_uint32(f"{a}.attention.value_length", rank)
+            w.add_uint32(f"{a}.attention.key_length_mla", nope + rope)
+            w.add_uint32(f"{a}.attention.value_length_mla", v)
+        else:
+            w.add_uint32(f"{a}.attention.key_length", nope + rope)
+            w.add_uint32(f"{a}.attention.value_length", v)
+        yarn = cfg.get("rope_scaling") or {}
+        if yarn.get("type") == "yarn":
+            w.add_string(f"{a}.rope.scaling.type", "yarn")
+            w.add_float32(f"{a}.rope.scaling.factor", yarn["factor"])
+            w.add_uint32(f"{a}.rope.scaling.original_context_length", yarn["original_max_position_embeddings"])
+            w.add_float32(f"{a}.rope.scaling.yarn_log_multiplier", 0.1 * yarn["mscale_all_dim"])
+    else:
+        head_dim = cfg.get("head_dim", cfg["hidden_size"] // heads)
+        w.add_uint32(f"{a}.attention.key_length", head_dim)
+        w.add_uint32(f"{a}.attention.value_length", head_dim)
+        rotary = {"glm4moe": int(head_dim * cfg.get("partial_rotary_factor", 1)), "minimax-m2": cfg.get("rotary_dim")}
+        w.add_uint32(f"{a}.rope.dimension_count", rotary.get(arch) or head_dim)
+    if nextn:
+        w.add_uint32(f"{a}.nextn_predict_layers", nextn)
+    if cfg.get("bos_token_id") is not None:
+        w.add_uint32("tokenizer.ggml.bos_token_id", cfg["bos_token_id"])
+    eos = cfg.get("eos_token_id")
+    if eos is not None:
+        w.add_uint32("tokenizer.ggml.eos_token_id", eos[0] if isinstance(eos, list) else eos)
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's Llama-arch Q/K row order: each head's rotate-half pairs (i, i + d/2) made adjacent."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(cfg: dict, tensors: dict[str, np.ndarray], kv_b: str = "kv_b") -> dict[str, np.ndarray]:
+    """float32 HF tensors -> float32 GGUF tensors (numpy order). kv_b: "kv_b", "split" (k_b + v_b) or "both"."""
+    out, experts = {}, {}
+    layers = cfg["num_hidden_layers"]
+    for name, t in tensors.items():
+        t = t.astype(np.float32)
+        if m := _EXPERT.match(name):
+            experts.setdefault((int(m[1]), _PROJ[m[3]]), {})[int(m[2])] = t
+            continue
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            out[{"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}[name]] = t  # fmt: skip
+            continue
+        layer, rest = re.match(r"model\.layers\.(\d+)\.(.+)", name).groups()
+        if int(layer) >= layers:  # the MTP layer: llama.cpp keeps it as blk.L.nextn.* (the model skips it)
+            out[f"blk.{layer}.nextn.{rest.replace('.', '_')}"] = t
+            continue
+        if cfg["model_type"] == "mixtral" and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+            heads = cfg["num_attention_heads"] if "q_proj" in rest else cfg["num_key_value_heads"]
+            t = _permute(t, heads)
+        if rest == "self_attn.kv_b_proj.weight" and kv_b != "kv_b":
+            heads, nope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+            per_head = t.reshape(heads, nope + v, -1)
+            out[f"blk.{layer}.attn_k_b.weight"] = per_head[:, :nope].transpose(0, 2, 1).copy()
+            out[f"blk.{layer}.attn_v_b.weight"] = per_head[:, nope:].copy()
+            if kv_b == "split":
+                continue
+        out[f"blk.{layer}.{_PER_LAYER[rest]}"] = t
+    for (layer, proj), by_expert in experts.items():
+        out[f"blk.{layer}.ffn_{proj}_exps.weight"] = np.stack([by_expert[e] for e in sorted(by_expert)])
+    return out
+
+
+def write_gguf(
+    path: Path,
+    cfg: dict,
+    tensors: dict[str, np.ndarray],
+    *,
+    expert_types: tuple[Q, Q] = (Q.F32, Q.F32),
+    other_type: Q = Q.F32,
+    kv_b: str = "kv_b",
+    split_max_tensors: int = 0,
+    tokenizer: dict | None = None,
+) -> Path:
+    """Writes the checkpoint (HF config and float tensors) as a GGUF file (or split set); returns the path to
+    load. expert_types: the routed experts' gate/up type and down type; other_type: every other matrix's (norms,
+    biases and routers stay F32, as llama.cpp keeps them)."""
+    arch = ARCH[cfg["model_type"]]
+    w = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
+    _metadata(w, arch, cfg, kv_b != "kv_b")
+    for key, value in (tokenizer or {}).items():
+        w.add_key_value(key, value[0], value[1], sub_type=value[2] if len(value) > 2 else None)
+    for name, t in gguf_tensors(cfg, tensors, kv_b).items():
+        if name.endswith("_exps.weight"):
+            qtype = expert_types[1] if "ffn_down" in name else expert_types[0]
+        else:
+            qtype = other_type if t.ndim >= 2 and "ffn_gate_inp" not in name else Q.F32
+        data = quantize(t.reshape(-1, t.shape[-1]), qtype)
+        w.add_tensor(name, data.reshape(*t.shape[:-1], data.shape[-1]), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    if split_max_tensors:
+        parts = sorted(path.parent.glob(f"{path.stem}-*-of-*.gguf"))
+        return parts[0]
+    return path

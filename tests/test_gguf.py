@@ -1,0 +1,280 @@
+"""GGUF files (issue #24): the block-format expert kernels against float64 numpy on gguf's own dequantisation,
+every family's tiny checkpoint written as GGUF (llama.cpp's names and layout, tests/gguf_factory.py) against
+the same weights from safetensors, a GGUF's tokenizer, and bad files."""
+
+import json
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+from checkpoint_factory import build_case, checkpoint_as_float32, read_tensors, tiny_config, write_checkpoint
+from gguf_factory import quantize, write_gguf
+from safetensors.numpy import save_file
+
+import hybridjit
+from hybridjit.checkpoint import CheckpointError
+from hybridjit.gguf_checkpoint import GGUFCheckpoint
+from hybridjit.gguf_file import GGUFFile
+from hybridjit.gguf_tokenizer import gguf_tokenizer
+from hybridjit.ops.gguf_experts import register_gguf_layer
+from hybridjit.ops.routed_experts import kernel_info, routed_experts_host, set_cpu_kernel
+from hybridjit.resolve import default_model_dir
+from hybridjit.tokenizer import Tokenizer
+
+Q = gguf.GGMLQuantizationType
+KERNELS = [k for k in ("generic", "avx2", "avx512", "amx") if k in kernel_info()["supported"]]
+FAMILY_CASES = ["v3_bf16", "v2_lite_greedy_bf16", "qwen3_moe_bf16", "mixtral_bf16", "glm4_moe_bf16", "minimax_m2_fp8"]
+PROMPT = [[3, 5, 7, 11, 13, 2, 9, 4]]
+
+
+@pytest.fixture
+def kernel():
+    before = kernel_info()["kernel"]
+    yield set_cpu_kernel
+    set_cpu_kernel(before)
+
+
+def rel_rms(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b**2)))
+
+
+# --- kernels ------------------------------------------------------------------------------------------------
+
+
+def quantized_activations(x: np.ndarray) -> np.ndarray:
+    """x as the kernels quantise it (expert_kernels.h): int8 per 32, scale amax / 127, round half to even."""
+    g = x.astype(np.float32).reshape(-1, 32)
+    amax = np.abs(g).max(axis=1, keepdims=True)
+    q = np.rint(g * (np.float32(127) / np.where(amax > 0, amax, 1)))
+    return (q * (amax / np.float32(127))).astype(np.float64).reshape(x.shape)
+
+
+def random_blocks(qtype: Q, rows: int, cols: int, rng) -> np.ndarray:
+    """Blocks of random bytes with finite, small fp16 scales: every code and sign (negative Q6_K scales, Q4_K
+    mins) appears; a few blocks get zero scales."""
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    b = rng.integers(0, 256, size=(rows, cols // block, nbytes), dtype=np.uint8)
+    scale_at = {Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}[qtype]
+    for at in scale_at:
+        d = (rng.random((rows, cols // block)) * (0.0005 if qtype == Q.Q6_K else 0.02)).astype(np.float16)
+        d[0, 0] = 0  # a zero scale
+        b[..., at : at + 2] = d.view(np.uint8).reshape(rows, cols // block, 2)
+    return b.reshape(rows, -1)
+
+
+def reference_moe(gate, up, down, types, x, ids, weights) -> np.ndarray:
+    """float64 on gguf.quants.dequantize'd weights and activations quantised as the kernels do."""
+
+    def w(blocks, qtype):
+        return gguf.quants.dequantize(blocks, qtype).astype(np.float64)
+
+    y = np.zeros(x.shape)
+    for t in range(len(x)):
+        xq = quantized_activations(x[t])
+        for e, p in zip(ids[t], weights[t], strict=True):
+            g, u = w(gate[e], types[0]) @ xq, w(up[e], types[0]) @ xq
+            act = (g / (1 + np.exp(-g)) * u).astype(np.float32)
+            y[t] += p * (w(down[e], types[1]) @ quantized_activations(act))
+    return y
+
+
+@pytest.mark.parametrize("cpu_kernel", KERNELS)
+@pytest.mark.parametrize(
+    "types, hidden, inter",
+    [
+        ((Q.Q8_0, Q.Q8_0), 96, 160),  # Q8_0 rows need only multiples of 32 (96: a half 64-byte chunk)
+        ((Q.Q4_K, Q.Q4_K), 512, 256),  # K-quant rows are whole 256-element super-blocks
+        ((Q.Q5_K, Q.Q5_K), 256, 512),
+        ((Q.Q6_K, Q.Q6_K), 512, 256),
+        ((Q.Q4_K, Q.Q6_K), 256, 256),  # Q4_K_M's mix: down in Q6_K
+    ],
+)
+def test_kernels_match_float64_on_gguf_dequantisation(kernel, cpu_kernel, types, hidden, inter):
+    kernel(cpu_kernel)
+    rng = np.random.default_rng(hash(types) % 2**32)
+    n_experts, tokens = 4, 5
+    gate = [random_blocks(types[0], inter, hidden, rng) for _ in range(n_experts)]
+    up = [random_blocks(types[0], inter, hidden, rng) for _ in range(n_experts)]
+    down = [random_blocks(types[1], hidden, inter, rng) for _ in range(n_experts)]
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    ids = rng.integers(0, n_experts, size=(tokens, 2)).astype(np.int32)
+    weights = rng.random((tokens, 2)).astype(np.float32)
+    with register_gguf_layer(
+        gate, up, down, gguf_type=types[0].name, down_type=types[1].name, hidden=hidden, inter=inter
+    ) as layer:
+        y = routed_experts_host(layer, x, ids, weights)
+    # float32 sums of exact integer dot products: ~1e-6 of the output's scale
+    assert rel_rms(y, reference_moe(gate, up, down, types, x, ids, weights)) < 2e-5
+
+
+def test_kernel_rejects_rows_that_are_not_whole_blocks():
+    rows = np.zeros((32, 144), np.uint8)
+    with pytest.raises(ValueError, match="whole blocks of 256"):
+        register_gguf_layer([rows], [rows], [rows], gguf_type="Q4_K", hidden=200, inter=32)
+
+
+def test_own_k_quantiser_agrees_with_gguf_dequantize():
+    """The test writer's Q4_K/Q6_K blocks decode (by the gguf package) to within their format's step."""
+    w = np.random.default_rng(5).standard_normal((8, 512)).astype(np.float32)
+    w[0, :32] = 0  # a zero sub-block
+    for qtype, bound in ((Q.Q4_K, 0.1), (Q.Q6_K, 0.03)):
+        assert rel_rms(gguf.quants.dequantize(quantize(w, qtype), qtype), w) < bound
+
+
+# --- whole models -------------------------------------------------------------------------------------------
+
+
+def logits(path, **kwargs):
+    model = hybridjit.load(str(path), dtype="float32", **kwargs)
+    try:
+        return model.logits(PROMPT)
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("case", FAMILY_CASES)
+def test_float_gguf_of_every_family_matches_safetensors(tmp_path, kernel, case):
+    """F32 GGUF (llama.cpp's names, stacked experts, Mixtral's permuted Q/K, DeepSeek's split kv_b, GLM's MTP
+    layer) gives the safetensors checkpoint's logits; the generic kernels run both in float32."""
+    kernel("generic")
+    src = build_case(case, tmp_path / "hf")
+    cfg = json.loads((src / "config.json").read_text())
+    path = write_gguf(tmp_path / "m.gguf", cfg, checkpoint_as_float32(src), kv_b="split" if "v3" in case else "kv_b")
+    assert rel_rms(logits(path), logits(src)) <= 1e-5
+
+
+def test_bf16_experts_stay_in_place_and_split_files_load(tmp_path):
+    src = build_case("v3_bf16", tmp_path / "hf")
+    cfg = json.loads((src / "config.json").read_text())
+    tensors = checkpoint_as_float32(src)
+    path = write_gguf(
+        tmp_path / "m.gguf", cfg, tensors, expert_types=(Q.BF16, Q.BF16), kv_b="both", split_max_tensors=40
+    )
+    assert path.name.startswith("m-00001-of-") and len(GGUFFile(path).parts) > 1
+    ckpt = GGUFCheckpoint(path)
+    expert = ckpt.get("model.layers.1.mlp.experts.3.down_proj.weight")
+    assert isinstance(expert.base, np.memmap) or isinstance(expert.base.base, np.memmap)  # a view, no copy
+    np.testing.assert_array_equal(
+        expert.astype(np.float32), read_tensors(src)["model.layers.1.mlp.experts.3.down_proj.weight"].astype(np.float32)
+    )
+    assert rel_rms(logits(path), logits(src)) <= 1e-5  # the same bf16 experts, the same kernels
+
+
+def test_quantised_gguf_within_its_quantisation(tmp_path):
+    """Q4_K gate/up and Q6_K down (Q4_K_M's experts), Q8_0 attention: the logits of the same weights dequantised
+    (by the gguf package) into safetensors, up to the kernels' int8 activations per 32 elements (0.4% per matrix
+    input, compounded over 3 MoE layers: measured 1.1e-2; bound 3e-2)."""
+    cfg = tiny_config("v3", hidden_size=256, moe_intermediate_size=256)
+    src = write_checkpoint(tmp_path / "hf", cfg, seed=7, weight_format="f32")
+    tensors = checkpoint_as_float32(src)
+    path = write_gguf(tmp_path / "m.gguf", cfg, tensors, expert_types=(Q.Q4_K, Q.Q6_K))
+    ckpt = GGUFCheckpoint(path)
+    dequantised = {
+        name: ckpt.get(name)
+        if not ckpt.info(name).dtype.startswith("Q")
+        else gguf.quants.dequantize(ckpt.get(name), Q[ckpt.info(name).dtype])
+        for name in ckpt.tensors
+    }
+    ref_dir = tmp_path / "dequantised"
+    write_checkpoint(ref_dir, cfg, seed=7, weight_format="f32")
+    for f in ref_dir.glob("*.safetensors"):
+        f.unlink()
+    (ref_dir / "model.safetensors.index.json").unlink()
+    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in dequantised.items()}, str(ref_dir / "m.safetensors"))
+    assert rel_rms(logits(path), logits(ref_dir)) < 3e-2
+    assert rel_rms(logits(path), logits(src)) > 1e-4  # the quantisation is there
+
+
+def test_embedded_model_as_gguf_generates_with_its_own_tokenizer(tmp_path):
+    """The embedded model and its byte-level BPE tokenizer as one GGUF file: same tokens, same text."""
+    src = default_model_dir()
+    cfg = json.loads((src / "config.json").read_text())
+    hf = json.loads((src / "tokenizer.json").read_text())
+    vocab = sorted(hf["model"]["vocab"].items(), key=lambda kv: kv[1])
+    special = {t["content"] for t in hf["added_tokens"] if t["special"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in hf["model"]["merges"]]
+    S, A, U32 = gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32
+    tokenizer = {
+        "tokenizer.ggml.model": ("gpt2", S),
+        "tokenizer.ggml.pre": ("gpt2", S),
+        "tokenizer.ggml.tokens": ([t for t, _ in vocab], A, S),
+        "tokenizer.ggml.token_type": ([3 if t in special else 1 for t, _ in vocab], A, U32),
+        "tokenizer.ggml.merges": (merges, A, S),
+        "tokenizer.ggml.add_bos_token": (True, gguf.GGUFValueType.BOOL),  # as the checkpoint's tokenizer_config.json
+    }
+    path = write_gguf(tmp_path / "default.gguf", cfg, read_and_float(src), tokenizer=tokenizer)
+    ours, reference = gguf_tokenizer(GGUFFile(path)), Tokenizer(src, cfg.get("bos_token_id"))
+    text = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)  # ünïcode"
+    assert ours.encode(text) == reference.encode(text)
+    a, b = hybridjit.load(), hybridjit.load(str(path))
+    try:
+        assert b.generate("def add(a, b):", max_new_tokens=12) == a.generate("def add(a, b):", max_new_tokens=12)
+    finally:
+        a.close()
+        b.close()
+
+
+def read_and_float(directory):
+    return {k: np.asarray(v, np.float32) for k, v in read_tensors(directory).items()}
+
+
+def test_info_describes_a_gguf(tmp_path, capsys):
+    from hybridjit.cli import main
+
+    src = build_case("qwen3_moe_bf16", tmp_path / "hf")
+    cfg = json.loads((src / "config.json").read_text())
+    path = write_gguf(tmp_path / "q.gguf", cfg, checkpoint_as_float32(src), expert_types=(Q.BF16, Q.BF16))
+    assert main(["info", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "model type      qwen3_moe" in out and "BF16" in out
+
+
+# --- bad files ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_gguf(tmp_path):
+    src = build_case("mixtral_bf16", tmp_path / "hf")
+    cfg = json.loads((src / "config.json").read_text())
+    return cfg, checkpoint_as_float32(src)
+
+
+def test_truncated_file(tmp_path, small_gguf):
+    path = write_gguf(tmp_path / "m.gguf", *small_gguf)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(CheckpointError, match=r"m\.gguf: (truncated: tensor|not a readable GGUF file \(\d+ bytes; )"):
+        GGUFCheckpoint(path)
+    path.write_bytes(data[:20])
+    with pytest.raises(CheckpointError, match=r"m\.gguf: not a readable GGUF file"):
+        GGUFCheckpoint(path)
+
+
+def test_unknown_architecture(tmp_path):
+    w = gguf.GGUFWriter(tmp_path / "x.gguf", "mamba")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(CheckpointError, match=r"x\.gguf: architecture 'mamba' is not supported; supported .*deepseek2"):
+        GGUFCheckpoint(tmp_path / "x.gguf")
+
+
+def test_expert_type_without_kernel(tmp_path):
+    src = build_case("qwen3_moe_bf16", tmp_path / "hf")  # hidden 96: whole Q4_0 blocks of 32
+    cfg = json.loads((src / "config.json").read_text())
+    path = write_gguf(tmp_path / "m.gguf", cfg, checkpoint_as_float32(src), expert_types=(Q.Q4_0, Q.F32))
+    with pytest.raises(
+        CheckpointError,
+        match=r"tensor blk\.0\.ffn_gate_exps\.weight: routed experts stored as Q4_0, "
+        r"which no CPU kernel runs; supported: F32, BF16, F16 \(converted to BF16\), Q8_0, Q4_K",
+    ):
+        GGUFCheckpoint(path)
+
+
+def test_split_set_with_a_missing_part(tmp_path, small_gguf):
+    first = write_gguf(tmp_path / "m.gguf", *small_gguf, split_max_tensors=10)
+    second = first.with_name(first.name.replace("-00001-", "-00002-"))
+    shutil.move(second, tmp_path / "elsewhere.gguf")
+    with pytest.raises(CheckpointError, match=r"split set of \d files lacks m-00002-of-0000\d\.gguf"):
+        GGUFCheckpoint(first)
