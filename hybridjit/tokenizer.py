@@ -42,6 +42,9 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def token_text(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
 
 class IncrementalDecoder:
     """Turns a growing token list into text deltas. Holds back an incomplete UTF-8 sequence, and any tail of

@@ -20,6 +20,7 @@ from hybridjit.gguf_tokenizer import gguf_tokenizer
 from hybridjit.ops.gguf_experts import register_gguf_layer
 from hybridjit.ops.routed_experts import kernel_info, routed_experts_host, set_cpu_kernel
 from hybridjit.resolve import default_model_dir
+from hybridjit.serving.chat import ChatTemplate
 from hybridjit.tokenizer import Tokenizer
 
 Q = gguf.GGMLQuantizationType
@@ -203,6 +204,7 @@ def test_embedded_model_as_gguf_generates_with_its_own_tokenizer(tmp_path):
         "tokenizer.ggml.token_type": ([3 if t in special else 1 for t, _ in vocab], A, U32),
         "tokenizer.ggml.merges": (merges, A, S),
         "tokenizer.ggml.add_bos_token": (True, gguf.GGUFValueType.BOOL),  # as the checkpoint's tokenizer_config.json
+        "tokenizer.chat_template": (json.loads((src / "tokenizer_config.json").read_text())["chat_template"], S),
     }
     path = write_gguf(tmp_path / "default.gguf", cfg, read_and_float(src), tokenizer=tokenizer)
     ours, reference = gguf_tokenizer(GGUFFile(path)), Tokenizer(src, cfg.get("bos_token_id"))
@@ -211,6 +213,9 @@ def test_embedded_model_as_gguf_generates_with_its_own_tokenizer(tmp_path):
     a, b = hybridjit.load(), hybridjit.load(str(path))
     try:
         assert b.generate("def add(a, b):", max_new_tokens=12) == a.generate("def add(a, b):", max_new_tokens=12)
+        # A GGUF alone serves chat: its template renders as the checkpoint directory's does.
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a stack"}]
+        assert ChatTemplate.of_model(b).render(messages) == ChatTemplate.of_model(a).render(messages)
     finally:
         a.close()
         b.close()

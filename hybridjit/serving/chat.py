@@ -134,6 +134,19 @@ class ChatTemplate:
         self.tool_call_format = tool_call_format("".join(templates.values()))
 
     @classmethod
+    def of_model(cls, model) -> "ChatTemplate | None":
+        """The template of a loaded model: its checkpoint directory's, or a GGUF file's (tokenizer.chat_template,
+        with the file's own bos and eos tokens)."""
+        if model.path.is_dir():
+            return cls.of_checkpoint(model.path)
+        tokenizer, config = model.tokenizer, model.config
+        if tokenizer is None or not tokenizer.chat_template:
+            return None
+        ids = {"bos_token": config.bos_token_id, "eos_token": next(iter(config.eos_token_ids), None)}
+        special = {name: tokenizer.token_text(i) for name, i in ids.items() if i is not None}
+        return cls({"default": tokenizer.chat_template}, special, model.path)
+
+    @classmethod
     def of_checkpoint(cls, directory: Path) -> "ChatTemplate | None":
         """The template of chat_template.jinja or else of tokenizer_config.json's chat_template (one string, or
         named templates as transformers saves them); None when the checkpoint has none."""

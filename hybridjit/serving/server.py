@@ -222,9 +222,9 @@ def create_app(scheduler, *, model_name: str, api_key: str | None = None) -> Fas
     on shutdown, shuts it down."""
     model = scheduler.model
     if model.tokenizer is None:
-        raise ValueError(f"{model.path} has no tokenizer.json: the server needs one to read and write text")
+        raise ValueError(f"{model.path} has no tokenizer: the server needs one to read and write text")
     tokenizer, context = model.tokenizer, model.config.max_position_embeddings
-    template = ChatTemplate.of_checkpoint(model.path)
+    template = ChatTemplate.of_model(model)
     metrics = ServerMetrics(scheduler)
     started = int(time.time())
 
