@@ -100,16 +100,20 @@ def test_routing_matches_transformers(case, model):
     """route() on transformers' own router inputs picks the same experts with the same weights."""
     path, golden = case
     tensors = read_tensors(path)
-    names = registry.family_of(model.config).ckpt.MOE_NAMES  # mlp or block_sparse_moe, where the bias sits
+    names = registry.family_of(model.config).ckpt.MOE_NAMES  # mlp or block_sparse_moe, where the biases sit
+
+    def optional(name):
+        return None if name not in tensors else tensors[name].astype(np.float32)
+
     for layer in golden["moe_layers"].tolist():
-        gate = f"model.layers.{layer}.{names.block}.gate."
+        router = f"model.layers.{layer}.{names.block}.{names.router}."
         hidden = golden[f"layer{layer}_router_input"]
-        bias = tensors.get(f"model.layers.{layer}.{names.block}.{names.correction_bias}")
         ids, weights = route(
             model.config,
-            tensors[gate + "weight"].astype(np.float32),
-            None if bias is None else bias.astype(np.float32),
+            tensors[router + "weight"].astype(np.float32),
+            optional(f"model.layers.{layer}.{names.block}.{names.correction_bias}"),
             hidden,
+            optional(router + "bias"),  # gpt-oss: a bias of the router's logits
         )
         ids, weights = np.asarray(ids), np.asarray(weights)
         expected_ids = golden[f"layer{layer}_topk_ids"]  # sorted by expert id per token
