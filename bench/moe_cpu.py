@@ -5,6 +5,7 @@
     python bench/moe_cpu.py --formats fp8 int4 --decode 1 --prefill 2048 --crossover
     python bench/moe_cpu.py --prefill --decode 1 --prefetch 0 256 512 1024 2048   # tune the prefetch distance
     python bench/moe_cpu.py --cache-resident --hidden 2048 --inter 512   # the kernels' rate from cache
+    python bench/moe_cpu.py --formats mxfp4 bf16 --hidden 2880 --inter 2880 --top-k 4   # gpt-oss-120b's experts
 
 Each case runs the operator (hybridjit_ffi through routed_experts_host: the same C++ entry as the XLA custom
 call, without XLA's dispatch) on `tokens` tokens routed top-k uniformly at random, fresh routing per call,
@@ -19,7 +20,8 @@ floor being their median (the lent machines share memory bandwidth with other te
 once per process can be 25% off the one a case saw).
 
 Formats: fp8 (E4M3FN, 128x128 block scales), bf16, int8 and int4 (one float32 scale per 128 input columns of
-a row), int8_row (one scale per row: AMX keeps int8 tiles). Baselines in the same process: NumPy (float32
+a row), int8_row (one scale per row: AMX keeps int8 tiles), mxfp4 (as gpt-oss releases its experts: e2m1 with
+an e8m0 scale per 32, gate and up interleaved in one matrix, expert biases and the clamped SwiGLU). Baselines in the same process: NumPy (float32
 weights, matmul per expert) and PyTorch CPU (bfloat16 weights, if torch is installed). --crossover times AVX-512
 against AMX by tokens per expert (the basis of HYBRIDJIT_AMX_MIN_TOKENS). Ends with one JSON line.
 """
@@ -45,7 +47,7 @@ from hybridjit.ops.routed_experts import (
     set_prefetch_bytes,
 )
 
-FORMATS = ("fp8", "bf16", "int8", "int4", "int8_row")
+FORMATS = ("fp8", "bf16", "int8", "int4", "int8_row", "mxfp4")
 GROUP = 128
 
 
@@ -74,6 +76,10 @@ def make_projection(rng, fmt: str, n: int, rows: int, cols: int):
         raw[raw == -128] = -127
         weights = raw.reshape(n, rows, cols)
         grid = (rows, 1 if fmt == "int8_row" else -(-cols // GROUP))
+    elif fmt == "mxfp4":  # every e2m1 code, e8m0 scales near 2^-7 (unit-order outputs at gpt-oss sizes)
+        weights = random_bytes(rng, n * rows * (cols // 2)).reshape(n, rows, cols // 2)
+        scales = rng.integers(119, 122, (n, rows, cols // 32), dtype=np.uint8)
+        return list(weights), list(scales)
     else:  # int4
         weights = random_bytes(rng, n * rows * (cols // 2)).reshape(n, rows, cols // 2)
         grid = (rows, -(-cols // GROUP))
@@ -95,6 +101,8 @@ def make_layer(rng, fmt, n_experts, hidden, inter, memory="numpy"):
     """A registered layer of random experts, held in `memory`: numpy (the allocator's pages), huge (advised
     into huge pages) or pinned (hybridjit.pinned_experts: pinned host memory of the first JAX device, as
     hybrid decode holds experts)."""
+    if fmt == "mxfp4":
+        return make_gpt_oss_layer(rng, n_experts, hidden, inter, memory)
     gate, gate_s = make_projection(rng, fmt, n_experts, inter, hidden)
     up, up_s = make_projection(rng, fmt, n_experts, inter, hidden)
     down, down_s = make_projection(rng, fmt, n_experts, hidden, inter)
@@ -113,7 +121,24 @@ def make_layer(rng, fmt, n_experts, hidden, inter, memory="numpy"):
     return register_layer(gate, up, down, **scales)
 
 
+def make_gpt_oss_layer(rng, n_experts, hidden, inter, memory):
+    """A layer as gpt-oss holds it: MXFP4 gate_up [2 * inter, hidden] with gate and up rows interleaved, down,
+    float32 expert biases and the clamped SwiGLU (gpt-oss's alpha and limit)."""
+    if memory == "pinned":
+        raise SystemExit("mxfp4: pinned memory is not supported (hybridjit.pinned_experts registers fp8/bf16/int)")
+    gate_up, gate_up_s = make_projection(rng, "mxfp4", n_experts, 2 * inter, hidden)
+    down, down_s = make_projection(rng, "mxfp4", n_experts, hidden, inter)
+    if memory == "huge":
+        gate_up, down = on_huge_pages(gate_up), on_huge_pages(down)
+    biases = ([rng.standard_normal(2 * inter).astype(np.float32) for _ in range(n_experts)], None,
+              [rng.standard_normal(hidden).astype(np.float32) for _ in range(n_experts)])
+    return register_layer(gate_up, None, down, gate_scale=gate_up_s, down_scale=down_s, fmt="mxfp4",
+                          gate_up_interleaved=True, biases=biases, activation=("clamped_swiglu", 1.702, 7.0))
+
+
 def expert_bytes(fmt, hidden, inter) -> int:
+    if fmt == "mxfp4":  # nibbles, an e8m0 byte per 32, float32 biases
+        return int(3 * hidden * inter * (0.5 + 1 / 32) + 4 * (2 * inter + hidden))
     weights = 3 * hidden * inter * {"fp8": 1, "bf16": 2, "int8": 1, "int8_row": 1, "int4": 0.5}[fmt]
     if fmt == "fp8":
         scales = 3 * (-(-hidden // 128)) * (-(-inter // 128))
