@@ -23,7 +23,8 @@ Formats: fp8 (E4M3FN, 128x128 block scales), bf16, int8 and int4 (one float32 sc
 a row), int8_row (one scale per row: AMX keeps int8 tiles), mxfp4 (as gpt-oss releases its experts: e2m1 with
 an e8m0 scale per 32, gate and up interleaved in one matrix, expert biases and the clamped SwiGLU). Baselines in
 the same process: NumPy (float32 weights, matmul per expert) and PyTorch CPU (bfloat16 weights, if torch is
-installed). --crossover times AVX-512 against AMX by tokens per expert (the basis of HYBRIDJIT_AMX_MIN_TOKENS). Ends with one JSON line.
+installed). --crossover times AVX-512 against AMX by tokens per expert (the basis of HYBRIDJIT_AMX_MIN_TOKENS).
+Ends with one JSON line.
 """
 
 import argparse
