@@ -12,6 +12,7 @@ from kernel_choice import EXACT_FLOAT32_FAMILY, kernel_family
 import hybridjit
 from hybridjit import cli
 from hybridjit.config import ConfigError
+from hybridjit.convert import convert_checkpoint
 from hybridjit.export import save_checkpoint
 from hybridjit.models import registry
 from hybridjit.synthetic import SyntheticCheckpoint
@@ -137,6 +138,14 @@ def test_batched_generation_equals_one_by_one(model, dual_batch):
         assert model.generate(PROMPTS, max_new_tokens=5) == [model.generate(p, max_new_tokens=5) for p in PROMPTS]
     finally:
         model.dual_batch = True
+
+
+def test_gpt_oss_mxfp4_experts_refuse_conversion(tmp_path):
+    """MXFP4 experts run as released: conversion names the reason instead of writing a checkpoint that cannot load."""
+    raw = TINY["gpt_oss"]
+    src = save_checkpoint(tmp_path / "src", raw, {})
+    with pytest.raises(ValueError, match="gpt_oss: its experts are stored in a format of their own"):
+        convert_checkpoint(src, tmp_path / "dst", "int4")
 
 
 def test_an_unsupported_model_type_names_the_supported_ones():
