@@ -5,6 +5,7 @@
     python bench/moe_cpu.py --formats fp8 int4 --decode 1 --prefill 2048 --crossover
     python bench/moe_cpu.py --prefill --decode 1 --prefetch 0 256 512 1024 2048   # tune the prefetch distance
     python bench/moe_cpu.py --cache-resident --hidden 2048 --inter 512   # the kernels' rate from cache
+    python bench/moe_cpu.py --formats mxfp4 bf16 --hidden 2880 --inter 2880 --top-k 4   # gpt-oss-120b's experts
 
 Each case runs the operator (hybridjit_ffi through routed_experts_host: the same C++ entry as the XLA custom
 call, without XLA's dispatch) on `tokens` tokens routed top-k uniformly at random, fresh routing per call,
@@ -19,12 +20,13 @@ floor being their median (the lent machines share memory bandwidth with other te
 once per process can be 25% off the one a case saw).
 
 Formats: fp8 (E4M3FN, 128x128 block scales), bf16, int8 and int4 (one float32 scale per 128 input columns of
-a row), int8_row (one scale per row: AMX keeps int8 tiles); named only, the GGUF block formats q8_0, q4_k,
-q5_k, q6_k and q4_k_m (Q4_K gate/up, Q6_K down), e.g. `--formats q4_k_m q6_k q8_0 --hidden 4096 --inter 1536`
-for Qwen3-235B's experts (llama.cpp's MUL_MAT_ID as a peer is not built here yet). Baselines in the same
-process: NumPy (float32 weights, matmul per expert) and PyTorch CPU (bfloat16 weights, if torch is installed).
---crossover times AVX-512 against AMX by tokens per expert (the basis of HYBRIDJIT_AMX_MIN_TOKENS). Ends with one
-JSON line.
+a row), int8_row (one scale per row: AMX keeps int8 tiles), mxfp4 (as gpt-oss releases its experts: e2m1 with
+an e8m0 scale per 32, gate and up interleaved in one matrix, expert biases and the clamped SwiGLU); named only,
+the GGUF block formats q8_0, q4_k, q5_k, q6_k and q4_k_m (Q4_K gate/up, Q6_K down), e.g. `--formats q4_k_m q6_k
+q8_0 --hidden 4096 --inter 1536` for Qwen3-235B's experts (llama.cpp's MUL_MAT_ID as a peer is not built here
+yet). Baselines in the same process: NumPy (float32 weights, matmul per expert) and PyTorch CPU (bfloat16
+weights, if torch is installed). --crossover times AVX-512 against AMX by tokens per expert (the basis of
+HYBRIDJIT_AMX_MIN_TOKENS). Ends with one JSON line.
 """
 
 import argparse
@@ -50,7 +52,7 @@ from hybridjit.ops.routed_experts import (
     set_prefetch_bytes,
 )
 
-FORMATS = ("fp8", "bf16", "int8", "int4", "int8_row")
+FORMATS = ("fp8", "bf16", "int8", "int4", "int8_row", "mxfp4")
 # GGUF block formats (issue #24), benched when named: gate/up and down types; q4_k_m is Q4_K_M's experts.
 GGUF_FORMATS = {"q8_0": ("Q8_0", "Q8_0"), "q4_k": ("Q4_K", "Q4_K"), "q5_k": ("Q5_K", "Q5_K"),
                 "q6_k": ("Q6_K", "Q6_K"), "q4_k_m": ("Q4_K", "Q6_K")}  # fmt: skip
@@ -92,6 +94,10 @@ def make_projection(rng, fmt: str, n: int, rows: int, cols: int):
         raw[raw == -128] = -127
         weights = raw.reshape(n, rows, cols)
         grid = (rows, 1 if fmt == "int8_row" else -(-cols // GROUP))
+    elif fmt == "mxfp4":  # every e2m1 code, e8m0 scales near 2^-7 (unit-order outputs at gpt-oss sizes)
+        weights = random_bytes(rng, n * rows * (cols // 2)).reshape(n, rows, cols // 2)
+        scales = rng.integers(119, 122, (n, rows, cols // 32), dtype=np.uint8)
+        return list(weights), list(scales)
     else:  # int4
         weights = random_bytes(rng, n * rows * (cols // 2)).reshape(n, rows, cols // 2)
         grid = (rows, -(-cols // GROUP))
@@ -122,6 +128,8 @@ def make_layer(rng, fmt, n_experts, hidden, inter, memory="numpy"):
         if memory == "huge":
             gate, up, down = on_huge_pages(gate), on_huge_pages(up), on_huge_pages(down)
         return register_gguf_layer(gate, up, down, gguf_type=gate_up, down_type=down_type, hidden=hidden, inter=inter)
+    if fmt == "mxfp4":
+        return make_gpt_oss_layer(rng, n_experts, hidden, inter, memory)
     gate, gate_s = make_projection(rng, fmt, n_experts, inter, hidden)
     up, up_s = make_projection(rng, fmt, n_experts, inter, hidden)
     down, down_s = make_projection(rng, fmt, n_experts, hidden, inter)
@@ -140,10 +148,27 @@ def make_layer(rng, fmt, n_experts, hidden, inter, memory="numpy"):
     return register_layer(gate, up, down, **scales)
 
 
+def make_gpt_oss_layer(rng, n_experts, hidden, inter, memory):
+    """A layer as gpt-oss holds it: MXFP4 gate_up [2 * inter, hidden] with gate and up rows interleaved, down,
+    float32 expert biases and the clamped SwiGLU (gpt-oss's alpha and limit)."""
+    if memory == "pinned":
+        raise SystemExit("mxfp4: pinned memory is not supported (hybridjit.pinned_experts registers fp8/bf16/int)")
+    gate_up, gate_up_s = make_projection(rng, "mxfp4", n_experts, 2 * inter, hidden)
+    down, down_s = make_projection(rng, "mxfp4", n_experts, hidden, inter)
+    if memory == "huge":
+        gate_up, down = on_huge_pages(gate_up), on_huge_pages(down)
+    biases = ([rng.standard_normal(2 * inter).astype(np.float32) for _ in range(n_experts)], None,
+              [rng.standard_normal(hidden).astype(np.float32) for _ in range(n_experts)])
+    return register_layer(gate_up, None, down, gate_scale=gate_up_s, down_scale=down_s, fmt="mxfp4",
+                          gate_up_interleaved=True, biases=biases, activation=("clamped_swiglu", 1.702, 7.0))
+
+
 def expert_bytes(fmt, hidden, inter) -> int:
     if fmt in GGUF_FORMATS:
         gate_up, down_type = GGUF_FORMATS[fmt]
         return 2 * inter * row_bytes(gate_up, hidden) + hidden * row_bytes(down_type, inter)
+    if fmt == "mxfp4":  # nibbles, an e8m0 byte per 32, float32 biases
+        return int(3 * hidden * inter * (0.5 + 1 / 32) + 4 * (2 * inter + hidden))
     weights = 3 * hidden * inter * {"fp8": 1, "bf16": 2, "int8": 1, "int8_row": 1, "int4": 0.5}[fmt]
     if fmt == "fp8":
         scales = 3 * (-(-hidden // 128)) * (-(-inter // 128))

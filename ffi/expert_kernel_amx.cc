@@ -4,7 +4,7 @@
 // 16 weight rows by 64 bytes, which is the checkpoint's own [out, in] layout, while the activations
 // (packed once per expert call) take the B operand's pair/quad-interleaved layout. The weights are
 // copied tile by tile into an L2-resident strip laid out as whole tiles, zero-padded at the matrix
-// edges; fp8, and int8/int4 with several scale groups per row, are dequantized to bfloat16 on that
+// edges; fp8, mxfp4, and int8/int4 with several scale groups per row, are dequantized to bfloat16 on that
 // copy (w * scale rounded to nearest even), so there is no second copy of the weights in memory, and
 // the copy costs a few instructions per weight against hundreds of multiply-adds per weight at
 // prefill sizes. int8 with one scale per row keeps int8 tiles (tdpbssd on int8 activations) and scales
@@ -16,6 +16,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -219,6 +220,24 @@ HJ_AMX void LoadRowFloats(const LayerWeights& layer, const unsigned char* row, i
       *hi = _mm512_maskz_cvtepi32_ps(FirstLanes16(n - 16), _mm512_cvtepi8_epi32(second));
       return;
     }
+    case WeightFormat::kMxfp4: {
+      // 16 bytes, low nibbles the even elements; bit 3 of a nibble is the sign (lanes past n are zero bytes: +0).
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(FirstLanes16(n / 2), row + c / 2));
+      const __m512 magnitudes = _mm512_castps256_ps512(_mm256_loadu_ps(kE2m1Magnitudes.data()));
+      const __m512i sign = _mm512_set1_epi32(INT32_MIN);
+      const __m512i even_bits = _mm512_and_si512(b, _mm512_set1_epi32(7));
+      const __m512i odd_bits = _mm512_and_si512(_mm512_srli_epi32(b, 4), _mm512_set1_epi32(7));
+      const __m512 even = _mm512_castsi512_ps(_mm512_or_si512(
+          _mm512_castps_si512(_mm512_permutexvar_ps(even_bits, magnitudes)), _mm512_and_si512(_mm512_slli_epi32(b, 28), sign)));
+      const __m512 odd = _mm512_castsi512_ps(_mm512_or_si512(
+          _mm512_castps_si512(_mm512_permutexvar_ps(odd_bits, magnitudes)), _mm512_and_si512(_mm512_slli_epi32(b, 24), sign)));
+      // Interleaved back into element order: lo holds elements 0-15, hi 16-31.
+      const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+      const __m512i second = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+      *lo = _mm512_permutex2var_ps(even, first, odd);
+      *hi = _mm512_permutex2var_ps(even, second, odd);
+      return;
+    }
     case WeightFormat::kF32:
     case WeightFormat::kBf16:
     default:  // GGUF formats never reach AMX (AmxKernel)
@@ -248,11 +267,17 @@ HJ_AMX void Bf16Strip(const LayerWeights& layer, const Projection& w, int64_t r0
           _mm512_storeu_si512(dst, _mm512_maskz_loadu_epi16(FirstLanes32(n), row + c * 2));
           continue;
         }
-        const float* scale_row = w.scale + (r / layer.block_rows) * n_scale_cols;
         __m512 lo, hi;
         LoadRowFloats(layer, row, c, n, &lo, &hi);
-        lo = _mm512_mul_ps(lo, ScaleVector(scale_row, layer.block_cols, c, n));
-        hi = _mm512_mul_ps(hi, ScaleVector(scale_row, layer.block_cols, c + 16, n - 16));
+        if (layer.format == WeightFormat::kMxfp4) {  // a k-step is one scale group
+          const __m512 scale = _mm512_set1_ps(BlockScale(layer, w, r, c / kMxfp4Block));
+          lo = _mm512_mul_ps(lo, scale);
+          hi = _mm512_mul_ps(hi, scale);
+        } else {
+          const float* scale_row = static_cast<const float*>(w.scale) + (r / layer.block_rows) * n_scale_cols;
+          lo = _mm512_mul_ps(lo, ScaleVector(scale_row, layer.block_cols, c, n));
+          hi = _mm512_mul_ps(hi, ScaleVector(scale_row, layer.block_cols, c + 16, n - 16));
+        }
         _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
       }
     }
@@ -354,7 +379,7 @@ HJ_AMX void AmxGemm(const LayerWeights& layer, const Projection* w, int n_proj, 
     for (int p = 0; p < n_proj; ++p) {
       for (int64_t r = 0; r < rows; ++r) {
         float ws;
-        std::memcpy(&ws, w[p].scale + (row0 + r), sizeof ws);
+        std::memcpy(&ws, static_cast<const float*>(w[p].scale) + (row0 + r), sizeof ws);
         float* o = out[p] + r * out_stride;
         for (int64_t t = 0; t < tokens; t += 16) {
           const __mmask16 k = FirstLanes16(tokens - t);

@@ -7,7 +7,8 @@
 // fp8_special.h (sign-extend the byte, shift E.M into place, OR in a rebias of 112: the FP8 value times
 // 2^-8 for normals); the special codes the bank listed are corrected after the tiles. int8 and int4
 // weights use int8 activations and vpmaddubsw: int8 as |x| * sign(w, x) (no saturation for weights in
-// [-127, 127]), int4 as nibble (q + 8) * x with 8 * sum(x) subtracted per group. Weights are prefetched
+// [-127, 127]), int4 as nibble (q + 8) * x with 8 * sum(x) subtracted per group. mxfp4 nibbles become float32
+// through an 8-entry magnitude table (vpermps) and their sign bit, against float32 activations. Weights are prefetched
 // as in the AVX-512 kernels (weight_prefetch.h).
 //
 // Rows are processed R at a time and tokens TC at a time so each weight vector is loaded once for
@@ -15,6 +16,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
+#include <climits>
 #include <cstring>
 #include <vector>
 
@@ -57,13 +60,17 @@ HJ_AVX2 void LoadFloatRow(const ActivationRows& rows, int64_t i, int64_t cols, f
 // ---- float formats ---------------------------------------------------------------------------------
 // Packed activations: per token float32[RoundUp(cols, 16)], zero beyond cols; for bf16 and fp8 each
 // 16-element chunk in the order 0-3, 8-11, 4-7, 12-15 (chunks start at multiples of 16: fp8 blocks
-// are multiples of 16 columns here).
+// are multiples of 16 columns here); for mxfp4 its 8 even elements, then its 8 odd ones (the low and high
+// nibbles of 8 weight bytes).
 
 constexpr int64_t kFloatChunk = 16;
 
 // Where element e of a 16-element chunk sits in the packed activations of bf16 and fp8 (order 0-3, 8-11,
 // 4-7, 12-15: the lanes of vpunpck*wd). The order swaps the middle quarters, so it is its own inverse.
 int64_t PackedPosition(int64_t e) { return 4 * ((e / 4 & 1) * 2 + e / 8) + e % 4; }
+
+// Where element e of a 16-element chunk sits in the packed activations of mxfp4.
+int64_t Mxfp4PackedPosition(int64_t e) { return e % 2 * 8 + e / 2; }
 
 int64_t FloatTokenFloats(int64_t cols) { return RoundUp(cols, kFloatChunk); }
 
@@ -85,7 +92,11 @@ HJ_AVX2 void FloatPack(const LayerWeights& layer, const ActivationRows& rows, in
     LoadFloatRow(rows, t, cols, row.data());
     std::fill(row.begin() + cols, row.end(), 0.0f);
     for (int64_t c = 0; c < stride; c += kFloatChunk) {
-      for (int q = 0; q < 4; ++q) std::memcpy(out + c + PackedPosition(4 * q), row.data() + c + 4 * q, 16);
+      if (layer.format == WeightFormat::kMxfp4) {
+        for (int64_t e = 0; e < kFloatChunk; ++e) out[c + Mxfp4PackedPosition(e)] = row[c + e];
+      } else {
+        for (int q = 0; q < 4; ++q) std::memcpy(out + c + PackedPosition(4 * q), row.data() + c + 4 * q, 16);
+      }
     }
   }
 }
@@ -161,7 +172,7 @@ HJ_AVX2 void FloatTile(const LayerWeights& layer, const Projection& w, int64_t r
   const TilePrefetch prefetch(row_bytes, R);
   const int64_t block = kScaled ? layer.block_cols : cols;
   const int64_t n_blocks = Blocks(cols, block);
-  const float* scales = kScaled ? w.scale + (row / layer.block_rows) * n_blocks : nullptr;
+  const float* scales = kScaled ? static_cast<const float*>(w.scale) + (row / layer.block_rows) * n_blocks : nullptr;
   const unsigned char* rows[R];
   for (int r = 0; r < R; ++r) rows[r] = static_cast<const unsigned char*>(w.data) + (row + r) * row_bytes;
   __m256 total[R][TC];
@@ -257,6 +268,77 @@ HJ_AVX2 void FloatGemm(const LayerWeights& layer, const Projection* w, int n_pro
       };
       AddFp8Corrections(layer, wp, row0, rows, tokens, activation, out[p], out_stride);
     }
+  }
+}
+
+// ---- mxfp4 --------------------------------------------------------------------------------------------
+// A chunk is 16 elements (8 bytes) of one scale group: the bytes widen to 32-bit lanes, vpermps looks up the
+// magnitude of the low 3 bits of each nibble (it reads the low 3 bits of each index), and the nibble's bit 3,
+// shifted to bit 31, is the sign. The low nibbles are the chunk's even elements, the high ones its odd ones.
+// Groups sum separately; the e8m0 scale applies once per group.
+
+template <int R, int TC>
+HJ_AVX2 void Mxfp4Tile(const LayerWeights& layer, const Projection& w, int64_t row, const float* x, int64_t x_stride,
+                       int64_t t0, float* out, int64_t out_stride) {
+  const int64_t cols = w.cols, row_bytes = layer.RowBytes(cols), groups = cols / kMxfp4Block;
+  const TilePrefetch prefetch(row_bytes, R);
+  const std::array<float, 256>& e8m0 = E8m0Table();
+  const unsigned char* rows[R];
+  const uint8_t* scales[R];
+  for (int r = 0; r < R; ++r) {
+    rows[r] = static_cast<const unsigned char*>(w.data) + (row + r) * row_bytes;
+    scales[r] = static_cast<const uint8_t*>(w.scale) + (row + r) * groups;
+  }
+  const __m256 magnitudes = _mm256_loadu_ps(kE2m1Magnitudes.data());
+  const __m256i sign = _mm256_set1_epi32(INT32_MIN);
+  __m256 total[R][TC];
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < TC; ++t) total[r][t] = _mm256_setzero_ps();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 acc[R][TC];
+    for (int r = 0; r < R; ++r) {
+      for (int t = 0; t < TC; ++t) acc[r][t] = _mm256_setzero_ps();
+    }
+    for (int64_t c = g * kMxfp4Block; c < (g + 1) * kMxfp4Block; c += kFloatChunk) {
+      if (c % 128 == 0) prefetch.Rows(rows, c / 2);  // a cache line per 128 elements
+      for (int r = 0; r < R; ++r) {
+        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[r] + c / 2)));
+        const __m256 even = _mm256_xor_ps(_mm256_permutevar8x32_ps(magnitudes, bytes),
+                                          _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(bytes, 28), sign)));
+        const __m256 odd = _mm256_xor_ps(_mm256_permutevar8x32_ps(magnitudes, _mm256_srli_epi32(bytes, 4)),
+                                         _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(bytes, 24), sign)));
+        for (int t = 0; t < TC; ++t) {
+          const float* xt = x + (t0 + t) * x_stride + c;
+          acc[r][t] = _mm256_fmadd_ps(even, _mm256_loadu_ps(xt), acc[r][t]);
+          acc[r][t] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(xt + 8), acc[r][t]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 scale = _mm256_set1_ps(e8m0[scales[r][g]]);
+      for (int t = 0; t < TC; ++t) total[r][t] = _mm256_fmadd_ps(acc[r][t], scale, total[r][t]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < TC; ++t) out[r * out_stride + t0 + t] = HorizontalSum(total[r][t]);
+  }
+}
+
+HJ_AVX2 void Mxfp4Gemm(const LayerWeights& layer, const Projection* w, int n_proj, int64_t row0, int64_t rows,
+                       const void* packed, int64_t tokens, float* const* out, int64_t out_stride) {
+  const auto* x = static_cast<const float*>(packed);
+  const int64_t xs = FloatTokenFloats(w[0].cols);
+  for (int p = 0; p < n_proj; ++p) {
+    const auto o = [&](int64_t r) { return out[p] + (r - row0) * out_stride; };
+    const Projection& wp = w[p];
+    ForTiles(
+        row0, rows, wp.rows, tokens,
+        [&](int64_t r, int64_t t) { Mxfp4Tile<4, 1>(layer, wp, r, x, xs, t, o(r), out_stride); },
+        [&](int64_t r, int64_t t) { Mxfp4Tile<2, 2>(layer, wp, r, x, xs, t, o(r), out_stride); },
+        [&](int64_t r, int64_t t) { Mxfp4Tile<1, 4>(layer, wp, r, x, xs, t, o(r), out_stride); },
+        [&](int64_t r, int64_t t) { Mxfp4Tile<1, 2>(layer, wp, r, x, xs, t, o(r), out_stride); },
+        [&](int64_t r, int64_t t) { Mxfp4Tile<1, 1>(layer, wp, r, x, xs, t, o(r), out_stride); });
   }
 }
 
@@ -431,7 +513,7 @@ HJ_AVX2 void IntTile(const LayerWeights& layer, const Projection& w, int64_t row
     }
     for (int r = 0; r < R; ++r) {
       float ws;
-      std::memcpy(&ws, w.scale + (row + r) * l.groups + g, sizeof ws);
+      std::memcpy(&ws, static_cast<const float*>(w.scale) + (row + r) * l.groups + g, sizeof ws);
       for (int t = 0; t < TC; ++t) {
         const float xs = reinterpret_cast<const float*>(tokens[t] + l.scales)[g];
         total[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][t]), _mm256_set1_ps(ws * xs), total[r][t]);
@@ -466,6 +548,7 @@ constexpr GemmKernel kBf16{"avx2", 1, FloatPackedBytes, FloatPack, FloatGemm<Wei
 constexpr GemmKernel kFp8{"avx2", 1, FloatPackedBytes, FloatPack, FloatGemm<WeightFormat::kFp8E4M3Fn>};
 constexpr GemmKernel kInt8{"avx2", 1, IntPackedBytes, IntPack, IntGemm<false>};
 constexpr GemmKernel kInt4{"avx2", 1, IntPackedBytes, IntPack, IntGemm<true>};
+constexpr GemmKernel kMxfp4{"avx2", 1, FloatPackedBytes, FloatPack, Mxfp4Gemm};
 
 }  // namespace
 
@@ -482,6 +565,8 @@ const GemmKernel* Avx2Kernel(const LayerWeights& layer) {
       return &kInt8;
     case WeightFormat::kInt4:
       return &kInt4;
+    case WeightFormat::kMxfp4:
+      return &kMxfp4;
     case WeightFormat::kQ8_0:
     case WeightFormat::kQ4K:
     case WeightFormat::kQ5K:

@@ -10,6 +10,9 @@
 // Weights are prefetched ahead along each row (weight_prefetch.h): with 16 cores streaming, the hardware
 // prefetchers alone leave 10-35% of the read bandwidth unused (bench/RESULTS.md).
 //
+// mxfp4 weights become exact bfloat16 through a nibble table and meet bfloat16 activations in vdpbf16ps, the
+// e8m0 scale applied per 32-element group (below).
+//
 // int8 and int4 weights meet int8 activations in vpdpbusd (unsigned x signed bytes): int8 weights with
 // their sign bit flipped (q + 128), int4 nibbles as stored (q + 8); the offset times the group's sum
 // of activations is subtracted through the accumulator's initial value. Group scales apply once per
@@ -17,6 +20,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -151,7 +155,7 @@ HJ_AVX512 void Bf16Tile(const LayerWeights& layer, const Projection& w, int64_t 
   const TilePrefetch prefetch(row_bytes, R);
   const int64_t block = BlockCols(layer, cols), block_stride = RoundUp(block, kStep);
   const int64_t n_blocks = Blocks(cols, block);
-  const float* scales = kScaled ? w.scale + (row / layer.block_rows) * n_blocks : nullptr;
+  const float* scales = kScaled ? static_cast<const float*>(w.scale) + (row / layer.block_rows) * n_blocks : nullptr;
   const unsigned char* rows[R];
   for (int r = 0; r < R; ++r) rows[r] = static_cast<const unsigned char*>(w.data) + (row + r) * row_bytes;
   __m512 total[R][TC];
@@ -397,7 +401,7 @@ HJ_AVX512 void IntTile(const LayerWeights& layer, const Projection& w, int64_t r
     }
     for (int r = 0; r < R; ++r) {
       float ws;
-      std::memcpy(&ws, w.scale + (row + r) * l.groups + g, sizeof ws);
+      std::memcpy(&ws, static_cast<const float*>(w.scale) + (row + r) * l.groups + g, sizeof ws);
       for (int t = 0; t < TC; ++t) {
         const float xs = reinterpret_cast<const float*>(tokens[t] + l.scales)[g];
         total[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), _mm512_set1_ps(ws * xs), total[r][t]);
@@ -422,10 +426,107 @@ HJ_AVX512 void IntGemm(const LayerWeights& layer, const Projection* w, int n_pro
   }
 }
 
+// ---- mxfp4 ----------------------------------------------------------------------------------------------
+// A step reads 64 elements of a row: 32 bytes, two scale groups. The bytes widen to 16-bit lanes, whose low
+// nibbles (the step's even elements) and high nibbles (its odd ones) become bfloat16 through a 16-entry table
+// (vpermw; every e2m1 value is exact in bfloat16, and normal, so vdpbf16ps's denormal flushing loses nothing).
+// vdpbf16ps sums lane pairs, so lanes 0-7 of a step's sums hold the first group's products and lanes 8-15 the
+// second's: one multiply-add by the vector of the two groups' scales per step. Packed activations: per token
+// bfloat16[RoundUp(cols, 64)], each step's 32 even elements then its 32 odd ones, zero beyond cols.
+
+constexpr int64_t kMxfp4Step = 64;
+
+int64_t Mxfp4TokenElements(int64_t cols) { return RoundUp(cols, kMxfp4Step); }
+
+size_t Mxfp4PackedBytes(const LayerWeights&, int64_t tokens, int64_t cols) {
+  return tokens * Mxfp4TokenElements(cols) * sizeof(uint16_t);
+}
+
+HJ_AVX512 void Mxfp4Pack(const LayerWeights&, const ActivationRows& rows, int64_t cols, void* packed) {
+  const int64_t stride = Mxfp4TokenElements(cols);
+  for (int64_t t = 0; t < rows.count; ++t) {
+    const void* src = rows.Row(t);
+    auto* out = static_cast<uint16_t*>(packed) + t * stride;
+    std::fill(out + cols / kMxfp4Step * kMxfp4Step, out + stride, uint16_t{0});  // a partial last step's gaps
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint16_t bits = rows.bf16 ? static_cast<const uint16_t*>(src)[c]
+                                      : FloatToBf16Bits(static_cast<const float*>(src)[c]);
+      const int64_t e = c % kMxfp4Step;
+      out[c - e + e % 2 * (kMxfp4Step / 2) + e / 2] = bits;
+    }
+  }
+}
+
+// bfloat16 of each e2m1 nibble (vpermw reads a 32-entry table: the upper half is never indexed).
+alignas(64) constexpr uint16_t kE2m1Bf16[32] = {0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
+                                                0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0};
+
+template <int R, int TC>
+HJ_AVX512 void Mxfp4Tile(const LayerWeights& layer, const Projection& w, int64_t row, const uint16_t* x,
+                         int64_t x_stride, int64_t t0, float* out, int64_t out_stride) {
+  const int64_t cols = w.cols, row_bytes = layer.RowBytes(cols), groups = cols / kMxfp4Block;
+  const TilePrefetch prefetch(row_bytes, R);
+  const std::array<float, 256>& e8m0 = E8m0Table();
+  const unsigned char* rows[R];
+  const uint8_t* scales[R];
+  for (int r = 0; r < R; ++r) {
+    rows[r] = static_cast<const unsigned char*>(w.data) + (row + r) * row_bytes;
+    scales[r] = static_cast<const uint8_t*>(w.scale) + (row + r) * groups;
+  }
+  const __m512i table = _mm512_load_si512(kE2m1Bf16);
+  const __m512i low_nibble = _mm512_set1_epi16(0x0f);
+  __m512 total[R][TC];
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < TC; ++t) total[r][t] = _mm512_setzero_ps();
+  }
+  ForSteps<kMxfp4Step>(0, cols, [&](int64_t c, int64_t n) HJ_AVX512 __attribute__((always_inline)) {
+    if (n == kMxfp4Step && c % (2 * kMxfp4Step) == 0) prefetch.Rows(rows, c / 2);  // a line per two steps
+    const int64_t g = c / kMxfp4Block;
+    __m512i even[R], odd[R];
+    __m512 scale[R];
+    for (int r = 0; r < R; ++r) {
+      const unsigned char* at = rows[r] + c / 2;
+      const __m256i packed = n == kMxfp4Step ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))
+                                             : _mm256_maskz_loadu_epi8(FirstLanes32(n / 2), at);
+      const __m512i bytes = _mm512_cvtepu8_epi16(packed);
+      even[r] = _mm512_permutexvar_epi16(_mm512_and_si512(bytes, low_nibble), table);
+      odd[r] = _mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
+      // A partial step (n = 32) has no second group: its weights are zero, its scale must not be read.
+      const float second = n > kMxfp4Block ? e8m0[scales[r][g + 1]] : 0.0f;
+      scale[r] = _mm512_insertf32x8(_mm512_set1_ps(e8m0[scales[r][g]]), _mm256_set1_ps(second), 1);
+    }
+    for (int t = 0; t < TC; ++t) {
+      const uint16_t* xt = x + (t0 + t) * x_stride + c;
+      const __m512i x_even = _mm512_loadu_si512(xt), x_odd = _mm512_loadu_si512(xt + kMxfp4Step / 2);
+      for (int r = 0; r < R; ++r) {
+        __m512 sums = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)even[r], (__m512bh)x_even);
+        sums = _mm512_dpbf16_ps(sums, (__m512bh)odd[r], (__m512bh)x_odd);
+        total[r][t] = _mm512_fmadd_ps(sums, scale[r], total[r][t]);
+      }
+    }
+  });
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < TC; ++t) out[r * out_stride + t0 + t] = _mm512_reduce_add_ps(total[r][t]);
+  }
+}
+
+HJ_AVX512 void Mxfp4Gemm(const LayerWeights& layer, const Projection* w, int n_proj, int64_t row0, int64_t rows,
+                         const void* packed, int64_t tokens, float* const* out, int64_t out_stride) {
+  const auto* x = static_cast<const uint16_t*>(packed);
+  const int64_t xs = Mxfp4TokenElements(w[0].cols);
+  for (int p = 0; p < n_proj; ++p) {
+    ForTiles(row0, rows, w[p].rows, tokens, [&](auto R, auto TC, int64_t r, int64_t t) {
+      Mxfp4Tile<decltype(R)::value, decltype(TC)::value>(layer, w[p], r, x, xs, t, out[p] + (r - row0) * out_stride,
+                                                         out_stride);
+    });
+  }
+}
+
 constexpr GemmKernel kBf16{"avx512", 1, Bf16PackedBytes, Bf16Pack, Bf16Gemm<WeightFormat::kBf16>};
 constexpr GemmKernel kFp8{"avx512", 1, Bf16PackedBytes, Bf16Pack, Bf16Gemm<WeightFormat::kFp8E4M3Fn>};
 constexpr GemmKernel kInt8{"avx512", 1, IntPackedBytes, IntPack, IntGemm<false>};
 constexpr GemmKernel kInt4{"avx512", 1, IntPackedBytes, IntPack, IntGemm<true>};
+constexpr GemmKernel kMxfp4{"avx512", 1, Mxfp4PackedBytes, Mxfp4Pack, Mxfp4Gemm};
 
 }  // namespace
 
@@ -441,6 +542,8 @@ const GemmKernel* Avx512Kernel(const LayerWeights& layer) {
       return &kInt8;
     case WeightFormat::kInt4:
       return &kInt4;
+    case WeightFormat::kMxfp4:
+      return &kMxfp4;
     case WeightFormat::kQ8_0:
     case WeightFormat::kQ4K:
     case WeightFormat::kQ5K:

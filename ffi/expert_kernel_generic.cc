@@ -15,8 +15,6 @@ namespace {
 // because np.memmap views into a checkpoint promise no alignment.
 void DecodeRow(const LayerWeights& layer, const Projection& p, int64_t row, float* out) {
   const auto* bytes = static_cast<const unsigned char*>(p.data) + row * layer.RowBytes(p.cols);
-  const int64_t scale_cols = layer.scaled() ? (p.cols + layer.block_cols - 1) / layer.block_cols : 0;
-  const float* scale_row = layer.scaled() ? p.scale + (row / layer.block_rows) * scale_cols : nullptr;
   switch (layer.format) {
     case WeightFormat::kF32:
       std::memcpy(out, bytes, p.cols * sizeof(float));
@@ -39,12 +37,14 @@ void DecodeRow(const LayerWeights& layer, const Projection& p, int64_t row, floa
     case WeightFormat::kInt4:
       for (int64_t c = 0; c < p.cols; ++c) out[c] = static_cast<float>(((bytes[c / 2] >> (4 * (c & 1))) & 0xf) - 8);
       break;
+    case WeightFormat::kMxfp4:
+      for (int64_t c = 0; c < p.cols; ++c) out[c] = E2m1ToFloat((bytes[c / 2] >> (4 * (c & 1))) & 0xf);
+      break;
     default:  // the GGUF formats have their own kernels (GenericKernel)
       return;
   }
-  for (int64_t block = 0; block < scale_cols; ++block) {
-    float scale;
-    std::memcpy(&scale, scale_row + block, sizeof scale);
+  for (int64_t block = 0; block < ScaleCols(layer, p.cols); ++block) {
+    const float scale = BlockScale(layer, p, row, block);
     const int64_t end = std::min(p.cols, (block + 1) * layer.block_cols);
     for (int64_t c = block * layer.block_cols; c < end; ++c) out[c] *= scale;
   }
@@ -74,7 +74,7 @@ float Dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// --- f32 / bf16 / fp8: float32 activations ------------------------------------------------------
+// --- f32 / bf16 / fp8 / mxfp4: float32 activations ------------------------------------------------------
 
 size_t FloatPackedBytes(const LayerWeights&, int64_t tokens, int64_t cols) { return tokens * cols * sizeof(float); }
 
@@ -134,7 +134,7 @@ void IntGemm(const LayerWeights& layer, const Projection* w, int n_proj, int64_t
       for (int64_t c = 0; c < cols; ++c) {
         wq[c] = int4 ? static_cast<int8_t>(((bytes[c / 2] >> (4 * (c & 1))) & 0xf) - 8) : static_cast<int8_t>(bytes[c]);
       }
-      const float* wscale = w[p].scale + (row0 + r) * groups;
+      const auto* wscale = static_cast<const float*>(w[p].scale) + (row0 + r) * groups;
       for (int64_t t = 0; t < tokens; ++t) {
         const char* token = static_cast<const char*>(packed) + t * IntTokenBytes(layer, cols);
         const auto* xscale = reinterpret_cast<const float*>(token);

@@ -3,10 +3,10 @@
 // A kernel multiplies rows of one expert projection (a row-major [out, in] matrix in the layer's
 // format, read in place) by the activations of the expert's tokens. The activations are first packed
 // once per expert call into the kernel's own layout and precision:
-//   generic  float32 (f32/bf16/fp8 weights) or int8 per scale group (int8/int4 weights)
-//   avx2     float32, or int8 per group
-//   avx512   bfloat16 (bf16/fp8 weights, for vdpbf16ps) or int8 per group (VNNI)
-//   amx      bfloat16 tiles (bf16, fp8, and int8/int4 with several scale groups per row, whose
+//   generic  float32 (f32/bf16/fp8/mxfp4 weights) or int8 per scale group (int8/int4 weights)
+//   avx2     float32 (f32/bf16/fp8/mxfp4), or int8 per group
+//   avx512   bfloat16 (bf16/fp8/mxfp4 weights, for vdpbf16ps) or int8 per group (VNNI)
+//   amx      bfloat16 tiles (bf16, fp8, mxfp4, and int8/int4 with several scale groups per row, whose
 //            weights are dequantized to bfloat16 tile by tile), or int8 tiles (int8 with one
 //            scale per row, where integer sums need no per-group rescaling)
 // int8 activations are quantized per token and per weight scale group g of the input dimension:
@@ -17,8 +17,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "cpu_features.h"
+#include "numeric_formats.h"
 #include "weight_bank.h"
 
 namespace hybridjit {
@@ -40,7 +42,7 @@ struct ActivationRows {
 // One projection matrix of one expert.
 struct Projection {
   const void* data = nullptr;
-  const float* scale = nullptr;  // the layer's block grid, null for f32/bf16
+  const void* scale = nullptr;  // the layer's block grid (float32; e8m0 bytes for mxfp4), null for f32/bf16
   int64_t rows = 0;
   int64_t cols = 0;
   // fp8: the special codes (fp8_special.h), flat indices in ascending order. The AVX2 and AVX-512 kernels
@@ -57,7 +59,7 @@ inline Projection ExpertProjection(const LayerWeights& layer, int64_t expert, Ma
   Projection p;
   switch (which) {
     case Matrix::kGate:
-      p = {w.gate, w.gate_scale, layer.inter, layer.hidden};
+      p = {w.gate, w.gate_scale, layer.gate_rows(), layer.hidden};
       break;
     case Matrix::kUp:
       p = {w.up, w.up_scale, layer.inter, layer.hidden};
@@ -73,6 +75,19 @@ inline Projection ExpertProjection(const LayerWeights& layer, int64_t expert, Ma
     p.n_fp8_specials = static_cast<int64_t>(specials.size());
   }
   return p;
+}
+
+// Columns of a projection's scale grid (blocks along its input dimension).
+inline int64_t ScaleCols(const LayerWeights& layer, int64_t cols) { return (cols + layer.block_cols - 1) / layer.block_cols; }
+
+// The multiplier of scale block (row / block_rows, block) of a scaled projection, whatever its storage: a float32
+// grid (read with memcpy: memory-mapped checkpoints promise no alignment), or e8m0 bytes (mxfp4).
+inline float BlockScale(const LayerWeights& layer, const Projection& p, int64_t row, int64_t block) {
+  const int64_t index = row / layer.block_rows * ScaleCols(layer, p.cols) + block;
+  if (layer.format == WeightFormat::kMxfp4) return E8m0Table()[static_cast<const uint8_t*>(p.scale)[index]];
+  float scale;
+  std::memcpy(&scale, static_cast<const float*>(p.scale) + index, sizeof scale);
+  return scale;
 }
 
 struct GemmKernel {

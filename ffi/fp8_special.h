@@ -50,7 +50,7 @@ void AddFp8Corrections(const LayerWeights& layer, const Projection& w, int64_t r
   for (const uint32_t* s = first; s != last; ++s) {
     const int64_t r = *s / cols, c = *s % cols;
     const uint8_t code = codes[*s];
-    const float scale = w.scale[r / layer.block_rows * n_block_cols + c / layer.block_cols];
+    const float scale = static_cast<const float*>(w.scale)[r / layer.block_rows * n_block_cols + c / layer.block_cols];
     const float delta = scale * (Fp8E4M3FnTable()[code] - 256.0f * Fp8ShiftedValue(code));
     float* y = out + (r - row0) * out_stride;
     for (int64_t t = 0; t < tokens; ++t) y[t] += delta * x(t, c);

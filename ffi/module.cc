@@ -8,6 +8,7 @@
 #include <memory>
 #include <nanobind/stl/tuple.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -37,12 +38,19 @@ WeightFormat ParseFormat(const std::string& name) {
   if (name == "fp8") return WeightFormat::kFp8E4M3Fn;
   if (name == "int8") return WeightFormat::kInt8;
   if (name == "int4") return WeightFormat::kInt4;
+  if (name == "mxfp4") return WeightFormat::kMxfp4;
   if (name == "q8_0") return WeightFormat::kQ8_0;
   if (name == "q4_k") return WeightFormat::kQ4K;
   if (name == "q5_k") return WeightFormat::kQ5K;
   if (name == "q6_k") return WeightFormat::kQ6K;
   throw std::invalid_argument("unknown weight format '" + name +
-                              "' (expected f32, bf16, fp8, int8, int4, q8_0, q4_k, q5_k or q6_k)");
+                              "' (expected f32, bf16, fp8, int8, int4, mxfp4, q8_0, q4_k, q5_k or q6_k)");
+}
+
+GluActivation ParseActivation(const std::string& name, float alpha, float limit) {
+  if (name == "silu") return {};
+  if (name == "clamped_swiglu") return {GluActivation::Kind::kClampedSwiglu, alpha, limit};
+  throw std::invalid_argument("unknown activation '" + name + "' (expected silu or clamped_swiglu)");
 }
 
 template <typename T>
@@ -51,12 +59,15 @@ const T* AsPointer(uintptr_t address) {
 }
 
 // Addresses arrive as integers (numpy's ctypes.data) so that any host memory can be registered,
-// whatever its dtype or owner; the scale lists are empty for f32 and bf16.
+// whatever its dtype or owner; the scale lists are empty for f32 and bf16, the bias lists for unbiased layers,
+// and the up lists for layers whose gate matrices interleave the up rows.
 using Addresses = std::vector<uintptr_t>;
 
 int64_t RegisterLayer(const std::string& format, int64_t hidden, int64_t inter, int64_t block_rows,
                       int64_t block_cols, const Addresses& gate, const Addresses& up, const Addresses& down,
                       const Addresses& gate_scale, const Addresses& up_scale, const Addresses& down_scale,
+                      const Addresses& gate_bias, const Addresses& up_bias, const Addresses& down_bias,
+                      bool gate_up_interleaved, const std::string& activation, float alpha, float limit,
                       const std::string& down_format) {
   LayerWeights layer;
   layer.format = ParseFormat(format);
@@ -65,23 +76,34 @@ int64_t RegisterLayer(const std::string& format, int64_t hidden, int64_t inter, 
   layer.inter = inter;
   layer.block_rows = block_rows;
   layer.block_cols = block_cols;
+  layer.gate_up_interleaved = gate_up_interleaved;
+  layer.biased = !gate_bias.empty();
+  layer.activation = ParseActivation(activation, alpha, limit);
   const size_t n = gate.size();
   const bool scaled = layer.scaled();
   const size_t n_scales = scaled ? n : 0;
-  if (up.size() != n || down.size() != n || gate_scale.size() != n_scales || up_scale.size() != n_scales ||
-      down_scale.size() != n_scales) {
+  const size_t n_up = gate_up_interleaved ? 0 : n;
+  const size_t n_biases = layer.biased ? n : 0;
+  if (up.size() != n_up || down.size() != n || gate_scale.size() != n_scales ||
+      up_scale.size() != std::min(n_scales, n_up) || down_scale.size() != n_scales || gate_bias.size() != n_biases ||
+      up_bias.size() != std::min(n_biases, n_up) || down_bias.size() != n_biases) {
     throw std::invalid_argument("pointer lists disagree in length");
   }
   layer.experts.resize(n);
   for (size_t e = 0; e < n; ++e) {
     ExpertWeights& w = layer.experts[e];
     w.gate = AsPointer<void>(gate[e]);
-    w.up = AsPointer<void>(up[e]);
     w.down = AsPointer<void>(down[e]);
+    if (n_up) w.up = AsPointer<void>(up[e]);
     if (scaled) {
-      w.gate_scale = AsPointer<float>(gate_scale[e]);
-      w.up_scale = AsPointer<float>(up_scale[e]);
-      w.down_scale = AsPointer<float>(down_scale[e]);
+      w.gate_scale = AsPointer<void>(gate_scale[e]);
+      w.down_scale = AsPointer<void>(down_scale[e]);
+      if (n_up) w.up_scale = AsPointer<void>(up_scale[e]);
+    }
+    if (layer.biased) {
+      w.gate_bias = AsPointer<float>(gate_bias[e]);
+      w.down_bias = AsPointer<float>(down_bias[e]);
+      if (n_up) w.up_bias = AsPointer<float>(up_bias[e]);
     }
   }
   // An fp8 layer's registration reads every weight once (its special codes): seconds for a large layer.
@@ -117,13 +139,13 @@ nb::dict KernelInfo() {
   // one with very many; layer_kernel answers for a registered layer and a token count.
   nb::dict formats;
   for (WeightFormat f : {WeightFormat::kF32, WeightFormat::kBf16, WeightFormat::kFp8E4M3Fn, WeightFormat::kInt8,
-                         WeightFormat::kInt4, WeightFormat::kQ8_0, WeightFormat::kQ4K, WeightFormat::kQ5K,
-                         WeightFormat::kQ6K}) {
+                         WeightFormat::kInt4, WeightFormat::kMxfp4, WeightFormat::kQ8_0, WeightFormat::kQ4K,
+                         WeightFormat::kQ5K, WeightFormat::kQ6K}) {
     LayerWeights layer;
     layer.format = f;
     layer.hidden = layer.inter = 256;  // a multiple of every format's block (kIntGroupQuantum, 32, 256)
     layer.block_rows = f == WeightFormat::kFp8E4M3Fn ? 128 : 1;
-    layer.block_cols = 128;
+    layer.block_cols = f == WeightFormat::kMxfp4 ? kMxfp4Block : 128;
     nb::dict entry;
     entry["few_tokens"] = SelectKernel(family, layer, 1).name;
     entry["many_tokens"] = SelectKernel(family, layer, 1 << 20).name;
@@ -205,7 +227,9 @@ NB_MODULE(hybridjit_ffi, m) {
   m.doc() = "hybridjit C++ extension: routed-expert weight bank and XLA FFI handlers (private API).";
   m.def("register_layer", &RegisterLayer, nb::arg("format"), nb::arg("hidden"), nb::arg("inter"),
         nb::arg("block_rows"), nb::arg("block_cols"), nb::arg("gate"), nb::arg("up"), nb::arg("down"),
-        nb::arg("gate_scale"), nb::arg("up_scale"), nb::arg("down_scale"), nb::arg("down_format") = "",
+        nb::arg("gate_scale"), nb::arg("up_scale"), nb::arg("down_scale"), nb::arg("gate_bias"), nb::arg("up_bias"),
+        nb::arg("down_bias"), nb::arg("gate_up_interleaved"), nb::arg("activation"), nb::arg("alpha"), nb::arg("limit"),
+        nb::arg("down_format") = "",
         "Registers a layer from weight addresses; returns its id (never reused). down_format: GGUF layers whose "
         "down projections are in another block format.");
   m.def("unregister_layer", &UnregisterLayer, nb::arg("id"),

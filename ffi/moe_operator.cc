@@ -31,7 +31,7 @@ int64_t AmxMinTokens(const LayerWeights& layer) {
       return 8;
     case WeightFormat::kFp8E4M3Fn:
       return 32;
-    default:
+    default:  // grouped int8/int4, mxfp4
       return 64;
   }
 }
@@ -87,6 +87,33 @@ float ExpApprox(float v) {
 __attribute__((target_clones("avx512f", "avx2", "default"))) void SiluMul(const float* g, const float* u,
                                                                          int64_t n, float* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.0f + ExpApprox(-g[i])) * u[i];
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void ClampedSwiglu(const float* g, const float* u,
+                                                                               int64_t n, float alpha, float limit,
+                                                                               float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float gate = std::min(g[i], limit), up = std::min(std::max(u[i], -limit), limit);
+    out[i] = (up + 1.0f) * gate / (1.0f + ExpApprox(-alpha * gate));
+  }
+}
+
+void Activate(const GluActivation& activation, const float* g, const float* u, int64_t n, float* out) {
+  switch (activation.kind) {
+    case GluActivation::Kind::kSilu:
+      SiluMul(g, u, n, out);
+      return;
+    case GluActivation::Kind::kClampedSwiglu:
+      ClampedSwiglu(g, u, n, activation.alpha, activation.limit, out);
+      return;
+  }
+}
+
+// Adds bias[r * bias_step] to row r (of `columns` values, `stride` apart) of rows of out.
+void AddRowBias(const float* bias, int64_t bias_step, int64_t rows, int64_t columns, int64_t stride, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t t = 0; t < columns; ++t) out[r * stride + t] += bias[r * bias_step];
+  }
 }
 
 // Grows, never shrinks: a thread's buffers are reused by its next calls (no page faults per call).
@@ -367,13 +394,35 @@ class MoeJob {
     const int64_t pad = p.kernel->pad;
     const int64_t stride = RoundUp(p.count, pad);
     const int64_t block = RoundUp(rows, pad) * stride;
-    float* scratch = Scratch(3 * block);
-    float* out[2] = {scratch, scratch + block};
-    const Projection proj[2] = {ExpertProjection(layer_, p.expert, Matrix::kGate),
-                                ExpertProjection(layer_, p.expert, Matrix::kUp)};
-    p.kernel->gemm(layer_, proj, 2, task.begin, rows, arena_ + p.packed_in, p.count, out, stride);
+    float* scratch = Scratch(5 * block);
+    float* gate = scratch;
+    float* up = scratch + block;
     float* fused = scratch + 2 * block;
-    SiluMul(out[0], out[1], rows * stride, fused);
+    const ExpertWeights& w = layer_.experts[p.expert];
+    const Projection gate_proj = ExpertProjection(layer_, p.expert, Matrix::kGate);
+    if (layer_.gate_up_interleaved) {
+      // Rows 2r and 2r + 1 of the stored matrix are gate and up row r: one projection of twice the rows,
+      // split after.
+      float* both = scratch + 3 * block;
+      p.kernel->gemm(layer_, &gate_proj, 1, 2 * task.begin, 2 * rows, arena_ + p.packed_in, p.count, &both, stride);
+      for (int64_t r = 0; r < rows; ++r) {
+        std::memcpy(gate + r * stride, both + 2 * r * stride, p.count * sizeof(float));
+        std::memcpy(up + r * stride, both + (2 * r + 1) * stride, p.count * sizeof(float));
+      }
+      if (layer_.biased) {
+        AddRowBias(w.gate_bias + 2 * task.begin, 2, rows, p.count, stride, gate);
+        AddRowBias(w.gate_bias + 2 * task.begin + 1, 2, rows, p.count, stride, up);
+      }
+    } else {
+      float* out[2] = {gate, up};
+      const Projection proj[2] = {gate_proj, ExpertProjection(layer_, p.expert, Matrix::kUp)};
+      p.kernel->gemm(layer_, proj, 2, task.begin, rows, arena_ + p.packed_in, p.count, out, stride);
+      if (layer_.biased) {
+        AddRowBias(w.gate_bias + task.begin, 1, rows, p.count, stride, gate);
+        AddRowBias(w.up_bias + task.begin, 1, rows, p.count, stride, up);
+      }
+    }
+    Activate(layer_.activation, gate, up, rows * stride, fused);
     auto* act = reinterpret_cast<float*>(arena_ + p.act);
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t t = 0; t < p.count; ++t) act[t * layer_.inter + task.begin + r] = fused[r * stride + t];
@@ -391,6 +440,7 @@ class MoeJob {
     float* out = Scratch(RoundUp(rows, p.kernel->pad) * stride);
     const Projection proj = ExpertProjection(layer_, p.expert, Matrix::kDown);
     p.kernel->gemm(layer_, &proj, 1, task.begin, rows, arena_ + p.packed_act, p.count, &out, stride);
+    if (layer_.biased) AddRowBias(layer_.experts[p.expert].down_bias + task.begin, 1, rows, p.count, stride, out);
     // Each row slice sums the experts in plan order, whatever order their tasks finish in: the same
     // inputs always give the same bits (greedy decoding is deterministic). Release passes the turn on.
     WaitForTurn(task);

@@ -1,11 +1,13 @@
 // The fused routed-experts MoE operator on the CPU thread pool.
 //
-// y[t] = sum_k weights[t,k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t,k], computed expert by
+// y[t] = sum_k weights[t,k] * down_e(act(gate_e x[t], up_e x[t])), e = ids[t,k], with the layer's biases added to
+// each projection and its activation (silu(g) * u, or the clamped SwiGLU: weight_bank.h), computed expert by
 // expert (each weight row is read once per call whatever the number of tokens) in four phases of
 // tasks (a thread starts a phase's tasks once every task of the previous phase has been taken):
 //   1. per expert: pack the expert's tokens for its kernel (gather + convert/quantize, once); zero
 //      the float32 accumulator.
-//   2. gate and up of a slice of rows of one expert together, silu(gate) * up fused. The task that
+//   2. gate and up of a slice of rows of one expert together (one matrix of twice the rows where the layer
+//      interleaves them), biases and the activation fused. The task that
 //      finishes an expert's last slice packs its activations for the down projection and releases
 //      that expert: a per-expert barrier, no global one between gate/up and down.
 //   3. down projection of a slice of hidden rows of one expert, times the routing weights, added

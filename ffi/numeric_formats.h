@@ -49,6 +49,27 @@ inline const std::array<float, 256>& Fp8E4M3FnTable() {
   return table;
 }
 
+// The magnitudes of the e2m1 (FP4) codes 0-7: 1 exponent bit pair (bias 1) and 1 mantissa bit; bit 3 of a
+// nibble is the sign.
+inline constexpr std::array<float, 8> kE2m1Magnitudes = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+
+inline float E2m1ToFloat(uint8_t nibble) {
+  const float magnitude = kE2m1Magnitudes[nibble & 7];
+  return (nibble & 8) ? -magnitude : magnitude;
+}
+
+// Exact float32 value of every e8m0 byte (an MX block scale): 2^(s - 127); 0xff is NaN. 2^-127 is a float32
+// denormal, kept as such.
+inline const std::array<float, 256>& E8m0Table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int s = 0; s < 255; ++s) t[s] = std::ldexp(1.0f, s - 127);
+    t[255] = std::nanf("");
+    return t;
+  }();
+  return table;
+}
+
 // max |x| over n values, as float bits compared as integers: exact, and a NaN anywhere wins (its
 // bits exceed those of every finite value and of infinity), so it reaches the group's scale.
 inline float AbsMax(const float* x, int64_t n) {

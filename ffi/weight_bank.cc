@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
@@ -28,6 +29,8 @@ const char* WeightFormatName(WeightFormat format) {
       return "int8";
     case WeightFormat::kInt4:
       return "int4";
+    case WeightFormat::kMxfp4:
+      return "mxfp4";
     case WeightFormat::kQ8_0:
       return "q8_0";
     case WeightFormat::kQ4K:
@@ -47,6 +50,10 @@ void CheckLayer(const LayerWeights& layer) {
     throw std::invalid_argument("hidden and inter must be positive");
   }
   if (layer.experts.empty()) throw std::invalid_argument("a layer needs at least one expert");
+  const GluActivation& act = layer.activation;
+  if (act.kind == GluActivation::Kind::kClampedSwiglu && !(act.limit > 0.0f && std::isfinite(act.alpha))) {
+    throw std::invalid_argument("the clamped SwiGLU needs a positive limit and a finite alpha");
+  }
   const bool scaled = layer.scaled();
   if (scaled && (layer.block_rows <= 0 || layer.block_cols <= 0)) {
     throw std::invalid_argument("scale blocks must be positive");
@@ -67,16 +74,29 @@ void CheckLayer(const LayerWeights& layer) {
                                   " must be multiples of it");
     }
   }
-  if (layer.format == WeightFormat::kFp8E4M3Fn && layer.hidden * layer.inter > int64_t{UINT32_MAX}) {
-    throw std::invalid_argument("fp8 projections of " + std::to_string(layer.inter) + " x " +
+  if (layer.format == WeightFormat::kMxfp4 &&
+      (layer.block_rows != 1 || layer.block_cols != kMxfp4Block || layer.hidden % kMxfp4Block != 0 ||
+       layer.inter % kMxfp4Block != 0)) {
+    throw std::invalid_argument("mxfp4 layers need scale blocks of (1, " + std::to_string(kMxfp4Block) +
+                                ") and hidden and inter multiples of " + std::to_string(kMxfp4Block));
+  }
+  if (layer.format == WeightFormat::kFp8E4M3Fn && layer.hidden * layer.gate_rows() > int64_t{UINT32_MAX}) {
+    throw std::invalid_argument("fp8 projections of " + std::to_string(layer.gate_rows()) + " x " +
                                 std::to_string(layer.hidden) + " elements are too large for the 32-bit special-code index");
   }
   for (size_t e = 0; e < layer.experts.size(); ++e) {
     const ExpertWeights& w = layer.experts[e];
-    const bool has_weights = w.gate && w.up && w.down;
-    const bool has_scales = w.gate_scale && w.up_scale && w.down_scale;
+    // An interleaved layer's up rows live in the gate matrix: its up pointers must be null.
+    const bool up_ok = layer.gate_up_interleaved ? !w.up && !w.up_scale && !w.up_bias : w.up && (!scaled || w.up_scale);
+    const bool has_weights = w.gate && w.down && up_ok;
+    const bool has_scales = w.gate_scale && w.down_scale;
     if (!has_weights || (scaled && !has_scales)) {
       throw std::invalid_argument("expert " + std::to_string(e) + ": null weight or scale pointer");
+    }
+    const bool has_biases = w.gate_bias && w.down_bias && (layer.gate_up_interleaved || w.up_bias);
+    if (layer.biased != has_biases) {
+      throw std::invalid_argument("expert " + std::to_string(e) + (layer.biased ? ": null" : ": unexpected") +
+                                  " bias pointer");
     }
   }
 }
@@ -108,6 +128,7 @@ void PrepareExperts(LayerWeights& layer) {
   job.tasks.assign(1, std::vector<std::vector<int64_t>>(pool->nodes()));
   for (int64_t task = 0; task < 3 * n; ++task) job.tasks[0][task % pool->nodes()].push_back(task);
   job.run = [&](int64_t task) {
+    if (layer.gate_up_interleaved && static_cast<Matrix>(task % 3) == Matrix::kUp) return;  // inside the gate
     const Projection p = ExpertProjection(layer, task / 3, static_cast<Matrix>(task % 3));
     if (fp8) {
       layer.fp8_specials[task / 3][task % 3] = FindFp8Specials(static_cast<const uint8_t*>(p.data), p.rows, p.cols);
@@ -132,6 +153,7 @@ int64_t LayerWeights::RowBytes(int64_t cols, Matrix which) const {
     case WeightFormat::kInt8:
       return cols;
     case WeightFormat::kInt4:
+    case WeightFormat::kMxfp4:
       return (cols + 1) / 2;
     case WeightFormat::kQ8_0:
     case WeightFormat::kQ4K:

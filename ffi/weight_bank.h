@@ -17,11 +17,14 @@
 namespace hybridjit {
 
 // kQ8_0 ... kQ6K: GGUF block formats as llama.cpp stores them, scales inside the blocks (gguf_blocks.h).
-enum class WeightFormat { kF32, kBf16, kFp8E4M3Fn, kInt8, kInt4, kQ8_0, kQ4K, kQ5K, kQ6K };
+enum class WeightFormat { kF32, kBf16, kFp8E4M3Fn, kInt8, kInt4, kMxfp4, kQ8_0, kQ4K, kQ5K, kQ6K };
 
 // int8/int4 scale groups run along the input dimension and hold a multiple of this many elements, so
 // that no SIMD chunk or AMX tile step of any kernel straddles two groups.
 inline constexpr int64_t kIntGroupQuantum = 128;
+
+// mxfp4 (OCP microscaling FP4, as gpt-oss releases its experts): one e8m0 scale per this many elements of a row.
+inline constexpr int64_t kMxfp4Block = 32;
 
 const char* WeightFormatName(WeightFormat format);
 
@@ -32,14 +35,34 @@ const char* WeightFormatName(WeightFormat format);
 // row-major float32 grid of multipliers (w = q * scale), one per (block_rows x block_cols) block:
 // [ceil(rows / block_rows), ceil(cols / block_cols)]; the last row and column of blocks may be
 // partial. For int8/int4 the blocks are groups of one row: block_rows = 1 and block_cols (the group
-// size) a multiple of kIntGroupQuantum. Scale pointers are null for f32 and bf16.
+// size) a multiple of kIntGroupQuantum. mxfp4: e2m1 values two per byte in int4's nibble order (a nibble: bit 3
+// the sign, bits 0-2 index {0, .5, 1, 1.5, 2, 3, 4, 6}), each row's groups of kMxfp4Block elements scaled by one
+// e8m0 byte (2^(s - 127); 255 is NaN): the scale grid is [rows, cols / 32] bytes, block (1, 32), both as
+// released (`*_blocks`, `*_scales`). Scale pointers are null for f32 and bf16.
+//
+// With LayerWeights::gate_up_interleaved, `gate` is one [2 * inter, hidden] matrix whose even rows are the gate
+// projection and odd rows the up projection (gpt-oss's fused gate_up_proj), and `up` is null.
+// Biases (float32, optional for the whole layer): gate [inter] (interleaved: [2 * inter], matching the fused
+// rows; up_bias null), up [inter], down [hidden], added to the projections' outputs.
 struct ExpertWeights {
   const void* gate = nullptr;
   const void* up = nullptr;
   const void* down = nullptr;
-  const float* gate_scale = nullptr;
-  const float* up_scale = nullptr;
-  const float* down_scale = nullptr;
+  const void* gate_scale = nullptr;  // float32 grid, or e8m0 bytes for mxfp4
+  const void* up_scale = nullptr;
+  const void* down_scale = nullptr;
+  const float* gate_bias = nullptr;
+  const float* up_bias = nullptr;
+  const float* down_bias = nullptr;
+};
+
+// What joins an expert's gate and up projections (g and u, biases added) before the down projection.
+struct GluActivation {
+  enum class Kind { kSilu, kClampedSwiglu };
+  Kind kind = Kind::kSilu;
+  // kClampedSwiglu (gpt-oss): g' = min(g, limit), u' = clamp(u, -limit, limit), (u' + 1) * g' * sigmoid(alpha g').
+  float alpha = 1.0f;
+  float limit = 0.0f;
 };
 
 // The three projections of an expert, in the order of ExpertWeights.
@@ -55,6 +78,9 @@ struct LayerWeights {
   int64_t block_rows = 0;  // scale block along the output dimension of a projection
   int64_t block_cols = 0;  // ... and along its input dimension
   std::vector<ExpertWeights> experts;
+  bool gate_up_interleaved = false;  // see ExpertWeights
+  bool biased = false;               // every expert has its gate/up/down biases
+  GluActivation activation;
   // fp8 layers: per expert, filled by WeightBank::Add (which reads every weight once).
   std::vector<Fp8Specials> fp8_specials;
   // GGUF layers whose down projections have another block format than gate and up (llama.cpp's Q4_K_M
@@ -67,8 +93,11 @@ struct LayerWeights {
   }
   // Whether the layer has separate scale grids (the GGUF formats keep their scales in the blocks).
   bool scaled() const {
-    return format == WeightFormat::kFp8E4M3Fn || format == WeightFormat::kInt8 || format == WeightFormat::kInt4;
+    return format == WeightFormat::kFp8E4M3Fn || format == WeightFormat::kInt8 || format == WeightFormat::kInt4 ||
+           format == WeightFormat::kMxfp4;
   }
+  // Rows of the gate projection as stored: inter, or 2 * inter with the up rows interleaved.
+  int64_t gate_rows() const { return gate_up_interleaved ? 2 * inter : inter; }
   // Bytes of one row of `cols` elements (of projection `which`).
   int64_t RowBytes(int64_t cols, Matrix which = Matrix::kGate) const;
 };

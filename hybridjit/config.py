@@ -93,8 +93,10 @@ class ConfigFields:
         if value is None:
             return default
         bound = f" > {above}" if above is not None else f" >= {at_least}" if at_least is not None else ""
-        if not math.isfinite(value) or (above is not None and value <= above) or (
-            at_least is not None and value < at_least
+        if (
+            not math.isfinite(value)
+            or (above is not None and value <= above)
+            or (at_least is not None and value < at_least)
         ):
             raise self.error(key, f"a finite number{bound}", value)
         return float(value)
@@ -132,13 +134,12 @@ class ConfigFields:
 
 def fp8_config(f: ConfigFields) -> Fp8Config | None:
     q = f.section("quantization_config")
-    if q is None or q.raw.get("quant_method") == INT_QUANT_METHOD:
+    # int: hybridjit's own (int_config); mxfp4: gpt-oss's experts, whose format the checkpoint map names.
+    if q is None or q.raw.get("quant_method") in (INT_QUANT_METHOD, "mxfp4"):
         return None
     # DeepSeek's releases say fmt "e4m3", MiniMax-M2's "float8_e4m3fn": the same format.
     if q.raw.get("quant_method") != "fp8" or q.raw.get("fmt", "e4m3") not in ("e4m3", "float8_e4m3fn"):
-        raise ConfigError(
-            f"{f.source}: quantization_config {q.raw} is not supported (fp8 e4m3 with block scales only)"
-        )
+        raise ConfigError(f"{f.source}: quantization_config {q.raw} is not supported (fp8 e4m3 with block scales only)")
     block = q.raw.get("weight_block_size")
     if not isinstance(block, list) or len(block) != 2 or not all(type(b) is int and b > 0 for b in block):
         raise ConfigError(f"{f.source}: fp8 quantization_config needs weight_block_size [rows, cols], got {block!r}")

@@ -79,10 +79,19 @@ def convert_checkpoint(
     _check_destination(src, dst, overwrite)
     raw = read_config_json(src / "config.json")
     cfg = config_from_hf(raw, source=str(src / "config.json"))
+    layout = family_of(cfg).ckpt.checkpoint_layout(cfg)
+    raw_tensors = [name for name, spec in layout.items() if spec.dtype is not None]
+    if raw_tensors:
+        # MXFP4 (gpt-oss) is already 4.25 bits per weight, read as stored by the CPU kernels: fp8/bf16 would only
+        # grow it, and int8/int4 re-quantize what is already quantized.
+        raise ValueError(
+            f"{cfg.model_type}: its experts are stored in a format of their own ({raw_tensors[0]}, ...), which the "
+            "CPU kernels run as released; converting them is not supported"
+        )
     ckpt = Checkpoint(src)
     check_checkpoint(cfg, ckpt)
     tensors = {}
-    for name, spec in family_of(cfg).ckpt.checkpoint_layout(cfg).items():
+    for name, spec in layout.items():
         w = np.asarray(ckpt.get(name))
         if not spec.quantizable:
             tensors[name] = w.copy()

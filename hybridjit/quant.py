@@ -1,4 +1,4 @@
-"""Block-scaled FP8 (E4M3FN) helpers shared by the loader and the converter.
+"""Block-scaled FP8 (E4M3FN) helpers shared by the loader and the converter, and the MXFP4 decoder.
 
 DeepSeek-V3 stores each quantized [out, in] weight as float8_e4m3fn plus a float32 `weight_scale_inv` of
 shape [ceil(out/bo), ceil(in/bi)]; the real value is fp8 * scale of the block the element sits in. Edge
@@ -44,3 +44,21 @@ def quantize_fp8_blocks(weight: np.ndarray, block: tuple[int, int]) -> tuple[np.
     scale_inv = np.where(amax > 0, amax / FP8_MAX, 1.0).astype(np.float32)
     q = (w / expand_scales(scale_inv, w.shape, block)).astype(ml_dtypes.float8_e4m3fn)
     return q, scale_inv
+
+
+# MXFP4 (gpt-oss's experts): e2m1 nibbles, bit 3 the sign and bits 0-2 indexing these magnitudes.
+E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 `_blocks` uint8 [..., out, in / 32, 16] (element 2j of a group the low nibble of byte j, 2j + 1 the
+    high one) with e8m0 `_scales` uint8 [..., out, in / 32] (2^(s - 127)) -> float32 [..., out, in]."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(
+            f"MXFP4 blocks {blocks.shape} and scales {scales.shape}: expected [..., out, in / 32, 16] and "
+            "[..., out, in / 32]"
+        )
+    nibbles = np.stack([blocks & 0xF, blocks >> 4], axis=-1)  # [..., out, groups, 16, 2]
+    values = np.where(nibbles & 8, -1.0, 1.0).astype(np.float32) * E2M1_MAGNITUDES[nibbles & 7]
+    values = values.reshape(*scales.shape, 32) * np.ldexp(np.float32(1), scales.astype(np.int32) - 127)[..., None]
+    return values.reshape(*scales.shape[:-1], -1)

@@ -21,8 +21,12 @@ from hybridjit.weights import SCALE_SUFFIX
 
 WEIGHT_FORMATS = ("fp8", "bf16")
 # The block-scaled FP8 of DeepSeek-V3's release, for geometries asked for in fp8.
-FP8_BLOCK_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                          "weight_block_size": [128, 128]}
+FP8_BLOCK_QUANTIZATION = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
 
 
 def geometry_config(name: str, *, layers: int | None = None, weight_format: str | None = None) -> ModelConfig:
@@ -49,7 +53,9 @@ class SyntheticCheckpoint:
         self.cfg, self.seed = cfg, seed
         self.tensors: dict[str, TensorInfo] = {}
         for name, spec in family_of(cfg).ckpt.checkpoint_layout(cfg).items():
-            if spec.quantizable and cfg.fp8 is not None:
+            if spec.dtype is not None:  # a raw tensor (MXFP4 blocks and scales)
+                self._add(name, spec.dtype, spec.shape)
+            elif spec.quantizable and cfg.fp8 is not None:
                 self._add(name, "F8_E4M3", spec.shape)
                 self._add(name + SCALE_SUFFIX, "F32", scale_shape(spec.shape, cfg.fp8.block))
             else:
@@ -78,16 +84,23 @@ class SyntheticCheckpoint:
         if info.name.endswith(SCALE_SUFFIX):  # w = fp8 (rms _FP8_RMS) * scale: ~1/sqrt(fan_in) overall
             fan_in = self.tensors[info.name.removesuffix(SCALE_SUFFIX)].shape[1]
             return np.full(info.shape, 1 / (_FP8_RMS * np.sqrt(fan_in)), np.float32)
-        if len(info.shape) == 1:  # norms ~1, correction biases small
+        if info.name.endswith(
+            "_scales"
+        ):  # MXFP4 e8m0 exponents: w = e2m1 (rms _E2M1_RMS) * 2^(s - 127) ~ 1/sqrt(fan_in)
+            fan_in = info.shape[-1] * 32
+            return np.full(info.shape, 127 + round(np.log2(1 / (_E2M1_RMS * np.sqrt(fan_in)))), np.uint8)
+        if len(info.shape) == 1 or info.name.endswith("bias"):  # norms ~1, biases small
             base = 0.0 if info.name.endswith("bias") else 1.0
             return (base + 0.01 * rng.standard_normal(info.shape, np.float32)).astype(DTYPES[info.dtype])
         values = _random_values(info.dtype, int(np.prod(info.shape)), rng).reshape(info.shape)
-        if info.dtype == "F8_E4M3" or "embed_tokens" in info.name:  # FP8 is scaled by its scale_inv
+        if info.dtype in ("F8_E4M3", "U8") or "embed_tokens" in info.name:  # scaled by their scales
             return values
         return (values * (1 / np.sqrt(info.shape[1]))).astype(values.dtype)
 
 
 _POOL_ELEMENTS = 1 << 24
+# The RMS of e2m1 values over uniformly random codes (MXFP4 blocks are random bytes).
+_E2M1_RMS = float(np.sqrt(np.mean(np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6]) ** 2)))
 # A block's largest |w| maps to 448 (E4M3's largest normal); for 16K normal values that is ~4.5 sigma.
 _FP8_RMS = 448 / 4.5
 _pools: dict[str, np.ndarray] = {}
@@ -98,7 +111,9 @@ def _random_values(dtype: str, count: int, rng: np.random.Generator) -> np.ndarr
     gigabytes) repeat a 16M-element random pool from a random offset: fresh memory, generated at copy speed."""
     if dtype not in _pools:
         pool_rng = np.random.default_rng(12345)
-        if dtype == "F8_E4M3":
+        if dtype == "U8":  # MXFP4 blocks: every code equally likely
+            _pools[dtype] = pool_rng.integers(0, 256, _POOL_ELEMENTS, dtype=np.uint8)
+        elif dtype == "F8_E4M3":
             normal = pool_rng.standard_normal(_POOL_ELEMENTS, np.float32) * _FP8_RMS
             _pools[dtype] = np.clip(normal, -448, 448).astype(ml_dtypes.float8_e4m3fn)
         else:

@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from hybridjit.checkpoint import CheckpointError
+from hybridjit.models.common.checkpoint_map import FusedMxfp4Experts
 from hybridjit.models.common.moe import Experts
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.ops.gguf_experts import GGUF_EXPERT_FORMATS, register_gguf_layer
@@ -25,7 +26,7 @@ from hybridjit.ops.gguf_experts import dequantize as dequantize_gguf
 from hybridjit.ops.routed_experts import ExpertLayer, register_layer
 from hybridjit.pinned_experts import register_pinned
 from hybridjit.placement import Placement
-from hybridjit.quant import dequantize_fp8_blocks, scale_shape
+from hybridjit.quant import dequantize_fp8_blocks, dequantize_mxfp4, scale_shape
 
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F8_E4M3")
 EXPERT_DTYPES = ("F32", "BF16", "F8_E4M3", "I8", "U8")  # I8/U8: int8/int4 checkpoints (cfg.int_quant)
@@ -49,6 +50,14 @@ def check_checkpoint(cfg: ModelConfig, ckpt) -> None:
             continue
         info = ckpt.info(name)
         shape = spec.shape
+        if spec.dtype is not None:  # a raw tensor (MXFP4 blocks and scales): its one dtype and shape
+            if info.shape != shape:
+                problems.append(
+                    f"{info.file.name}: {name} has shape {list(info.shape)}, config.json implies {list(shape)}"
+                )
+            if info.dtype != spec.dtype:
+                problems.append(f"{info.file.name}: {name} has dtype {info.dtype}, expected {spec.dtype}")
+            continue
         int_expert = cfg.int_quant is not None and spec.routed_expert
         if int_expert:
             shape = cfg.int_quant.stored_shape(spec.shape)
@@ -89,17 +98,13 @@ def check_checkpoint(cfg: ModelConfig, ckpt) -> None:
     unexpected = [n for n in ckpt.tensors if n not in layout and n not in expected_scales and not skipped(n)]
     problems += [f"unexpected tensor {n}" for n in sorted(unexpected)]
     if problems:
-        shown = "\n  ".join(problems[:12]) + (
-            f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
-        )
+        shown = "\n  ".join(problems[:12]) + (f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else "")
         if any(_layer_index(n, -1) >= layers for n in unexpected):
             shown += (
                 f"\n  (layers past the {layers} that config.json declares: num_hidden_layers "
                 f"{cfg.num_hidden_layers} + num_nextn_predict_layers {cfg.num_nextn_predict_layers})"
             )
-        raise CheckpointError(
-            f"{ckpt.directory} does not match its config.json ({len(problems)} problems):\n  {shown}"
-        )
+        raise CheckpointError(f"{ckpt.directory} does not match its config.json ({len(problems)} problems):\n  {shown}")
 
 
 def routed_expert_bytes(cfg: ModelConfig, ckpt) -> int:
@@ -145,14 +150,54 @@ class WeightLoader:
         """A weight on the placement's device in the compute dtype (FP8 dequantized per block)."""
         return self.placement.put(self._dequantized(name), dtype)
 
-    def device_experts(self, names: tuple[list[str], ...]) -> Experts:
-        """A layer's routed experts (the names of every expert's gate, up and down matrices) stacked on the
-        placement's device, dequantized to the compute dtype."""
+    def device_experts(self, names: tuple[list[str], ...] | FusedMxfp4Experts) -> Experts:
+        """A layer's routed experts (the names of every expert's gate, up and down matrices, or gpt-oss's fused
+        MXFP4 tensors) stacked on the placement's device, dequantized to the compute dtype."""
+        if isinstance(names, FusedMxfp4Experts):
+            gate_up, down = (
+                dequantize_mxfp4(self._take(names.tensor(p, "blocks")), self._take(names.tensor(p, "scales")))
+                for p in ("gate_up_proj", "down_proj")
+            )
+            gate_up_bias, down_bias = (self._take(names.tensor(p, "bias")) for p in ("gate_up_proj", "down_proj"))
+            put = self.placement.put
+            return Experts(
+                gate=put(gate_up[:, 0::2]),
+                up=put(gate_up[:, 1::2]),
+                down=put(down),
+                gate_bias=put(gate_up_bias[:, 0::2]),
+                up_bias=put(gate_up_bias[:, 1::2]),
+                down_bias=put(down_bias),
+                activation=names.activation,
+            )
         return Experts(*(self.placement.put(np.stack([self._dequantized(n) for n in ns])) for ns in names))
 
-    def experts(self, names: tuple[list[str], ...]) -> ExpertLayer:
-        """Registers a layer's routed experts (the names of every expert's gate, up and down matrices) with the
-        C++ bank, zero-copy, in their stored format."""
+    def fused_mxfp4_experts(self, names: FusedMxfp4Experts) -> ExpertLayer:
+        """Registers gpt-oss's fused MXFP4 experts with the C++ bank, zero-copy (views of the stored tensors, per
+        expert); only the biases are converted, to float32."""
+        blocks = {p: self._take(names.tensor(p, "blocks")) for p in ("gate_up_proj", "down_proj")}
+        scales = {p: self._take(names.tensor(p, "scales")) for p in ("gate_up_proj", "down_proj")}
+        biases = {p: self._take(names.tensor(p, "bias")).astype(np.float32) for p in ("gate_up_proj", "down_proj")}
+
+        def per_expert(a, flat=True):  # [E, out, in / 32, 16] -> E views [out, in / 2]
+            return [e.reshape(e.shape[0], -1) if flat else e for e in a]
+
+        return register_layer(
+            per_expert(blocks["gate_up_proj"]),
+            None,
+            per_expert(blocks["down_proj"]),
+            gate_scale=per_expert(scales["gate_up_proj"], flat=False),
+            down_scale=per_expert(scales["down_proj"], flat=False),
+            fmt="mxfp4",
+            gate_up_interleaved=True,
+            biases=(list(biases["gate_up_proj"]), None, list(biases["down_proj"])),
+            activation=names.activation,
+        )
+
+    def experts(self, names: tuple[list[str], ...] | FusedMxfp4Experts) -> ExpertLayer:
+        """Registers a layer's routed experts (the names of every expert's gate, up and down matrices, or gpt-oss's
+        fused MXFP4 tensors) with the C++ bank, zero-copy, in their stored format."""
+        if isinstance(names, FusedMxfp4Experts):
+            return self.fused_mxfp4_experts(names)
         dtypes = {self.ckpt.info(n).dtype for ns in names for n in ns}
         if dtypes & GGUF_EXPERT_FORMATS.keys():
             return self._gguf_experts(names)
@@ -209,5 +254,3 @@ class WeightLoader:
             for layer in expert_layers:
                 layer.close()
             raise
-
-

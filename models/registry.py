@@ -11,10 +11,10 @@ from pathlib import Path
 from types import ModuleType
 
 from hybridjit.config import ConfigError, read_config_json
-from hybridjit.models import deepseek_v3, glm4_moe, minimax_m2, mixtral, qwen3_moe
+from hybridjit.models import deepseek_v3, glm4_moe, gpt_oss, minimax_m2, mixtral, qwen3_moe
 from hybridjit.models.common.config import ModelConfig
 
-FAMILIES: tuple[ModuleType, ...] = (deepseek_v3, qwen3_moe, mixtral, glm4_moe, minimax_m2)
+FAMILIES: tuple[ModuleType, ...] = (deepseek_v3, qwen3_moe, mixtral, glm4_moe, minimax_m2, gpt_oss)
 
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.config.MODEL_TYPES}
 _MODEL_TYPE_BY_ARCHITECTURE = {a: t for f in FAMILIES for a, t in f.config.ARCHITECTURES.items()}

@@ -79,8 +79,20 @@ def unpack_int4(packed: np.ndarray, cols: int) -> np.ndarray:
     return nibbles.astype(np.int64) - 8
 
 
+# e2m1 (the OCP MX spec's FP4): bit 3 the sign, bits 0-2 index these magnitudes.
+E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def decode_e2m1(packed: np.ndarray, cols: int) -> np.ndarray:
+    """uint8 [rows, cols / 2] -> float64 [rows, cols]: element 2j is the low nibble of byte j."""
+    nibbles = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(len(packed), -1)[:, :cols]
+    return np.where(nibbles & 8, -1.0, 1.0) * E2M1_MAGNITUDES[nibbles & 7]
+
+
 def dequantize(fmt, stored, scale, block, shape) -> np.ndarray:
     rows, cols = shape
+    if fmt == "mxfp4":  # e8m0 scales: 2^(s - 127), one per 32 elements of a row
+        return decode_e2m1(stored, cols) * np.repeat(2.0 ** (scale.astype(np.float64) - 127), 32, axis=1)
     if fmt == "int4":
         q = unpack_int4(stored, cols).astype(np.float64)
     else:
@@ -104,6 +116,11 @@ def random_matrix(rng, fmt, shape, block, pool="all"):
     elif fmt == "int8":
         stored = rng.integers(-127, 128, size=shape).astype(np.int8)
         rms = 73.0
+    elif fmt == "mxfp4":  # any byte, e8m0 exponents around the unit-output scale
+        stored = rng.integers(0, 256, size=(rows, cols // 2), dtype=np.uint8)
+        exponent = 127 + round(np.log2(1 / (2.93 * np.sqrt(cols))))  # 2.93: the RMS of the e2m1 values
+        scale = rng.integers(exponent - 1, exponent + 2, size=grid).astype(np.uint8)
+        return stored, scale, dequantize(fmt, stored, scale, block, shape)
     else:  # int4
         q = rng.integers(-8, 8, size=(rows, cols + cols % 2))
         q[:, cols:] = 0
@@ -147,8 +164,18 @@ def quantize_int8(a, group):
     return out
 
 
-def reference(x, ids, weights, dense, activations="f32", group=None):
-    """float64 routed experts on float64 weights, with the kernel's rounding of its activations."""
+def glu(activation, g, u):
+    """What joins gate and up (ffi/weight_bank.h): silu(g) * u, or gpt-oss's clamped SwiGLU."""
+    if activation[0] == "silu":
+        return g / (1.0 + np.exp(-g)) * u
+    _, alpha, limit = activation
+    g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+    return (u + 1) * g / (1.0 + np.exp(-alpha * g))
+
+
+def reference(x, ids, weights, dense, activations="f32", group=None, biases=None, activation=("silu",)):
+    """float64 routed experts on float64 weights, with the kernel's rounding of its activations; biases: float64
+    {"gate", "up", "down"} lists per expert, added to each projection's output."""
     prepare = {
         "f32": lambda a: np.asarray(a, np.float64),
         "bf16": round_bf16,
@@ -159,7 +186,10 @@ def reference(x, ids, weights, dense, activations="f32", group=None):
     for t in range(len(xin)):
         for e, w in zip(np.asarray(ids)[t], np.asarray(weights, np.float64)[t], strict=True):
             g, u = dense["gate"][e] @ xin[t], dense["up"][e] @ xin[t]
-            y[t] += w * (dense["down"][e] @ prepare((g / (1.0 + np.exp(-g)) * u)[None])[0])
+            if biases is not None:
+                g, u = g + biases["gate"][e], u + biases["up"][e]
+            out = dense["down"][e] @ prepare(glu(activation, g, u)[None])[0]
+            y[t] += w * (out if biases is None else out + biases["down"][e])
     return y
 
 
@@ -169,7 +199,7 @@ def arithmetic(kernel, fmt):
         return "bf16", fmt not in ("bf16", "f32")
     if fmt in ("int8", "int4"):
         return "int8", False
-    return ("bf16" if kernel == "avx512" else "f32"), False
+    return ("bf16" if kernel == "avx512" else "f32"), False  # mxfp4 values are exact in bfloat16
 
 
 def relative_rms(y, y_ref):
@@ -435,8 +465,9 @@ def _single_cpu_threads() -> dict[int, int]:
     """Thread id -> CPU of each thread of this process pinned to exactly one (from /proc: no timing)."""
     pinned = {}
     for status in Path("/proc/self/task").glob("*/status"):
-        allowed = next(line.split()[1] for line in status.read_text().splitlines()
-                       if line.startswith("Cpus_allowed_list"))
+        allowed = next(
+            line.split()[1] for line in status.read_text().splitlines() if line.startswith("Cpus_allowed_list")
+        )
         if allowed.isdigit():
             pinned[int(status.parent.name)] = int(allowed)
     return pinned
@@ -548,6 +579,134 @@ def test_memory_bandwidth_is_measured():
         reader.read_gbps("fast")
     with pytest.raises(ValueError, match="bytes must be >= 4096"):
         _ffi.MemoryReader(100, 2)
+
+
+# --- mxfp4, biases, the clamped SwiGLU, gate/up interleaved (gpt-oss) -----------------------------------------
+
+
+def make_gpt_oss_layer(rng, fmt, n_experts, hidden, inter, interleaved, biased, activation):
+    """(registered layer, float64 weights, float64 biases or None) with gate/up fused by interleaving rows as gpt-oss
+    stores them (even rows gate, odd rows up) when `interleaved`. The reference gets the separate matrices."""
+    block = (1, 32) if fmt == "mxfp4" else None
+    shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    made = {p: [random_matrix(rng, fmt, s, block) for _ in range(n_experts)] for p, s in shapes.items()}
+    dense = {p: [m[2] for m in made[p]] for p in shapes}
+    bias = None
+    if biased:
+        bias = {p: [rng.standard_normal(s[0]).astype(np.float32) for _ in range(n_experts)] for p, s in shapes.items()}
+
+    def interleave(a, b):
+        out = np.empty((2 * len(a), *a.shape[1:]), a.dtype)
+        out[0::2], out[1::2] = a, b
+        return out
+
+    def part(p, i):  # i: 0 the weights, 1 the scales
+        return [m[i] for m in made[p]]
+
+    scaled = fmt == "mxfp4"
+    if interleaved:
+        gate = [interleave(g, u) for g, u in zip(part("gate", 0), part("up", 0), strict=True)]
+        scales = (
+            dict(
+                gate_scale=[interleave(g, u) for g, u in zip(part("gate", 1), part("up", 1), strict=True)],
+                down_scale=part("down", 1),
+            )
+            if scaled
+            else {}
+        )
+        biases = (
+            ([interleave(g, u) for g, u in zip(bias["gate"], bias["up"], strict=True)], None, bias["down"])
+            if biased
+            else None
+        )
+        layer = register_layer(
+            gate,
+            None,
+            part("down", 0),
+            **scales,
+            fmt="mxfp4" if scaled else None,
+            gate_up_interleaved=True,
+            biases=biases,
+            activation=activation,
+        )
+    else:
+        scales = {f"{p}_scale": part(p, 1) for p in shapes} if scaled else {}
+        biases = (bias["gate"], bias["up"], bias["down"]) if biased else None
+        layer = register_layer(
+            part("gate", 0),
+            part("up", 0),
+            part("down", 0),
+            **scales,
+            fmt="mxfp4" if scaled else None,
+            biases=biases,
+            activation=activation,
+        )
+    return layer, dense, None if bias is None else {p: [b.astype(np.float64) for b in bs] for p, bs in bias.items()}
+
+
+GPT_OSS_ACTIVATION = ("clamped_swiglu", 1.702, 1.5)  # a limit that clamps a good share of unit-order outputs
+
+
+# (hidden, inter): whole 64-element steps; 160 and 96 end in half a step (one scale group of the last two)
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+@pytest.mark.parametrize("hidden, inter", [(128, 64), (160, 96)])
+@pytest.mark.parametrize(
+    "interleaved, biased, activation",
+    [
+        (False, False, ("silu",)),
+        (True, True, GPT_OSS_ACTIVATION),
+    ],
+)
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
+def test_mxfp4_matches_float64_reference(family, hidden, inter, interleaved, biased, activation, tokens):
+    rng = np.random.default_rng(zlib.crc32(repr((hidden, inter, interleaved, tokens)).encode()))
+    n_experts, top_k = 6, 3
+    layer, dense, biases = make_gpt_oss_layer(rng, "mxfp4", n_experts, hidden, inter, interleaved, biased, activation)
+    with layer, kernel_family(family):
+        x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+        ids, weights = routing(rng, tokens, top_k, n_experts)
+        kernel = layer_kernel(layer, tokens)
+        precision, _ = arithmetic(kernel, "mxfp4")
+        y = routed_experts_host(layer, x, ids, weights)
+        y_ref = reference(x, ids, weights, dense, precision, biases=biases, activation=activation)
+        assert relative_rms(y, y_ref) < TOLERANCE[precision], kernel
+
+
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
+def test_biases_and_clamped_swiglu_serve_any_format(family):
+    """Biases, the activation and interleaved gate/up rows are per-layer options of every format, bf16 here."""
+    rng = np.random.default_rng(21)
+    layer, dense, biases = make_gpt_oss_layer(rng, "bf16", 6, 96, 64, True, True, GPT_OSS_ACTIVATION)
+    with layer, kernel_family(family):
+        x = rng.standard_normal((40, 96)).astype(np.float32)
+        ids, weights = routing(rng, 40, 3, 6)
+        precision, _ = arithmetic(layer_kernel(layer, 40), "bf16")
+        y = routed_experts_host(layer, x, ids, weights)
+        ref = partial(reference, x, ids, weights, dense, precision)
+        assert relative_rms(y, ref(biases=biases, activation=GPT_OSS_ACTIVATION)) < TOLERANCE[precision]
+        # each option matters: without the biases, or with plain SiLU, the reference is far off
+        assert relative_rms(y, ref(activation=GPT_OSS_ACTIVATION)) > 0.05
+        assert relative_rms(y, ref(biases=biases)) > 0.05
+
+
+def test_mxfp4_registration_names_a_misshapen_tensor():
+    rng = np.random.default_rng(0)
+    blocks = [rng.integers(0, 256, (128, 48), dtype=np.uint8)]  # [2 * inter, hidden / 2]: hidden 96, inter 64
+    scales = [np.full((128, 3), 127, np.uint8)]
+    down, down_scales = [rng.integers(0, 256, (96, 32), dtype=np.uint8)], [np.full((96, 2), 127, np.uint8)]
+    common = dict(fmt="mxfp4", gate_up_interleaved=True)
+    with pytest.raises(ValueError, match="expert 0 gate_up_proj scale: shape \\(128, 2\\), expected \\(128, 3\\)"):
+        register_layer(blocks, None, down, gate_scale=[scales[0][:, :2].copy()], down_scale=down_scales, **common)
+    with pytest.raises(ValueError, match="expert 0 down_proj: shape \\(96, 16\\), expected \\(96, 32\\)"):
+        register_layer(blocks, None, [down[0][:, :16].copy()], gate_scale=scales, down_scale=down_scales, **common)
+    with pytest.raises(ValueError, match="gate_up_proj scale: dtype float32, expected uint8"):
+        register_layer(blocks, None, down, gate_scale=[scales[0].astype(np.float32)], down_scale=down_scales, **common)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        register_layer(
+            [blocks[0][:, :40].copy()], None, [down[0][:80].copy()], gate_scale=scales, down_scale=down_scales, **common
+        )  # hidden 80
+    with register_layer(blocks, None, down, gate_scale=scales, down_scale=down_scales, **common) as layer:
+        assert layer.format == "mxfp4" and (layer.hidden, layer.inter) == (96, 64)
 
 
 # --- int8 / int4 checkpoints ---------------------------------------------------------------------------------

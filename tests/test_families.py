@@ -12,6 +12,7 @@ from kernel_choice import EXACT_FLOAT32_FAMILY, kernel_family
 import hybridjit
 from hybridjit import cli
 from hybridjit.config import ConfigError
+from hybridjit.convert import convert_checkpoint
 from hybridjit.export import save_checkpoint
 from hybridjit.models import registry
 from hybridjit.synthetic import SyntheticCheckpoint
@@ -58,6 +59,18 @@ TINY = {
         "shared_intermediate_size": 0, "max_position_embeddings": 256, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
         "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
     },
+    # Sinks, q/k/v/o biases, sliding layers (window 4, shorter than the prompts) between full ones, YaRN, a router
+    # bias, MXFP4 experts with interleaved gate/up rows, biases and the clamped SwiGLU.
+    "gpt_oss": {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 300, "hidden_size": 64,
+        "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 3, "attention_bias": True,
+        "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "swiglu_limit": 2.0, "max_position_embeddings": 256, "rope_theta": 150000, "rms_norm_eps": 1e-5,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "original_max_position_embeddings": 64, "truncate": False},
+        "quantization_config": {"quant_method": "mxfp4"}, "eos_token_id": 1, "tie_word_embeddings": False,
+    },
 }
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
 
@@ -71,7 +84,9 @@ def model(request, tmp_path_factory):
     raw = TINY[request.param]
     cfg = registry.config_from_hf(raw)
     synthetic = SyntheticCheckpoint(cfg, seed=3)
-    tensors = {name: np.asarray(synthetic.get(name)).astype(np.float32) for name in synthetic.tensors}
+    # float tensors as float32; raw ones (MXFP4 blocks and scales) as they are
+    tensors = {name: np.asarray(synthetic.get(name)) for name in synthetic.tensors}
+    tensors = {n: t if t.dtype == np.uint8 else t.astype(np.float32) for n, t in tensors.items()}
     path = save_checkpoint(tmp_path_factory.mktemp(request.param), {**raw, "eos_token_id": None}, tensors)
     with kernel_family(EXACT_FLOAT32_FAMILY):
         m = hybridjit.load(path, dtype="float32")
@@ -125,6 +140,14 @@ def test_batched_generation_equals_one_by_one(model, dual_batch):
         model.dual_batch = True
 
 
+def test_gpt_oss_mxfp4_experts_refuse_conversion(tmp_path):
+    """MXFP4 experts run as released: conversion names the reason instead of writing a checkpoint that cannot load."""
+    raw = TINY["gpt_oss"]
+    src = save_checkpoint(tmp_path / "src", raw, {})
+    with pytest.raises(ValueError, match="gpt_oss: its experts are stored in a format of their own"):
+        convert_checkpoint(src, tmp_path / "dst", "int4")
+
+
 def test_an_unsupported_model_type_names_the_supported_ones():
     with pytest.raises(ConfigError, match="qwen3_moe") as e:
         registry.config_from_hf({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "x/config.json")
@@ -144,7 +167,8 @@ def test_qwen3_reads_num_experts_under_either_name():
 
 
 def test_names_and_geometries_cover_every_family():
-    released = {"deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "glm-4.5", "minimax-m2"}
+    released = {"deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "glm-4.5", "minimax-m2",
+                "gpt-oss-20b", "gpt-oss-120b"}
     assert released <= set(registry.NAMES) and released <= set(registry.GEOMETRIES)
     for name, raw in registry.GEOMETRIES.items():
         assert registry.config_from_hf(raw, name).model_type == raw["model_type"]

@@ -8,6 +8,7 @@ V2 (group-limited softmax routing), all with YaRN rope; the other families' case
 run here once the registry supports their family.
 """
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from checkpoint_factory import (
 from kernel_choice import EXACT_FLOAT32_FAMILY, kernel_family
 
 import hybridjit
+from hybridjit.export import save_checkpoint
 from hybridjit.models import registry
 from hybridjit.models.common.routing import route
 
@@ -96,20 +98,65 @@ def test_greedy_generation_matches_transformers(case, model):
     assert [[int(t) for t in seq] for seq in generated] == expected
 
 
+def _set(tensors: dict, suffix: str, value: float):
+    """Every tensor whose name ends in `suffix`, filled with `value`."""
+    for name in [n for n in tensors if n.endswith(suffix)]:
+        tensors[name] = np.full(tensors[name].shape, value, np.float32)
+
+
+# gpt-oss's own features, each turned off in a copy of its golden checkpoint (config, tensors): what the golden
+# computes with it (tests/golden/README.md), and why the comparison must then fail.
+GPT_OSS_FEATURES_OFF = {
+    # a learnt logit per head in each softmax's denominator: far below every score, it takes no share
+    "sinks": lambda config, tensors: _set(tensors, ".self_attn.sinks", -1e9),
+    # sliding layers see the last sliding_window positions only (4 here, the prompts are 7 and 12 long)
+    "sliding window": lambda config, tensors: config.update(sliding_window=10**6),
+    # gate clamped above and up on both sides at swiglu_limit (2 here): the clamp cuts ~15% / ~30% of them
+    "SwiGLU clamp": lambda config, tensors: config.update(swiglu_limit=1e9),
+    # the experts' biases, gate/up and down
+    "expert biases": lambda config, tensors: _set(tensors, "_proj_bias", 0.0),
+    # the router's bias, part of the logits that choose the experts and weigh them
+    "router bias": lambda config, tensors: _set(tensors, ".mlp.router.bias", 0.0),
+}
+
+
+@pytest.mark.skipif("gpt_oss" not in SUPPORTED_TYPES, reason="gpt-oss is not registered")
+@pytest.mark.parametrize("feature", sorted(GPT_OSS_FEATURES_OFF))
+def test_each_gpt_oss_feature_matters(feature, tmp_path):
+    """Turning each gpt-oss feature off moves the logits beyond the tolerance: the comparison tests every one."""
+    golden = dict(np.load(GOLDEN_DIR / "gpt_oss_mxfp4.npz"))
+    path = build_case("gpt_oss_mxfp4", tmp_path / "golden")
+    config, tensors = json.loads((path / "config.json").read_text()), read_tensors(path)
+    GPT_OSS_FEATURES_OFF[feature](config, tensors)
+    batch = prompts(golden)
+    with kernel_family(EXACT_FLOAT32_FAMILY):
+        m = hybridjit.load(save_checkpoint(tmp_path / "off", config, tensors), dtype="float32")
+        try:
+            logits = np.asarray(m.logits(batch))
+        finally:
+            m.close()
+    errors = [relative_rms(logits[i, : len(p)], golden[f"prompt{i}_logits"]) for i, p in enumerate(batch)]
+    assert max(errors) > 2 * LOGITS_MAX_REL_RMS, f"{feature} off moves the logits by only {max(errors):.2%}"
+
+
 def test_routing_matches_transformers(case, model):
     """route() on transformers' own router inputs picks the same experts with the same weights."""
     path, golden = case
     tensors = read_tensors(path)
-    names = registry.family_of(model.config).ckpt.MOE_NAMES  # mlp or block_sparse_moe, where the bias sits
+    names = registry.family_of(model.config).ckpt.MOE_NAMES  # mlp or block_sparse_moe, where the biases sit
+
+    def optional(name):
+        return None if name not in tensors else tensors[name].astype(np.float32)
+
     for layer in golden["moe_layers"].tolist():
-        gate = f"model.layers.{layer}.{names.block}.gate."
+        router = f"model.layers.{layer}.{names.block}.{names.router}."
         hidden = golden[f"layer{layer}_router_input"]
-        bias = tensors.get(f"model.layers.{layer}.{names.block}.{names.correction_bias}")
         ids, weights = route(
             model.config,
-            tensors[gate + "weight"].astype(np.float32),
-            None if bias is None else bias.astype(np.float32),
+            tensors[router + "weight"].astype(np.float32),
+            optional(f"model.layers.{layer}.{names.block}.{names.correction_bias}"),
             hidden,
+            optional(router + "bias"),  # gpt-oss: a bias of the router's logits
         )
         ids, weights = np.asarray(ids), np.asarray(weights)
         expected_ids = golden[f"layer{layer}_topk_ids"]  # sorted by expert id per token

@@ -62,6 +62,10 @@ def register_gguf_layer(
             _check_matrix(a, e, proj, stored[proj], np.dtype(np.uint8))
     fmt = GGUF_EXPERT_FORMATS[gguf_type]
     addresses = [[a.ctypes.data for a in arrays] for arrays in weights.values()]
-    layer_id = _ffi.register_layer(fmt, hidden, inter, 0, 0, *addresses, [], [], [], GGUF_EXPERT_FORMATS[down_type])
+    no_scales = no_biases = ([], [], [])
+    layer_id = _ffi.register_layer(
+        fmt, hidden, inter, 0, 0, *addresses, *no_scales, *no_biases, False, "silu", 0.0, 0.0,
+        down_format=GGUF_EXPERT_FORMATS[down_type],
+    )
     name = fmt if down_type == gguf_type else f"{fmt}/{GGUF_EXPERT_FORMATS[down_type]}"
     return ExpertLayer(layer_id, len(gate), hidden, inter, name, [*gate, *up, *down])

@@ -37,6 +37,10 @@ _FORMATS = {
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # int8/int4 scale groups: a multiple of this many input columns (ffi/weight_bank.h, kIntGroupQuantum).
 INT_GROUP_QUANTUM = 128
+# mxfp4: one e8m0 scale byte per this many elements of a row (ffi/weight_bank.h, kMxfp4Block).
+MXFP4_BLOCK = 32
+# What joins gate and up (ffi/weight_bank.h, GluActivation): ("silu",) or ("clamped_swiglu", alpha, limit).
+ACTIVATIONS = ("silu", "clamped_swiglu")
 
 jax.ffi.register_ffi_target(TARGET, _ffi.routed_experts_cpu(), platform="cpu")
 
@@ -98,17 +102,23 @@ def _block_grid(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]
 
 def register_layer(
     gate: Sequence[np.ndarray],
-    up: Sequence[np.ndarray],
+    up: Sequence[np.ndarray] | None,
     down: Sequence[np.ndarray],
     gate_scale: Sequence[np.ndarray] | None = None,
     up_scale: Sequence[np.ndarray] | None = None,
     down_scale: Sequence[np.ndarray] | None = None,
     block: tuple[int, int] | None = None,
+    *,
+    fmt: str | None = None,
+    gate_up_interleaved: bool = False,
+    biases: tuple[Sequence[np.ndarray], Sequence[np.ndarray] | None, Sequence[np.ndarray]] | None = None,
+    activation: tuple = ("silu",),
 ) -> ExpertLayer:
     """Registers one layer of routed experts, zero-copy, and returns its handle.
 
     gate, up: one [inter, hidden] matrix per expert; down: one [hidden, inter] matrix per expert; all
-    C-contiguous numpy arrays of one dtype, which names the format:
+    C-contiguous numpy arrays of one dtype, which names the format (`fmt` only for "mxfp4", whose bytes are uint8
+    as int4's are):
 
     - float32, bfloat16: plain weights, no scales.
     - float8_e4m3fn: scales are float32 [ceil(out / block[0]), ceil(in / block[1])] multipliers (the
@@ -121,54 +131,89 @@ def register_layer(
     - uint8, read as int4: two values per byte, element 2j in the low nibble of byte j and 2j + 1 in
       the high one, each stored as q + 8 for q in [-8, 7]; a matrix [out, in] is [out, ceil(in / 2)]
       bytes. Scales as for int8.
+    - fmt="mxfp4" (uint8): e2m1 values two per byte in int4's nibble order (bit 3 the sign, bits 0-2 index
+      0, .5, 1, 1.5, 2, 3, 4, 6), a matrix [out, in] is [out, in / 2] bytes (gpt-oss's ``*_blocks`` [out, in / 32,
+      16] reshaped); scales uint8 e8m0 [out, in / 32] (``*_scales``: 2^(s - 127)); in a multiple of 32.
+
+    gate_up_interleaved: `gate` holds [2 * inter, hidden] matrices whose even rows are the gate projection and odd
+    rows the up projection (gpt-oss's fused gate_up_proj), `up` and `up_scale` are None. biases: float32 (gate
+    [inter] or, interleaved, [2 * inter]; up [inter] or None when interleaved; down [hidden]) per expert, added to
+    the projections' outputs. activation: ("silu",) for silu(g) * u, or ("clamped_swiglu", alpha, limit) for
+    gpt-oss's (min(u, l) clipped below at -l, + 1) * g' * sigmoid(alpha g') with g' = min(g, l).
 
     Raises ValueError naming the expert and projection.
     """
-    gate, up, down = list(gate), list(up), list(down)
+    interleaved = bool(gate_up_interleaved)
+    gate, down = list(gate), list(down)
+    if interleaved and (up is not None or up_scale is not None):
+        raise ValueError("gate_up_interleaved: the up rows are in gate; pass up=None and up_scale=None")
+    up = list(up) if up is not None else None
     if not gate:
         raise ValueError("register_layer needs at least one expert")
-    if not len(gate) == len(up) == len(down):
+    if not len(gate) == (len(up) if up is not None else len(gate)) == len(down):
         raise ValueError(f"expert counts differ: gate {len(gate)}, up {len(up)}, down {len(down)}")
     first = gate[0]
+    gate_name = "gate_up_proj" if interleaved else "gate_proj"
     if not isinstance(first, np.ndarray) or first.ndim != 2:
-        raise ValueError("expert 0 gate_proj: expected a 2-D numpy array [inter, hidden]")
+        raise ValueError(f"expert 0 {gate_name}: expected a 2-D numpy array")
     dtype = first.dtype
-    if dtype not in _FORMATS:
-        raise ValueError(
-            f"expert 0 gate_proj: dtype {dtype} is not one of float32, bfloat16, float8_e4m3fn, int8, uint8 (int4)"
-        )
-    fmt = _FORMATS[dtype]
-    if fmt == "int4":  # the packed shapes hide odd sizes: take each from the rows of the other matrix
-        inter = first.shape[0]
+    if fmt is None:
+        if dtype not in _FORMATS:
+            raise ValueError(
+                f"expert 0 {gate_name}: dtype {dtype} is not one of float32, bfloat16, float8_e4m3fn, int8, "
+                "uint8 (int4)"
+            )
+        fmt = _FORMATS[dtype]
+    elif fmt != "mxfp4":
+        raise ValueError(f"fmt names only mxfp4 (the other formats follow from the dtype), got {fmt!r}")
+    elif dtype != np.uint8:
+        raise ValueError(f"expert 0 {gate_name}: mxfp4 weights are uint8 (two e2m1 values per byte), got {dtype}")
+    packed = fmt in ("int4", "mxfp4")
+    gate_rows = 2 if interleaved else 1
+    if packed:  # the packed shapes hide odd sizes: take each from the rows of the other matrix
+        inter = first.shape[0] // gate_rows
         hidden = down[0].shape[0] if isinstance(down[0], np.ndarray) and down[0].ndim == 2 else -1
     else:
-        inter, hidden = first.shape
-    shapes = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
-    stored = {p: (r, -(-c // 2)) if fmt == "int4" else (r, c) for p, (r, c) in shapes.items()}
-    weights = dict(zip(_PROJECTIONS, (gate, up, down), strict=True))
+        inter, hidden = first.shape[0] // gate_rows, first.shape[1]
+    shapes = {"gate_proj": (gate_rows * inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    names = {"gate_proj": gate_name, "up_proj": "up_proj", "down_proj": "down_proj"}
+    if fmt == "mxfp4" and (hidden % MXFP4_BLOCK or inter % MXFP4_BLOCK):
+        raise ValueError(f"mxfp4: hidden {hidden} and inter {inter} must be multiples of {MXFP4_BLOCK}")
+    stored = {p: (r, -(-c // 2)) if packed else (r, c) for p, (r, c) in shapes.items()}
+    weights = {"gate_proj": gate, "up_proj": up or [], "down_proj": down}
     for proj, arrays in weights.items():
         for e, a in enumerate(arrays):
-            _check_matrix(a, e, proj, stored[proj], dtype)
+            _check_matrix(a, e, names[proj], stored[proj], dtype)
 
     scales = {"gate_proj": gate_scale, "up_proj": up_scale, "down_proj": down_scale}
-    if fmt in ("fp8", "int8", "int4"):
+    if fmt in ("fp8", "int8", "int4", "mxfp4"):
         block = _check_block(fmt, block)
         kind = "float8" if fmt == "fp8" else fmt
+        scale_dtype = np.dtype(np.uint8 if fmt == "mxfp4" else np.float32)
         for proj, seq in scales.items():
             if seq is None:
-                raise ValueError(f"{proj}: {kind} weights need block scales, {proj[: -len('_proj')]}_scale is missing")
+                if proj == "up_proj" and interleaved:
+                    scales[proj] = []
+                    continue
+                raise ValueError(
+                    f"{names[proj]}: {kind} weights need block scales, {proj[: -len('_proj')]}_scale is missing"
+                )
             seq = scales[proj] = list(seq)
             if len(seq) != len(gate):
-                raise ValueError(f"{proj}: {len(seq)} scale arrays for {len(gate)} experts")
+                raise ValueError(f"{names[proj]}: {len(seq)} scale arrays for {len(gate)} experts")
             grid = _block_grid(*shapes[proj], block)
             for e, s in enumerate(seq):
-                _check_matrix(s, e, proj, grid, np.dtype(np.float32), what=" scale")
+                _check_matrix(s, e, names[proj], grid, scale_dtype, what=" scale")
     else:
         for proj, seq in scales.items():
             if seq is not None:
-                raise ValueError(f"{proj}: scales are only for float8, int8 and int4 weights, these are {dtype}")
+                raise ValueError(
+                    f"{names[proj]}: scales are only for float8, int8, int4 and mxfp4 weights, these are {dtype}"
+                )
         scales = {proj: [] for proj in _PROJECTIONS}
         block = (0, 0)
+    bias_lists = _check_biases(biases, shapes, names, len(gate), interleaved)
+    name, alpha, limit = _check_activation(activation)
 
     def addresses(arrays):
         return [a.ctypes.data for a in arrays]
@@ -181,12 +226,61 @@ def register_layer(
         block[1],
         *(addresses(weights[p]) for p in _PROJECTIONS),
         *(addresses(scales[p]) for p in _PROJECTIONS),
+        *(addresses(b) for b in bias_lists),
+        interleaved,
+        name,
+        alpha,
+        limit,
     )
-    owned = [*gate, *up, *down, *(s for p in _PROJECTIONS for s in scales[p])]
+    owned = [
+        *gate,
+        *(up or []),
+        *down,
+        *(s for p in _PROJECTIONS for s in scales[p]),
+        *(b for bs in bias_lists for b in bs),
+    ]
     return ExpertLayer(layer_id, len(gate), hidden, inter, fmt, owned)
 
 
+def _check_biases(biases, shapes: dict, names: dict, n_experts: int, interleaved: bool) -> list[list[np.ndarray]]:
+    """The bias arrays per projection (empty lists for an unbiased layer), checked: float32 [rows] per expert."""
+    if biases is None:
+        return [[], [], []]
+    lists = []
+    for proj, seq in zip(_PROJECTIONS, biases, strict=True):
+        if seq is None and proj == "up_proj" and interleaved:
+            lists.append([])
+            continue
+        if seq is None:
+            raise ValueError(f"{names[proj]}: bias missing (a biased layer needs gate, up and down biases)")
+        seq = list(seq)
+        if len(seq) != n_experts:
+            raise ValueError(f"{names[proj]}: {len(seq)} bias arrays for {n_experts} experts")
+        for e, b in enumerate(seq):
+            _check_matrix(b, e, names[proj], (shapes[proj][0],), np.dtype(np.float32), what=" bias")
+        lists.append(seq)
+    return lists
+
+
+def _check_activation(activation) -> tuple[str, float, float]:
+    name, *params = activation
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not one of {', '.join(ACTIVATIONS)}")
+    if name == "silu":
+        if params:
+            raise ValueError(f"silu takes no parameters, got {params}")
+        return name, 1.0, 0.0
+    alpha, limit = (float(p) for p in params)
+    if not (limit > 0 and np.isfinite(alpha)):
+        raise ValueError(f"clamped_swiglu needs a finite alpha and a positive limit, got {alpha}, {limit}")
+    return name, alpha, limit
+
+
 def _check_block(fmt: str, block) -> tuple[int, int]:
+    if fmt == "mxfp4":
+        if block is not None and tuple(block) != (1, MXFP4_BLOCK):
+            raise ValueError(f"mxfp4 scales are one per {MXFP4_BLOCK} elements of a row: block (1, 32), got {block}")
+        return (1, MXFP4_BLOCK)
     if block is None:
         return (128, 128) if fmt == "fp8" else (1, INT_GROUP_QUANTUM)
     if len(block) != 2 or min(operator.index(b) for b in block) <= 0:
@@ -205,9 +299,7 @@ def check_operands(x, topk_ids, topk_weights, layer):
     try:
         layer = operator.index(layer)
     except TypeError:
-        raise TypeError(
-            f"layer must be a static Python int (ExpertLayer.id), got {type(layer).__name__}"
-        ) from None
+        raise TypeError(f"layer must be a static Python int (ExpertLayer.id), got {type(layer).__name__}") from None
     x, topk_ids, topk_weights = jnp.asarray(x), jnp.asarray(topk_ids), jnp.asarray(topk_weights)
     if x.dtype not in (jnp.float32, jnp.bfloat16):
         raise TypeError(f"routed_experts: x must be float32 or bfloat16, got {x.dtype}")
@@ -224,7 +316,8 @@ def check_operands(x, topk_ids, topk_weights, layer):
 
 
 def routed_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, *, layer: int) -> jax.Array:
-    """y[t] = sum_k w[t,k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = topk_ids[t,k], on bank layer `layer`.
+    """y[t] = sum_k w[t,k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = topk_ids[t,k], on bank layer `layer` (with
+    the layer's biases and activation where it has others, register_layer).
 
     x: [T, H] float32 or bfloat16; topk_ids: [T, K] int32; topk_weights: [T, K] float32. Returns [T, H]
     in x's dtype, accumulated in float32. Works under jax.jit; the layer id is a compile-time constant.
@@ -253,7 +346,12 @@ def routed_experts_host(
         raise ValueError(f"topk_ids and topk_weights must both be [{len(x)}, K], got {ids.shape} and {weights.shape}")
     y = np.empty_like(x)
     _ffi.run_layer(
-        layer.id, x.ctypes.data, x.dtype == ml_dtypes.bfloat16, ids.ctypes.data, weights.ctypes.data, *ids.shape,
+        layer.id,
+        x.ctypes.data,
+        x.dtype == ml_dtypes.bfloat16,
+        ids.ctypes.data,
+        weights.ctypes.data,
+        *ids.shape,
         y.ctypes.data,
     )
     return y

@@ -20,13 +20,35 @@ from hybridjit.models.common.routing import route
 from hybridjit.ops.async_experts import submit_routed_experts, wait_routed_experts
 
 
-@pytree
+@pytree(meta=("activation",))
 class Experts:
-    """Routed experts held as JAX arrays, stacked over experts."""
+    """Routed experts held as JAX arrays, stacked over experts, with optional biases and the activation joining
+    gate and up (hybridjit.ops.routed_experts.ACTIVATIONS: ("silu",) or ("clamped_swiglu", alpha, limit))."""
 
     gate: jax.Array  # [e, f, d]
     up: jax.Array  # [e, f, d]
     down: jax.Array  # [e, d, f]
+    gate_bias: jax.Array | None = None  # [e, f]
+    up_bias: jax.Array | None = None  # [e, f]
+    down_bias: jax.Array | None = None  # [e, d]
+    activation: tuple = ("silu",)
+
+
+def glu(activation: tuple, g: jax.Array, u: jax.Array) -> jax.Array:
+    """What joins an expert's gate and up outputs: silu(g) * u, or gpt-oss's clamped SwiGLU, as the CPU kernels
+    (ffi/weight_bank.h, GluActivation)."""
+    if activation[0] == "silu":
+        return jax.nn.silu(g) * u
+    _, alpha, limit = activation
+    g, u = jnp.minimum(g, limit), jnp.clip(u, -limit, limit)
+    return (u + 1) * g * jax.nn.sigmoid(alpha * g)
+
+
+def _biased(y: jax.Array, bias: jax.Array | None, expert_axis: str) -> jax.Array:
+    """y [..., e, ..., f] plus bias [e, f], broadcast along the token axis (t) of the einsum layout `expert_axis`."""
+    if bias is None:
+        return y
+    return y + (bias[None] if expert_axis == "tef" else bias[:, None]).astype(y.dtype)
 
 
 @pytree(meta=("expert_layer",))
@@ -39,6 +61,7 @@ class MoE:
     shared: MLP | None
     experts: Experts | None = None
     expert_layer: int | None = None  # id of this layer's routed experts in the C++ expert bank
+    router_bias: jax.Array | None = None  # [e], added to the router's logits (gpt-oss)
 
 
 def routed_experts_dense(w: Experts, x: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
@@ -49,8 +72,13 @@ def routed_experts_dense(w: Experts, x: jax.Array, ids: jax.Array, weights: jax.
     """
     combine = jnp.zeros((x.shape[0], w.gate.shape[0]), jnp.float32)
     combine = combine.at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
-    hidden = jax.nn.silu(jnp.einsum("td,efd->tef", x, w.gate)) * jnp.einsum("td,efd->tef", x, w.up)
-    return jnp.einsum("tef,edf,te->td", hidden, w.down, combine.astype(x.dtype))
+    g = _biased(jnp.einsum("td,efd->tef", x, w.gate), w.gate_bias, "tef")
+    u = _biased(jnp.einsum("td,efd->tef", x, w.up), w.up_bias, "tef")
+    hidden = glu(w.activation, g, u)
+    if w.down_bias is None:
+        return jnp.einsum("tef,edf,te->td", hidden, w.down, combine.astype(x.dtype))
+    y = _biased(jnp.einsum("tef,edf->ted", hidden, w.down), w.down_bias, "tef")
+    return jnp.einsum("ted,te->td", y, combine.astype(x.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +98,7 @@ class ExpertSchedule:
         if self.n_deferred < 0 or self.n_skipped < 0:
             raise ValueError(f"n_deferred and n_skipped must be >= 0, got {self}")
         if self.n_deferred + self.n_skipped >= cfg.num_experts_per_tok:
-            raise ValueError(
-                f"{self} leaves no immediate expert of the {cfg.num_experts_per_tok} routed per token"
-            )
+            raise ValueError(f"{self} leaves no immediate expert of the {cfg.num_experts_per_tok} routed per token")
 
 
 @dataclasses.dataclass
@@ -134,7 +160,7 @@ def moe_start(
     zero, which the CPU kernels skip, so the free slots of a serving batch read no experts.
     """
     tokens = x.reshape(-1, x.shape[-1])
-    chosen, weights = route(cfg, w.router, w.correction_bias, tokens)
+    chosen, weights = route(cfg, w.router, w.correction_bias, tokens, w.router_bias)
     if live is not None:
         weights = jnp.where(live.reshape(-1, 1), weights, 0.0).astype(weights.dtype)
     k = cfg.num_experts_per_tok - n_skipped - n_deferred
@@ -213,7 +239,9 @@ def experts_grouped(w: Experts, x: jax.Array, rows: jax.Array, slot_weights: jax
     rows, slot_weights [e, c]: this block's slots from group_by_expert. Tokens are gathered per expert and the
     three projections run as batched GEMMs over the experts (never ragged_dot: DESIGN.md §5)."""
     xs = jnp.take(x, rows, axis=0, mode="fill", fill_value=0)  # [e, c, d]
-    hidden = jax.nn.silu(jnp.einsum("ecd,efd->ecf", xs, w.gate)) * jnp.einsum("ecd,efd->ecf", xs, w.up)
-    y = jnp.einsum("ecf,edf->ecd", hidden, w.down, preferred_element_type=jnp.float32)
+    g = _biased(jnp.einsum("ecd,efd->ecf", xs, w.gate), w.gate_bias, "ecf")
+    u = _biased(jnp.einsum("ecd,efd->ecf", xs, w.up), w.up_bias, "ecf")
+    y = jnp.einsum("ecf,edf->ecd", glu(w.activation, g, u), w.down, preferred_element_type=jnp.float32)
+    y = _biased(y, w.down_bias, "ecf")
     y = y * slot_weights[..., None]
     return out.at[rows.reshape(-1)].add(y.reshape(-1, x.shape[-1]), mode="drop")

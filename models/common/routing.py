@@ -13,12 +13,21 @@ from hybridjit.config import ConfigError, ConfigFields
 from hybridjit.models.common.config import ModelConfig
 
 
-def route(cfg: ModelConfig, router: jax.Array, correction_bias: jax.Array | None, x: jax.Array):
+def route(
+    cfg: ModelConfig,
+    router: jax.Array,
+    correction_bias: jax.Array | None,
+    x: jax.Array,
+    router_bias: jax.Array | None = None,
+):
     """Top-k experts of each token x [T, d]: (ids [T, k] int32, weights [T, k] float32).
 
-    Selection may use the correction bias and group limits; the weights are always the unbiased scores.
+    Selection may use the correction bias and group limits; the weights are always the unbiased scores. A router
+    bias (gpt-oss: a linear layer's bias) is part of the logits, so of the weights too.
     """
     logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), router.astype(jnp.float32))
+    if router_bias is not None:
+        logits = logits + router_bias.astype(jnp.float32)
     if cfg.scoring_func == "sigmoid":
         scores = jax.nn.sigmoid(logits)
     else:
@@ -31,9 +40,7 @@ def route(cfg: ModelConfig, router: jax.Array, correction_bias: jax.Array | None
         else:
             group_scores = grouped.max(-1)
         _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)
-        keep = (
-            jnp.zeros_like(group_scores, dtype=bool).at[jnp.arange(x.shape[0])[:, None], top_groups].set(True)
-        )
+        keep = jnp.zeros_like(group_scores, dtype=bool).at[jnp.arange(x.shape[0])[:, None], top_groups].set(True)
         choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(x.shape[0], -1)
     _, ids = jax.lax.top_k(choice, cfg.num_experts_per_tok)
     weights = jnp.take_along_axis(scores, ids, axis=-1)
