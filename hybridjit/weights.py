@@ -225,10 +225,9 @@ class WeightLoader:
                 f"{names[0][0]}...: routed experts stored as gate/up {sorted(gate_up)}, down {sorted(down)}; one "
                 f"GGUF block type for gate and up and one for down ({', '.join(GGUF_EXPERT_FORMATS)}) is needed"
             )
-        if self.placement.pinned_experts:
-            # Pinned experts feed stream-loaded prefill, which has no GGUF block dequantisation on the device yet;
-            # GGUF experts stay unpinned, which keeps choose_prefill_path on the hybrid path.
-            raise CheckpointError("GGUF block experts cannot be pinned on the device (no GPU GGUF dequantisation yet)")
+        # Pinned experts feed stream-loaded prefill, which has no GGUF block dequantisation on the device yet: GGUF
+        # experts stay in the file's memory mapping even where the placement pins (a GPU's default), and
+        # choose_prefill_path keeps their model on the hybrid path.
         weights = [[self._take(n) for n in ns] for ns in names]
         return register_gguf_layer(
             *weights,

@@ -2,6 +2,7 @@
 every family's tiny checkpoint written as GGUF (llama.cpp's names and layout, tests/gguf_factory.py) against
 the same weights from safetensors, a GGUF's tokenizer, and bad files."""
 
+import dataclasses
 import json
 import shutil
 
@@ -19,6 +20,7 @@ from hybridjit.gguf_file import GGUFFile
 from hybridjit.gguf_tokenizer import gguf_tokenizer
 from hybridjit.ops.gguf_experts import register_gguf_layer
 from hybridjit.ops.routed_experts import kernel_info, routed_experts_host, set_cpu_kernel
+from hybridjit.placement import Placement
 from hybridjit.resolve import default_model_dir
 from hybridjit.serving.chat import ChatTemplate
 from hybridjit.tokenizer import Tokenizer
@@ -186,6 +188,9 @@ def test_quantised_gguf_within_its_quantisation(tmp_path):
     save_file({k: np.ascontiguousarray(v, np.float32) for k, v in dequantised.items()}, str(ref_dir / "m.safetensors"))
     assert rel_rms(logits(path), logits(ref_dir)) < 3e-2
     assert rel_rms(logits(path), logits(src)) > 1e-4  # the quantisation is there
+    # A placement that pins routed experts (a GPU's default) keeps GGUF blocks in the file's mapping instead.
+    pinning = dataclasses.replace(Placement.default("float32"), pinned_experts=True)
+    assert np.array_equal(logits(path, placement=pinning), logits(path))
 
 
 def test_embedded_model_as_gguf_generates_with_its_own_tokenizer(tmp_path):
