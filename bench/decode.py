@@ -67,15 +67,9 @@ def timed(fn, repeats):
 
 
 def expert_bytes(model: engine.Model) -> int:
-    """Bytes of one routed expert's three projections as stored (weights and FP8 scales)."""
-    cfg = model.config
-    per_element = {"f32": 4, "bf16": 2, "fp8": 1}[model.expert_layers[0].format]
-    total = 3 * cfg.hidden_size * cfg.moe_intermediate_size * per_element
-    if cfg.fp8 is not None:
-        bo, bi = cfg.fp8.block
-        total += 4 * 2 * (-(-cfg.moe_intermediate_size // bo)) * (-(-cfg.hidden_size // bi))
-        total += 4 * (-(-cfg.hidden_size // bo)) * (-(-cfg.moe_intermediate_size // bi))
-    return total
+    """Bytes of one routed expert's three projections as stored (weights, scales and biases)."""
+    layer = model.expert_layers[0]
+    return layer.nbytes // layer.n_experts
 
 
 def handoff_us(cfg: ModelConfig, batch: int, dtype, pairs: int = 32) -> float:
@@ -241,9 +235,10 @@ def main(argv=None):
     full_moe = sum(full.is_moe_layer(i) for i in range(full_layers))
     rng = np.random.default_rng(0)
     depth = model.config.num_hidden_layers
-    # The geometry cut to its dense layers: everything of a step but the MoE layers (embedding, dense layers,
-    # LM head, sampling), so the MoE layers' own time is the difference.
-    dense = model.config.first_k_dense_replace
+    # The geometry cut to its leading dense layers: everything of a step but the MoE layers (embedding, dense
+    # layers, LM head, sampling), so the MoE layers' own time is the difference. Families whose every layer is MoE
+    # have no base: their MoE layer time includes the embedding, LM head and sampling.
+    dense = next((i for i in range(depth) if model.config.is_moe_layer(i)), depth)
     overlaps = {"on": [True], "off": [False], "both": [False, True]}[args.overlap]
     # Overlap applies to batches of 2 or more; deferral is measured at batch 1 (its use case).
     cases = [(c, b, o, 0) for c in args.context for b in args.batch for o in (overlaps if b > 1 else [False])]

@@ -36,6 +36,8 @@ def geometry_config(name: str, *, layers: int | None = None, weight_format: str 
     raw = copy.deepcopy(GEOMETRIES[name])
     if layers is not None:
         raw["num_hidden_layers"] = layers
+        if "layer_types" in raw:  # one entry per layer (gpt-oss's sliding / full attention)
+            raw["layer_types"] = raw["layer_types"][:layers]
     if weight_format == "bf16":
         raw.pop("quantization_config", None)
     elif weight_format == "fp8":

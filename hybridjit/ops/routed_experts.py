@@ -54,6 +54,7 @@ class ExpertLayer:
         self.hidden = hidden
         self.inter = inter
         self.format = fmt
+        self.nbytes = sum(a.nbytes for a in arrays)  # weights, scales and biases as the kernels read them
         # The finalizer, not the instance, owns the arrays: they outlive the unregistration.
         self._finalizer = weakref.finalize(self, _unregister, layer_id, arrays)
 
