@@ -116,7 +116,8 @@ def cmd_serve(args) -> int:
     model = hybridjit.load(args.model, dtype=args.dtype, progress=None if args.quiet else LoadingProgress())
     serve(
         model, model_name=args.model or DEFAULT_MODEL_NAME, host=args.host, port=args.port, api_key=args.api_key,
-        slots=args.slots, max_queue=args.max_queue,
+        slots=args.slots, max_queue=args.max_queue, cache_len=args.cache_len,
+        prefix_cache_bytes=args.prefix_cache_mib << 20,
     )  # fmt: skip
     return 0
 
@@ -184,6 +185,13 @@ def positive(value: str) -> int:
     return number
 
 
+def non_negative(value: str) -> int:
+    number = _integer(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 0")
+    return number
+
+
 def port(value: str) -> int:
     number = _integer(value)
     if not 0 < number < 2**16:
@@ -234,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--slots", type=positive, default=8, help="requests decoded together")
     srv.add_argument("--max-queue", type=positive, default=64,
                      help="requests that may wait for a slot; more are turned away with 429")
+    srv.add_argument("--cache-len", type=positive,
+                     help="KV positions each slot holds, prompt and completion (default: the model's context, at most "
+                          "32768)")
+    srv.add_argument("--prefix-cache-mib", type=non_negative, default=1024,
+                     help="memory for the KV of earlier prompts' prefixes, reused by later ones (0: off)")
     srv.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: the backend's)")
     srv.add_argument("--quiet", action="store_true", help="no loading progress")
     srv.set_defaults(run=cmd_serve)

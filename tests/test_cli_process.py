@@ -60,3 +60,10 @@ def test_argv_bytes_that_are_not_utf8_are_a_usage_error(argv, argument):
     assert proc.returncode == 2
     assert b"Traceback" not in err
     assert err.decode().splitlines()[-1] == f"hybridjit generate: error: argument {argument}: not valid UTF-8 text"
+
+
+def test_serve_refuses_a_cache_longer_than_the_context_in_one_line():
+    with hybridjit("serve", "--quiet", "--cache-len", "99999", "--port", "1") as proc:
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert err.decode().splitlines()[-1] == "hybridjit: error: cache_len must be in [1, 2048], got 99999"

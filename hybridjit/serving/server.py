@@ -347,8 +347,21 @@ def create_app(scheduler, *, model_name: str, api_key: str | None = None) -> Fas
     return app
 
 
-def serve(model, *, model_name: str, host: str, port: int, api_key: str | None, slots: int, max_queue: int):
+def serve(
+    model,
+    *,
+    model_name: str,
+    host: str,
+    port: int,
+    api_key: str | None,
+    slots: int,
+    max_queue: int,
+    cache_len: int | None = None,
+    prefix_cache_bytes: int | None = None,
+):
     """Serves `model` until SIGINT or SIGTERM; then requests in flight get GRACEFUL_SHUTDOWN_SECONDS to end."""
-    scheduler = sched.Scheduler(model, slots=slots, max_queue=max_queue)
+    scheduler = sched.Scheduler(
+        model, slots=slots, max_queue=max_queue, cache_len=cache_len, prefix_cache_bytes=prefix_cache_bytes
+    )
     app = create_app(scheduler, model_name=model_name, api_key=api_key)
     uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
