@@ -57,6 +57,14 @@ def test_models_lists_the_served_model(server):
     assert model.id == "default" and model.owned_by == "hybridjit"
 
 
+def test_a_json_body_sent_as_a_form_is_read_as_json(server, reference):
+    """`curl -d '{...}'`, the README's example, declares application/x-www-form-urlencoded."""
+    body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0})
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    response = server.post("/v1/completions", content=body, headers=form)
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == reference(PROMPTS[0], 8)
+
+
 def test_a_completion_equals_generate(server, reference):
     response = completion(server, PROMPTS[0], 8)
     assert response.object == "text_completion"

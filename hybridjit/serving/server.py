@@ -217,6 +217,21 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     return ApiError(400, f"{where}: {error['msg']}", param=path[0], code=error["type"])
 
 
+class JsonBodies:
+    """Reads every POST body as JSON, whatever its Content-Type says, as llama-server does: `curl -d` (the README's
+    example) sends JSON as application/x-www-form-urlencoded, and some clients send no type at all. The API takes
+    nothing but JSON, so nothing else is lost."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = [(name, value) for name, value in scope["headers"] if name != b"content-type"]
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
+
+
 def create_app(scheduler, *, model_name: str, api_key: str | None = None) -> FastAPI:
     """The server of one model, over a scheduler that is not started yet: the app's lifespan starts it and,
     on shutdown, shuts it down."""
@@ -234,8 +249,8 @@ def create_app(scheduler, *, model_name: str, api_key: str | None = None) -> Fas
         yield
         await asyncio.to_thread(scheduler.shutdown)
 
-    # JSON bodies are read as JSON whatever their Content-Type says (curl -d sends form-urlencoded).
-    app = FastAPI(title="hybridjit", version=__version__, lifespan=lifespan, strict_content_type=False)
+    app = FastAPI(title="hybridjit", version=__version__, lifespan=lifespan)
+    app.add_middleware(JsonBodies)
     app.add_exception_handler(ApiError, lambda request, exc: exc.response())
     app.add_exception_handler(RequestValidationError, lambda request, exc: validation_error(exc).response())
     app.add_exception_handler(
