@@ -5,6 +5,7 @@ weights are arguments (never baked-in constants) and the KV cache is donated so 
 it in place. Shapes are bucketed (powers of two) so a handful of programs serve every request.
 """
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
@@ -188,9 +189,10 @@ class Model:
         """
         longest = max(len(s) for s in seqs)
         engine = Engine(self, len(seqs), min(bucket(longest + max_new_tokens), self.config.max_position_embeddings))
-        prefilled = engine.prefill(seqs, [params] * len(seqs))
+        rows = [dataclasses.replace(params, row=i) for i in range(len(seqs))]  # distinct draws per sequence
+        prefilled = engine.prefill(seqs, rows)
         for slot in range(len(seqs)):
-            engine.insert(prefilled, slot, slot, params)
+            engine.insert(prefilled, slot, slot, rows[slot])
         current = (prefilled.tokens, prefilled.finite)
         produced = []  # the tokens of each step so far, for the diagnosis of logits that are not finite
         for step in range(max_new_tokens):

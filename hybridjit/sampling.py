@@ -40,6 +40,9 @@ class SamplingParams:
     top_k: int = 0  # 0 disables
     top_p: float = 1.0
     seed: int = 0  # any non-negative integer (see key)
+    # Which of several sequences sampled together with one seed (generate's rows): each its own draws, the first
+    # the draws it would have alone.
+    row: int = 0
 
     def __post_init__(self):
         temperature, top_p = real("temperature", self.temperature), real("top_p", self.top_p)
@@ -62,12 +65,12 @@ class SamplingParams:
     def key(self) -> jax.Array:
         """The PRNG key of `seed`: jax.random.key keeps only a seed's low 32 bits (seed 2**32 + 1 was seed 1,
         and 2**63 overflowed), so each further 32-bit word is folded in. Distinct seeds give distinct keys,
-        and seeds below 2**32 the keys they always had."""
+        and seeds below 2**32 the keys they always had. Rows after the first fold in their index."""
         key, rest = jax.random.key(self.seed & _WORD), self.seed >> 32
         while rest:
             key = jax.random.fold_in(key, rest & _WORD)
             rest >>= 32
-        return key
+        return jax.random.fold_in(key, self.row) if self.row else key
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature, top_k, top_p) -> jax.Array:

@@ -243,3 +243,10 @@ def test_compute_dtypes(dtype):
 def test_load_rejects_a_dtype_that_contradicts_the_placement():
     with pytest.raises(ValueError, match=r"dtype 'bfloat16' contradicts placement\.dtype float32"):
         hybridjit.load(dtype="bfloat16", placement=Placement.default("float32"))
+
+
+def test_sequences_sampled_together_draw_apart_and_the_first_draws_as_alone(model):
+    prompt, sampled = PROMPTS[1], dict(max_new_tokens=8, temperature=1.0, seed=3)
+    first, second = model.generate([prompt, prompt], **sampled)
+    assert first == model.generate(prompt, **sampled)
+    assert second != first  # the same prompt twice is two samples, not one sample twice
