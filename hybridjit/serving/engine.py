@@ -165,7 +165,7 @@ class Engine:
         self.positions = np.zeros(self.slots, np.int32)
         self.counts = np.zeros(self.slots, np.int32)  # tokens each slot's sequence has sampled
         greedy = SamplingParams()
-        self.keys = jnp.stack([greedy.key()] * self.slots)
+        self.keys = [jnp.stack([greedy.key()] * len(g)) for g in self.groups]  # per micro-batch, as steps take them
         self.temperature = np.zeros(self.slots, np.float32)
         self.top_k = np.zeros(self.slots, np.int32)
         self.top_p = np.ones(self.slots, np.float32)
@@ -235,7 +235,7 @@ class Engine:
         self.tokens[g] = self.tokens[g].at[r].set(prefilled.tokens[row])
         self.positions[slot] = prefilled.lengths[row]
         self.counts[slot] = 1  # the first token, sampled by prefill
-        self.keys = self.keys.at[slot].set(params.key())
+        self.keys[g] = self.keys[g].at[r].set(params.key())
         self.temperature[slot], self.top_k[slot], self.top_p[slot] = map(np.asarray, params.device_args())
         self.occupied[slot] = True
 
@@ -282,18 +282,17 @@ class Engine:
             )
             for g in self.groups
         ]
-        keys = [self.keys[g.start : g.stop] for g in self.groups]
         if len(self.groups) == 2:
             positions, live, counts, temperature, top_k, top_p = zip(*split, strict=True)
             sampled, caches = _decode_dual_program(
-                m.config, schedule, m.weights, tuple(self.tokens), positions, live, tuple(self.caches), tuple(keys),
-                counts, temperature, top_k, top_p,
+                m.config, schedule, m.weights, tuple(self.tokens), positions, live, tuple(self.caches),
+                tuple(self.keys), counts, temperature, top_k, top_p,
             )
             self.caches = list(caches)
         else:
             (positions, live, counts, temperature, top_k, top_p), = split
             sampled, cache = _decode_program(
-                m.config, schedule, m.weights, self.tokens[0], positions, live, self.caches[0], keys[0], counts,
+                m.config, schedule, m.weights, self.tokens[0], positions, live, self.caches[0], self.keys[0], counts,
                 temperature, top_k, top_p,
             )
             sampled, self.caches = (sampled,), [cache]
