@@ -32,7 +32,8 @@ def load_model(args, placement: Placement, weight_format: str, synthetic=Synthet
         full = geometry_config(args.geometry, weight_format=weight_format)
         ckpt, name = synthetic(cfg), f"{args.geometry} ({weight_format}, random weights)"
     start = time.perf_counter()
-    weights, expert_layers = WeightLoader(cfg, ckpt, placement).load()
+    loader = WeightLoader(cfg, ckpt, placement)
+    weights, expert_layers = loader.load()
     print(f"loaded {name}, {cfg.num_hidden_layers} of {full.num_hidden_layers} layers, in "
           f"{time.perf_counter() - start:.1f} s")
-    return engine.Model(ckpt.directory, cfg, weights, expert_layers, None, placement), name, full
+    return engine.Model(ckpt.directory, cfg, weights, expert_layers, None, placement, loader), name, full

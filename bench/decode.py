@@ -44,6 +44,8 @@ import hybridjit_ffi as _ffi
 from bench_model import add_model_arguments, load_model
 from floors import ReadFloor, floors_line, machine, memory_floors, vmstat
 from hybridjit import engine
+from hybridjit.auto_placement import resident_expert_bytes
+from hybridjit.expert_residency import Residency
 from hybridjit.models import deepseek_v3 as dsv3
 from hybridjit.models.registry import ModelConfig
 from hybridjit.ops.async_experts import submit_routed_experts, wait_routed_experts
@@ -207,6 +209,40 @@ def bench_case(model: engine.Model, batch: int, context: int, steps: int, rng) -
     }
 
 
+def place(model: engine.Model, share: str) -> int:
+    """Holds `share` ("auto", or a share of each MoE layer's experts) of the routed experts on the GPU, the same
+    experts in every layer (routing is uniform): the number per layer."""
+    e = model.config.n_routed_experts
+    if share == "auto":
+        return min(len(ids) for ids in model.place_experts("auto").layers.values())
+    n = round(float(share) * e)
+    model.place_experts(Residency({layer: tuple(range(n)) for layer in model._loader.expert_names}))
+    return n
+
+
+def hbm_read_gbps(device, gib: int = 4, repeats: int = 10) -> float:
+    """The device memory's read rate: a sum over `gib` GiB of bfloat16, best of `repeats`."""
+    x = jax.device_put(jnp.ones((gib << 29,), jnp.bfloat16), device)
+    total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    total(x).block_until_ready()
+    best = min(timed(lambda: total(x).block_until_ready(), 1) for _ in range(repeats))
+    x.delete()
+    return (gib << 30) / (best * 1e6)
+
+
+def hbm_bytes_per_step(model: engine.Model, batch: int, covered: float) -> int:
+    """Device-memory bytes a decode step must read: every weight but the resident experts, and of those the
+    distinct ones the step's `batch` tokens route to (uniform routing), times the share held there."""
+    resident = [layer.mlp.resident for layer in model.weights.layers if getattr(layer.mlp, "resident", None)]
+    held = sum(a.nbytes for r in resident for a in jax.tree.leaves(r))
+    everything = sum(a.nbytes for a in jax.tree.leaves(model.weights))
+    cfg = model.config
+    n, picks = cfg.n_routed_experts, batch * cfg.num_experts_per_tok
+    distinct = n * (1 - (1 - 1 / n) ** picks)
+    per_expert = resident_expert_bytes(cfg, model.dtype)
+    return int(everything - held + len(resident) * distinct * covered * per_expert)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
@@ -225,6 +261,9 @@ def main(argv=None):
     parser.add_argument("--spin-us", type=int, nargs="+", default=[],
                         help="run the cases once per idle-worker spin time of the CPU expert pool, in microseconds "
                              "(HYBRIDJIT_POOL_SPIN_US; default: as configured)")
+    parser.add_argument("--resident", nargs="+", default=["0"],
+                        help="routed experts resident on the GPU per MoE layer, as a share of its experts (0 to 1) "
+                             "or 'auto' (as many as the device's memory allows: Model.place_experts)")
     parser.add_argument("--threads", type=int, nargs="+", default=[],
                         help="run the cases once per CPU expert pool size (default: the pool as configured)")
     args = parser.parse_args(argv)
@@ -263,8 +302,11 @@ def main(argv=None):
     floor = ReadFloor(floors)
     pool_sizes = args.threads or [kernel_info()["threads"]]
     spins = args.spin_us or [kernel_info()["pool_spin_us"]]
-    runs = [(t, spin, c) for _ in range(args.repeat) for t in pool_sizes for spin in spins for c in cases]
-    for threads, spin, (context, batch, overlap, deferred) in runs:
+    hbm = hbm_read_gbps(model.placement.device) if ON_GPU else None
+    runs = [(t, spin, share, c) for _ in range(args.repeat) for t in pool_sizes for spin in spins
+            for share in args.resident for c in cases]
+    for threads, spin, share, (context, batch, overlap, deferred) in runs:
+        resident = place(model, share)
         if (threads, spin) != (kernel_info()["threads"], kernel_info()["pool_spin_us"]):
             os.environ["HYBRIDJIT_POOL_SPIN_US"] = str(spin)  # read when the pool is made
             configure_threads(threads)
@@ -283,8 +325,19 @@ def main(argv=None):
         r["vmstat"] = {name: count - before[name] for name, count in vmstat().items()}
         r["threads"] = kernel_info()["threads"]
         r["pool_spin_us"] = kernel_info()["pool_spin_us"]
-        r["floor_ms"] = round(r["expert_bytes_per_step"] / (r["floor_gbps"] * 1e6), 3)
-        r["ratio_to_floor"] = round(r["floor_ms"] / r["median_step_ms"], 3)
+        # Uniform routing: the resident share of each layer's experts is the share of the pairs the GPU takes, and
+        # the host floor is that of the rest.
+        r["resident"], r["resident_per_layer"] = share, resident
+        r["covered_share"] = round(resident / model.config.n_routed_experts, 4)
+        r["floor_ms"] = round(r["expert_bytes_per_step"] * (1 - r["covered_share"]) / (r["floor_gbps"] * 1e6), 3)
+        r["ratio_to_floor"] = round(r["floor_ms"] / r["median_step_ms"], 3) if r["floor_ms"] else None
+        if hbm:
+            # Everything a step reads from device memory (the weights other than routed experts, the resident
+            # experts it uses) against the HBM read rate measured in this run.
+            r["hbm_gbps"] = round(hbm, 1)
+            r["hbm_bytes_per_step"] = hbm_bytes_per_step(model, batch, r["covered_share"])
+            r["hbm_floor_ms"] = round(r["hbm_bytes_per_step"] / (hbm * 1e6), 3)
+            r["ratio_to_hbm_floor"] = round(r["hbm_floor_ms"] / r["median_step_ms"], 3)
         if base_ms:
             base_step = base_ms[batch, context, overlap]
             layer_ms = (r["median_step_ms"] - base_step) / r["moe_layers"]
@@ -297,7 +350,9 @@ def main(argv=None):
         line = (f"{r['threads']:3d} {batch:5d} {context:6d} {str(overlap):>5} {deferred:5d} {r['median_step_ms']:8.2f} "
                 f"{r['tok_s']:8.2f} {r['expert_ms']:8.2f} {r['expert_alone_ms']:8.2f} "
                 f"{r['handoff_us_per_layer']:7.1f}us {r['xla_ms']:8.2f} {r['cpu_busy']:8.0%} {r['floor_ms']:8.2f} "
-                f"{r['ratio_to_floor']:6.2f}")
+                f"{r['ratio_to_floor'] or 0:6.2f}  resident {resident}/{model.config.n_routed_experts}")
+        if hbm:
+            line += f" hbm floor {r['hbm_floor_ms']:.3f} ms ({r['ratio_to_hbm_floor']:.2f})"
         if base_ms:
             line += f" {r['moe_layer_ms']:8.3f} {r['layer_ratio']:6.2f} {r['moe_cpu_busy']:6.0%}"
         if depth < full_layers:

@@ -26,7 +26,7 @@ from hybridjit.checkpoint import Checkpoint
 from hybridjit.config import INT_QUANT_METHOD, read_config_json
 from hybridjit.export import save_checkpoint
 from hybridjit.models.registry import config_from_hf, family_of
-from hybridjit.quant import dequantize_fp8_blocks, quantize_fp8_blocks
+from hybridjit.quant import dequantize_fp8_blocks, dequantize_int_groups, quantize_fp8_blocks
 from hybridjit.weights import SCALE_SUFFIX, check_checkpoint
 
 FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
@@ -99,7 +99,7 @@ def convert_checkpoint(
         if w.dtype == ml_dtypes.float8_e4m3fn:
             w = dequantize_fp8_blocks(w, np.asarray(ckpt.get(name + SCALE_SUFFIX)), cfg.fp8.block)
         elif cfg.int_quant is not None and spec.routed_expert:
-            w = _dequantize_int_groups(w, np.asarray(ckpt.get(name + SCALE_SUFFIX)), cfg.int_quant, spec.shape)
+            w = dequantize_int_groups(w, np.asarray(ckpt.get(name + SCALE_SUFFIX)), cfg.int_quant, spec.shape)
         if weight_format == "fp8":
             tensors[name], tensors[name + SCALE_SUFFIX] = quantize_fp8_blocks(w, block)
         elif bits and spec.routed_expert:
@@ -160,14 +160,3 @@ def _move_into_place(staging: Path, target: Path):
     target.rename(old)
     staging.rename(target)
     shutil.rmtree(old)
-
-
-def _dequantize_int_groups(stored: np.ndarray, scale: np.ndarray, int_quant, shape) -> np.ndarray:
-    """The inverse of quantize_int_groups (for converting an int checkpoint again)."""
-    rows, cols = shape
-    if int_quant.bits == 4:
-        nibbles = np.stack([stored & 0xF, stored >> 4], axis=-1).reshape(rows, -1)[:, :cols]
-        q = nibbles.astype(np.float32) - 8
-    else:
-        q = stored.astype(np.float32)
-    return q * np.repeat(scale.astype(np.float32), int_quant.group_size, axis=1)[:, :cols]

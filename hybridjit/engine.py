@@ -14,6 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hybridjit import expert_residency
+from hybridjit.auto_placement import DeviceBudget, device_budget, resident_expert_bytes
+from hybridjit.expert_residency import Residency
 from hybridjit.model_files import open_checkpoint, open_tokenizer
 from hybridjit.models.common.moe import ExpertSchedule
 from hybridjit.models.registry import ModelConfig, family_of
@@ -54,10 +57,15 @@ class Model:
     """A loaded checkpoint. `weights` and `config` compose with the functions of its family
     (`family`: hybridjit.models.<family>, e.g. deepseek_v3)."""
 
-    def __init__(self, path: Path, config: ModelConfig, weights, expert_layers, tokenizer, placement: Placement):
+    def __init__(
+        self, path: Path, config: ModelConfig, weights, expert_layers, tokenizer, placement: Placement,
+        loader: WeightLoader | None = None,
+    ):
         self.path, self.config, self.weights = path, config, weights
         self.expert_layers = expert_layers  # keeps the C++ bank's layers registered while the model lives
         self.tokenizer, self.placement = tokenizer, placement
+        self._loader = loader  # reads experts again from the checkpoint for their resident copies
+        self.device_budget: DeviceBudget | None = None  # what the last automatic residency had to spend
         # Decode-time settings, changeable between requests:
         self.dual_batch = True  # two or more sequences decode as two interleaved micro-batches
         # Prompt tokens (batch x length) from which prefill streams the experts to the GPU instead of
@@ -77,6 +85,56 @@ class Model:
     def close(self):
         for layer in self.expert_layers:
             layer.close()
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------------- residency
+
+    @property
+    def residency(self) -> Residency:
+        """The routed experts each MoE layer holds on the device (hybridjit.expert_residency)."""
+        return expert_residency.current(self.weights)
+
+    def probe(self, prompts, batch: int = 8) -> dict[int, np.ndarray]:
+        """Layer -> activations per routed expert over `prompts` (texts or token-id lists, as generate takes),
+        prefilled in batches: the sample a residency is chosen from (place_experts' `counts`)."""
+        seqs, _ = self._encode(prompts)
+        return expert_residency.count_activations(self, seqs, batch)
+
+    def place_experts(self, residency="auto", counts: dict[int, np.ndarray] | None = None, **budget) -> Residency:
+        """Holds routed experts on the device as `residency` says: "auto" (each MoE layer's most activated experts
+        in `counts`, else its first ones, as many as device_budget allows with `budget`'s overrides, e.g.
+        kv_tokens), a Residency, or the path of one saved as JSON. Between requests only: a layer that keeps its
+        number of resident experts has just the changed ones copied. Returns the residency now held."""
+        if self._loader is None or not self._loader.expert_names:
+            raise ValueError(f"{self.path}: this model has no routed experts in host memory to place on the device")
+        source = "residency"
+        if isinstance(residency, str | Path) and residency != "auto":
+            source, residency = str(residency), Residency.load(residency)
+        held = self.residency.experts * resident_expert_bytes(self.config, self.dtype)
+        plan = device_budget(self.config, self.placement.device, self.dtype,
+                             moe_layers=len(self._loader.expert_names), **budget)
+        if "free_bytes" not in budget:  # the copies held now are given back as they are replaced
+            plan = dataclasses.replace(plan, free_after_weights=plan.free_after_weights + held)
+        if residency == "auto":
+            layers = self._loader.expert_names
+            counts = counts or {layer: np.zeros(self.config.n_routed_experts) for layer in layers}
+            residency = Residency.most_used({layer: counts.get(layer, np.zeros(1)) for layer in layers},
+                                            plan.resident_per_layer)
+            self.device_budget = plan
+        elif not isinstance(residency, Residency):
+            raise TypeError(f"residency must be 'auto', a Residency or a path, got {residency!r:.60}")
+        residency.check(expert_residency.bank_moe_layers(self.weights), source)
+        plan.check(residency.experts)
+        loader = self._loader
+        self.weights = expert_residency.apply(
+            self.weights, residency, lambda layer, ids: loader.resident_experts(loader.expert_names[layer], ids)
+        )
+        return residency
 
     # ---------------------------------------------------------------------------------- inputs
 
@@ -346,6 +404,14 @@ def load(
     if placement is None or placement.pinned_experts:  # before Placement.default touches a device
         size_host_memory_pool(routed_expert_bytes(config, ckpt), placement and placement.device)
     placement = placement or Placement.default(dtype)
-    weights, expert_layers = WeightLoader(config, ckpt, placement, progress).load()
-    tokenizer = open_tokenizer(path, config, ckpt)
-    return Model(path, config, weights, expert_layers, tokenizer, placement)
+    loader = WeightLoader(config, ckpt, placement, progress)
+    weights, expert_layers = loader.load()
+    model = Model(path, config, weights, expert_layers, tokenizer=open_tokenizer(path, config, ckpt),
+                  placement=placement, loader=loader)
+    if placement.resident_experts is not None and loader.expert_names:
+        try:
+            model.place_experts(placement.resident_experts)
+        except BaseException:
+            model.close()
+            raise
+    return model

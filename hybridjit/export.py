@@ -10,7 +10,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from hybridjit.checkpoint import INDEX_FILE
-from hybridjit.models.common.moe import Experts
+from hybridjit.models.common.experts import Experts
 from hybridjit.models.registry import ModelConfig, family_of
 
 

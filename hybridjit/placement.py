@@ -36,18 +36,23 @@ class Placement:
     # Routed experts kept in host memory go into one pinned-host copy of `device` (hybridjit.pinned_experts)
     # that both the CPU kernels and stream-loaded prefill read, instead of staying where the checkpoint is.
     pinned_experts: bool = False
+    # Routed experts of the host-memory layers also held on `device` and computed there (the rest of each token's
+    # experts stay on the CPU): "auto" (as many as the device's memory allows, hybridjit.auto_placement), a
+    # hybridjit.expert_residency.Residency, a path to one saved as JSON, or None (none).
+    resident_experts: object = None
 
     @classmethod
     def default(cls, dtype=None, device: jax.Device | None = None) -> "Placement":
         """The first accelerator if there is one, else the CPU; float32 on CPU (exact, and XLA:CPU bf16
-        dots are no faster), bfloat16 and pinned experts on a GPU."""
+        dots are no faster), bfloat16, pinned experts and automatic expert residency on a GPU."""
         device = device or jax.devices()[0]
         on_gpu = device.platform == "gpu"
         if dtype is None:
             dtype = jnp.bfloat16 if on_gpu else jnp.float32
         # On a GPU the routed experts live in one pinned host copy, read by the CPU kernels during decode
         # and streamed to the GPU for long prompts (stream-loaded prefill).
-        return cls(device=device, dtype=compute_dtype(dtype), pinned_experts=on_gpu)
+        return cls(device=device, dtype=compute_dtype(dtype), pinned_experts=on_gpu,
+                   resident_experts="auto" if on_gpu else None)
 
     def put(self, array: np.ndarray, dtype=None) -> jax.Array:
         """A host array on the device in `dtype` (default: the compute dtype), converted on the host."""

@@ -62,3 +62,15 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     values = np.where(nibbles & 8, -1.0, 1.0).astype(np.float32) * E2M1_MAGNITUDES[nibbles & 7]
     values = values.reshape(*scales.shape, 32) * np.ldexp(np.float32(1), scales.astype(np.int32) - 127)[..., None]
     return values.reshape(*scales.shape[:-1], -1)
+
+
+def dequantize_int_groups(stored: np.ndarray, scale: np.ndarray, int_quant, shape) -> np.ndarray:
+    """int8 or int4 (two per byte) [out, ceil(in / 2)] with a float32 scale per row and group of `group_size` input
+    columns -> float32 `shape` [out, in]: the inverse of hybridjit.convert.quantize_int_groups."""
+    rows, cols = shape
+    if int_quant.bits == 4:
+        nibbles = np.stack([stored & 0xF, stored >> 4], axis=-1).reshape(rows, -1)[:, :cols]
+        q = nibbles.astype(np.float32) - 8
+    else:
+        q = stored.astype(np.float32)
+    return q * np.repeat(scale.astype(np.float32), int_quant.group_size, axis=1)[:, :cols]

@@ -44,8 +44,9 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
+from hybridjit.models.common.experts import Experts, dequantize_blocks, experts_grouped, group_by_expert
 from hybridjit.models.common.layers import linear, mlp, rms_norm
-from hybridjit.models.common.moe import Experts, MoE, dequantize_blocks, experts_grouped, group_by_expert
+from hybridjit.models.common.moe import MoE
 from hybridjit.models.common.routing import route
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.pinned_experts import ExpertBlock, PinnedExperts, pinned_layer

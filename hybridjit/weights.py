@@ -19,14 +19,15 @@ import numpy as np
 
 from hybridjit.checkpoint import CheckpointError
 from hybridjit.models.common.checkpoint_map import FusedMxfp4Experts
-from hybridjit.models.common.moe import Experts
+from hybridjit.models.common.experts import Experts
+from hybridjit.models.common.resident_experts import ResidentExperts
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.ops.gguf_experts import GGUF_EXPERT_FORMATS, register_gguf_layer
 from hybridjit.ops.gguf_experts import dequantize as dequantize_gguf
 from hybridjit.ops.routed_experts import ExpertLayer, register_layer
 from hybridjit.pinned_experts import register_pinned
 from hybridjit.placement import Placement
-from hybridjit.quant import dequantize_fp8_blocks, dequantize_mxfp4, scale_shape
+from hybridjit.quant import dequantize_fp8_blocks, dequantize_int_groups, dequantize_mxfp4, scale_shape
 
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F8_E4M3")
 EXPERT_DTYPES = ("F32", "BF16", "F8_E4M3", "I8", "U8")  # I8/U8: int8/int4 checkpoints (cfg.int_quant)
@@ -128,6 +129,7 @@ class WeightLoader:
         self.cfg, self.ckpt, self.placement, self.progress = cfg, ckpt, placement, progress
         self.total = ckpt.total_bytes()
         self.done = 0
+        self.expert_names = {}  # MoE layer -> its routed experts' tensor names, of the layers in the expert bank
 
     def _take(self, name: str) -> np.ndarray:
         self.done += self.ckpt.info(name).nbytes
@@ -139,11 +141,18 @@ class WeightLoader:
         return self._take(name + SCALE_SUFFIX).astype(np.float32, copy=False)
 
     def _dequantized(self, name: str) -> np.ndarray:
-        w = self._take(name)
-        if self.ckpt.info(name).dtype in GGUF_EXPERT_FORMATS:
-            return dequantize_gguf(w, self.ckpt.info(name).dtype)
+        return self._decoded(name, self._take(name), self._scale)
+
+    def _decoded(self, name: str, w: np.ndarray, scale: Callable[[str], np.ndarray], shape=None) -> np.ndarray:
+        """Tensor `name` (its stored array `w`) in a float dtype: GGUF blocks, FP8 with block scales and int8/int4
+        groups (of an expert matrix of `shape`) dequantized, with scale(name) giving the scales."""
+        dtype = self.ckpt.info(name).dtype
+        if dtype in GGUF_EXPERT_FORMATS:
+            return dequantize_gguf(w, dtype)
         if w.dtype == ml_dtypes.float8_e4m3fn:
-            w = dequantize_fp8_blocks(w, self._scale(name), self.cfg.fp8.block)
+            return dequantize_fp8_blocks(w, scale(name), self.cfg.fp8.block)
+        if self.cfg.int_quant is not None and dtype in ("I8", "U8"):
+            return dequantize_int_groups(w, scale(name), self.cfg.int_quant, shape)
         return w
 
     def tensor(self, name: str, dtype=None) -> jax.Array:
@@ -237,6 +246,42 @@ class WeightLoader:
             inter=self.cfg.moe_intermediate_size,
         )
 
+    def resident_experts(self, names: tuple[list[str], ...] | FusedMxfp4Experts, ids) -> ResidentExperts | None:
+        """Copies of experts `ids` of a layer (the names of every expert's gate, up and down matrices, or
+        gpt-oss's fused MXFP4 tensors) on the placement's device, read from the checkpoint again: FP8 ones as
+        stored with their block scales (dequantized where they are used, so they take half the memory of BF16),
+        any other format dequantized to the compute dtype. None when `ids` is empty."""
+        ids = sorted(int(i) for i in ids)
+        if not ids:
+            return None
+        slot_of = np.full(self.cfg.n_routed_experts, -1, np.int32)
+        slot_of[ids] = np.arange(len(ids), dtype=np.int32)
+        put, get = self.placement.put, self.ckpt.get
+        if isinstance(names, FusedMxfp4Experts):
+            fused = {p: dequantize_mxfp4(get(names.tensor(p, "blocks"))[ids], get(names.tensor(p, "scales"))[ids])
+                     for p in ("gate_up_proj", "down_proj")}
+            bias = {p: get(names.tensor(p, "bias"))[ids] for p in ("gate_up_proj", "down_proj")}
+            experts = Experts(
+                *(put(a) for a in (fused["gate_up_proj"][:, 0::2], fused["gate_up_proj"][:, 1::2], fused["down_proj"])),
+                *(put(a) for a in (bias["gate_up_proj"][:, 0::2], bias["gate_up_proj"][:, 1::2], bias["down_proj"])),
+                activation=names.activation,
+            )
+            return ResidentExperts(put(slot_of, np.int32), experts)
+        picked = [[ns[i] for i in ids] for ns in names]
+        if {self.ckpt.info(n).dtype for ns in picked for n in ns} == {"F8_E4M3"}:
+            weights = (put(np.stack([get(n) for n in ns]), ml_dtypes.float8_e4m3fn) for ns in picked)
+            scales = tuple(put(np.stack([get(n + SCALE_SUFFIX) for n in ns]), np.float32) for ns in picked)
+            return ResidentExperts(put(slot_of, np.int32), Experts(*weights), scales, tuple(self.cfg.fp8.block))
+        d, f = self.cfg.hidden_size, self.cfg.moe_intermediate_size
+
+        def scale(name):
+            return get(name + SCALE_SUFFIX).astype(np.float32, copy=False)
+
+        shapes = ((f, d), (f, d), (d, f))
+        weights = (put(np.stack([self._decoded(n, get(n), scale, shape) for n in ns]))
+                   for ns, shape in zip(picked, shapes, strict=True))
+        return ResidentExperts(put(slot_of, np.int32), Experts(*weights))
+
     def load(self) -> tuple[Any, list[ExpertLayer]]:
         check_checkpoint(self.cfg, self.ckpt)
         expert_layers: list[ExpertLayer] = []
@@ -244,6 +289,7 @@ class WeightLoader:
         def routed(names, layer):
             if self.placement.experts_on_device(layer):
                 return self.device_experts(names), None
+            self.expert_names[layer] = names
             expert_layers.append(self.experts(names))
             return None, expert_layers[-1].id
 

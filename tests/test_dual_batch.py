@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from checkpoint_factory import tiny_config, write_checkpoint
 from hlo_schedule import positions, schedule
+from hybrid_placement import hybrid
 
 import hybridjit
 from hybridjit.models import deepseek_v3 as dsv3
@@ -25,7 +26,7 @@ PROMPTS = np.array([[5, 17, 42, 99, 3, 250], [11, 12, 13, 14, 15, 16], [200, 1, 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     path = write_checkpoint(tmp_path_factory.mktemp("v3"), tiny_config("v3"), seed=31, weight_format="fp8")
-    m = hybridjit.load(path, dtype="float32")
+    m = hybridjit.load(path, placement=hybrid("float32"))
     yield m
     m.close()
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from checkpoint_factory import as_float32, read_tensors, tiny_config, write_checkpoint
+from hybrid_placement import hybrid
 
 import hybridjit
 from hybridjit.models import deepseek_v3 as dsv3
@@ -28,7 +29,7 @@ MIN_EFFECT = 1e-3
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     path = write_checkpoint(tmp_path_factory.mktemp("v3"), tiny_config("v3"), seed=21, weight_format="fp8")
-    model = hybridjit.load(path, dtype="float32")
+    model = hybridjit.load(path, placement=hybrid("float32"))
     tensors = as_float32(read_tensors(path))
     yield model, tensors
     model.close()

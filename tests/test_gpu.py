@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from checkpoint_factory import tiny_config, write_checkpoint
+from hybrid_placement import hybrid
 
 import hybridjit
 from hybridjit.ops.async_experts import GpuExpertJobError
@@ -41,7 +42,7 @@ def rel_rms(a, b):
 
 
 def test_hybrid_matches_cpu_only_in_float32(checkpoint, cpu_model):
-    gpu = hybridjit.load(checkpoint, dtype="float32")
+    gpu = hybridjit.load(checkpoint, placement=hybrid("float32"))
     try:
         assert gpu.placement.device.platform == "gpu"
         reference, logits = cpu_model.logits(PROMPTS), gpu.logits(PROMPTS)
@@ -54,7 +55,7 @@ def test_hybrid_matches_cpu_only_in_float32(checkpoint, cpu_model):
 
 def test_hybrid_in_bfloat16_is_as_accurate_as_the_cpu_in_bfloat16(checkpoint, cpu_model):
     cpu_bf16 = hybridjit.load(checkpoint, placement=Placement.default("bfloat16", jax.devices("cpu")[0]))
-    gpu = hybridjit.load(checkpoint, dtype="bfloat16")
+    gpu = hybridjit.load(checkpoint, placement=hybrid("bfloat16"))
     try:
         reference = cpu_model.logits(PROMPTS)
         gpu_logits, cpu_logits = gpu.logits(PROMPTS), cpu_bf16.logits(PROMPTS)
@@ -67,7 +68,7 @@ def test_hybrid_in_bfloat16_is_as_accurate_as_the_cpu_in_bfloat16(checkpoint, cp
 
 
 def test_failed_cpu_job_releases_the_gpu_and_raises(checkpoint):
-    gpu = hybridjit.load(checkpoint, dtype="float32")
+    gpu = hybridjit.load(checkpoint, placement=hybrid("float32"))
     gpu.generate(PROMPTS[0], max_new_tokens=4)  # compiled, and recorded as a graph
     gpu.expert_layers[0].close()  # the recorded graph now names a layer that no longer exists
     for _ in range(2):  # fails each time, never hangs

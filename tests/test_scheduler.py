@@ -2,13 +2,13 @@
 and leave a running batch get exactly what they would get alone, whatever shares their steps; the prefix
 cache, cancellation, deadlines, admission control and failures, each with what the client sees."""
 
-import dataclasses
 import threading
 import time
 
 import jax
 import numpy as np
 import pytest
+from hybrid_placement import hybrid
 
 import hybridjit
 from hybridjit.placement import Placement
@@ -221,7 +221,7 @@ def test_shutdown_cancels_what_waits_and_what_runs(model):
 
 
 def test_stream_loaded_prefill_among_decodes_gives_what_each_gets_alone():
-    placement = dataclasses.replace(Placement.default("float32"), pinned_experts=True)
+    placement = hybrid("float32", pinned_experts=True)
     model = hybridjit.load(placement=placement)
     try:
         model.stream_prefill_threshold = 40  # prompts of 40 tokens or more stream their experts

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import pytest
 from checkpoint_factory import tiny_config, write_checkpoint
+from hybrid_placement import hybrid
 
 import hybridjit
 from hybridjit import stream_prefill as sp
@@ -55,7 +56,7 @@ def checkpoint(fmt, tmp_path_factory):
 
 
 def load(checkpoint, dtype):
-    return hybridjit.load(checkpoint, placement=dataclasses.replace(Placement.default(dtype), pinned_experts=True))
+    return hybridjit.load(checkpoint, placement=hybrid(dtype, pinned_experts=True))
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +243,7 @@ def test_budget_below_one_block_is_a_clear_error(model, tokens):
 
 
 def test_unpinned_model_is_refused(checkpoint, tokens):
-    unpinned = dataclasses.replace(Placement.default("float32"), pinned_experts=False)
+    unpinned = hybrid("float32", pinned_experts=False)
     plain = hybridjit.load(checkpoint, placement=unpinned)
     try:
         with pytest.raises(ValueError, match="pinned_experts=True"):

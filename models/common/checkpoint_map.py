@@ -14,8 +14,9 @@ import jax.numpy as jnp
 
 from hybridjit.models.common.config import ModelConfig
 from hybridjit.models.common.decoder import Layer, Weights
+from hybridjit.models.common.experts import Experts
 from hybridjit.models.common.layers import MLP
-from hybridjit.models.common.moe import Experts, MoE
+from hybridjit.models.common.moe import MoE
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an MLP's or expert's matrices, in the pytree's order
 

@@ -1,6 +1,6 @@
 """The MoE block: routing, the routed experts (a layer of the C++ expert bank computed by the custom call
-behind the hybrid hand-off, or JAX-held experts computed by XLA), the shared experts, Expert Deferral and
-Skipping, and the pieces stream-loaded prefill uses to run a layer's experts block by block on the device.
+behind the hybrid hand-off, with those resident on the device computed there meanwhile, or JAX-held experts
+computed by XLA), the shared experts, and Expert Deferral and Skipping.
 
 Einsum dimension names: b batch, t query tokens, s key/cache positions, d hidden, h heads, e routed experts,
 k experts per token, f MLP intermediate. Weight matrices keep the checkpoint's [out, in] orientation.
@@ -14,47 +14,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridjit.models.common.config import ModelConfig
+from hybridjit.models.common.experts import Experts, routed_experts_dense
 from hybridjit.models.common.layers import MLP, mlp
 from hybridjit.models.common.pytree import pytree
+from hybridjit.models.common.resident_experts import ResidentExperts, resident_output, split_routes
 from hybridjit.models.common.routing import route
 from hybridjit.ops.async_experts import submit_routed_experts, wait_routed_experts
-
-
-@pytree(meta=("activation",))
-class Experts:
-    """Routed experts held as JAX arrays, stacked over experts, with optional biases and the activation joining
-    gate and up (hybridjit.ops.routed_experts.ACTIVATIONS: ("silu",) or ("clamped_swiglu", alpha, limit))."""
-
-    gate: jax.Array  # [e, f, d]
-    up: jax.Array  # [e, f, d]
-    down: jax.Array  # [e, d, f]
-    gate_bias: jax.Array | None = None  # [e, f]
-    up_bias: jax.Array | None = None  # [e, f]
-    down_bias: jax.Array | None = None  # [e, d]
-    activation: tuple = ("silu",)
-
-
-def glu(activation: tuple, g: jax.Array, u: jax.Array) -> jax.Array:
-    """What joins an expert's gate and up outputs: silu(g) * u, or gpt-oss's clamped SwiGLU, as the CPU kernels
-    (ffi/weight_bank.h, GluActivation)."""
-    if activation[0] == "silu":
-        return jax.nn.silu(g) * u
-    _, alpha, limit = activation
-    g, u = jnp.minimum(g, limit), jnp.clip(u, -limit, limit)
-    return (u + 1) * g * jax.nn.sigmoid(alpha * g)
-
-
-def _biased(y: jax.Array, bias: jax.Array | None, expert_axis: str) -> jax.Array:
-    """y [..., e, ..., f] plus bias [e, f], broadcast along the token axis (t) of the einsum layout `expert_axis`."""
-    if bias is None:
-        return y
-    return y + (bias[None] if expert_axis == "tef" else bias[:, None]).astype(y.dtype)
 
 
 @pytree(meta=("expert_layer",))
 class MoE:
     """Where the routed experts live is data: a layer of the C++ expert bank in host memory (computed by
-    the custom call), or JAX arrays (computed by XLA, e.g. for training)."""
+    the custom call), some of them also resident on the device (computed there, the rest on the CPU), or JAX
+    arrays (computed by XLA, e.g. for training)."""
 
     router: jax.Array  # [e, d], float32 as the reference routes in float32
     correction_bias: jax.Array | None  # [e], selection only (noaux_tc)
@@ -62,23 +34,7 @@ class MoE:
     experts: Experts | None = None
     expert_layer: int | None = None  # id of this layer's routed experts in the C++ expert bank
     router_bias: jax.Array | None = None  # [e], added to the router's logits (gpt-oss)
-
-
-def routed_experts_dense(w: Experts, x: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
-    """Every expert on every token, combined by the routing weights (zero for unchosen experts).
-
-    Differentiable and exact; its cost grows with the number of experts, so it serves small models
-    (training the shipped model) rather than inference at DeepSeek-V3 scale.
-    """
-    combine = jnp.zeros((x.shape[0], w.gate.shape[0]), jnp.float32)
-    combine = combine.at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
-    g = _biased(jnp.einsum("td,efd->tef", x, w.gate), w.gate_bias, "tef")
-    u = _biased(jnp.einsum("td,efd->tef", x, w.up), w.up_bias, "tef")
-    hidden = glu(w.activation, g, u)
-    if w.down_bias is None:
-        return jnp.einsum("tef,edf,te->td", hidden, w.down, combine.astype(x.dtype))
-    y = _biased(jnp.einsum("tef,edf->ted", hidden, w.down), w.down_bias, "tef")
-    return jnp.einsum("ted,te->td", y, combine.astype(x.dtype))
+    resident: ResidentExperts | None = None  # copies of some of the bank layer's experts on the device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,13 +59,20 @@ class ExpertSchedule:
 
 @dataclasses.dataclass
 class Started:
-    """Routed experts handed to the CPU (or computed by XLA): their result, once `other` exists."""
+    """Routed experts handed to the CPU (or computed by XLA): their result, once `other` exists. `device` is the
+    part the device computes meanwhile (its resident experts' pairs, float32), or None."""
 
     pending: jax.Array
     finish: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]  # (pending, other) -> (result, other)
+    device: jax.Array | None = None
 
     def result(self, other: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return self.finish(self.pending, other)
+        if self.device is None:
+            return self.finish(self.pending, other)
+        # The wait takes `other` only once the device part exists: it runs while the CPU works, not after.
+        other, device = jax.lax.optimization_barrier((other, self.device))
+        out, other = self.finish(self.pending, other)
+        return (out + device).astype(out.dtype), other
 
 
 def _by_weight(ids: jax.Array, weights: jax.Array, sizes: tuple[int, ...]):
@@ -121,12 +84,22 @@ def _by_weight(ids: jax.Array, weights: jax.Array, sizes: tuple[int, ...]):
 
 
 def _start_routed(w: MoE, tokens, ids, weights, slot: int) -> tuple[Started, jax.Array]:
-    """Starts routed experts: (the Started job, tokens passed through, to order what uses them after)."""
+    """Starts routed experts: (the Started job, tokens passed through, to order what uses them after).
+
+    With resident experts the CPU gets the other experts' pairs, and the device computes its own after the
+    hand-off (on the passed-through tokens), so that the two halves run at the same time."""
     if w.experts is not None:
         return Started(routed_experts_dense(w.experts, tokens, ids, weights), lambda p, o: (p, o)), tokens
+    res = w.resident
+    if res is not None and res.count == res.slot_of.shape[0]:  # every expert resident: no CPU job
+        device = resident_output(res, tokens, split_routes(res, ids, weights)[1])
+        return Started(device.astype(tokens.dtype), lambda p, o: (p, o)), tokens
+    if res is not None:
+        weights, pairs = split_routes(res, ids, weights)
     pending, tokens = submit_routed_experts(tokens, ids, weights, layer=w.expert_layer, slot=slot)
     k = ids.shape[1]
-    return Started(pending, lambda p, o: wait_routed_experts(p, o, top_k=k, slot=slot)), tokens
+    device = None if res is None else resident_output(res, tokens, pairs)
+    return Started(pending, lambda p, o: wait_routed_experts(p, o, top_k=k, slot=slot), device), tokens
 
 
 @dataclasses.dataclass
@@ -200,48 +173,3 @@ def moe(cfg: ModelConfig, w: MoE, x: jax.Array, **options):
     return out, chosen, deferred
 
 
-def dequantize_blocks(w: jax.Array, scale: jax.Array, block: tuple[int, int], dtype) -> jax.Array:
-    """FP8 weights [..., out, in] with block scales [..., ceil(out/bo), ceil(in/bi)] -> dtype, on the device.
-
-    Edge blocks may be partial: each scale is repeated over its block and cut to the weight's shape."""
-    scale = jnp.repeat(jnp.repeat(scale, block[0], axis=-2), block[1], axis=-1)
-    return (w.astype(jnp.float32) * scale[..., : w.shape[-2], : w.shape[-1]]).astype(dtype)
-
-
-def group_by_expert(ids: jax.Array, weights: jax.Array, n_experts: int, capacity: int, first: int = 0, skip: int = 0):
-    """Token-expert pairs (ids, weights [T, k] from route) of experts [first, first + n_experts) grouped by
-    expert, `capacity` slots per expert; pairs of other experts are left out.
-
-    Returns (rows [n_experts, capacity] int32: the token in each slot, T in empty slots; slot weights
-    [n_experts, capacity] float32: its routing weight, 0 in empty slots). Each expert's pairs are taken in token
-    order from its `skip`-th on (so calls with skip = 0, capacity, 2 x capacity, ... cover an expert's pairs
-    in passes of bounded size); pairs beyond skip + capacity are dropped, never written into another expert's
-    slots: dropless when skip = 0 and capacity >= the largest count among these experts. Calls on the same ids
-    in one jit share their sort.
-    """
-    t, k = ids.shape
-    flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    expert = flat[order]
-    counts = jnp.zeros(max(first + n_experts, 1), jnp.int32).at[flat].add(1, mode="drop")
-    rank = jnp.arange(t * k) - (jnp.cumsum(counts) - counts)[jnp.clip(expert, 0, counts.shape[0] - 1)] - skip
-    local = expert - first
-    keep = (local >= 0) & (local < n_experts) & (rank >= 0) & (rank < capacity)
-    slot = jnp.where(keep, local * capacity + rank, n_experts * capacity)
-    rows = jnp.full(n_experts * capacity, t, jnp.int32).at[slot].set(order // k, mode="drop")
-    slot_weights = jnp.zeros(n_experts * capacity, jnp.float32).at[slot].set(weights.reshape(-1)[order], mode="drop")
-    return rows.reshape(n_experts, capacity), slot_weights.reshape(n_experts, capacity)
-
-
-def experts_grouped(w: Experts, x: jax.Array, rows: jax.Array, slot_weights: jax.Array, out: jax.Array):
-    """out [T, d] float32 plus the experts w (e of them, stacked) on their routed tokens of x [T, d].
-
-    rows, slot_weights [e, c]: this block's slots from group_by_expert. Tokens are gathered per expert and the
-    three projections run as batched GEMMs over the experts (never ragged_dot: DESIGN.md §5)."""
-    xs = jnp.take(x, rows, axis=0, mode="fill", fill_value=0)  # [e, c, d]
-    g = _biased(jnp.einsum("ecd,efd->ecf", xs, w.gate), w.gate_bias, "ecf")
-    u = _biased(jnp.einsum("ecd,efd->ecf", xs, w.up), w.up_bias, "ecf")
-    y = jnp.einsum("ecf,edf->ecd", glu(w.activation, g, u), w.down, preferred_element_type=jnp.float32)
-    y = _biased(y, w.down_bias, "ecf")
-    y = y * slot_weights[..., None]
-    return out.at[rows.reshape(-1)].add(y.reshape(-1, x.shape[-1]), mode="drop")

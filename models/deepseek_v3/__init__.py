@@ -14,15 +14,9 @@ This package also re-exports its model's functions and the shared pieces it comp
 
 # The shared pieces this family composes, here too for whoever composes its functions.
 from hybridjit.models.common.decoder import Layer, Weights
+from hybridjit.models.common.experts import Experts, dequantize_blocks, experts_grouped, group_by_expert
 from hybridjit.models.common.layers import MLP, linear, mlp, rms_norm
-from hybridjit.models.common.moe import (
-    Experts,
-    ExpertSchedule,
-    MoE,
-    dequantize_blocks,
-    experts_grouped,
-    group_by_expert,
-)
+from hybridjit.models.common.moe import ExpertSchedule, MoE
 from hybridjit.models.common.routing import route
 from hybridjit.models.deepseek_v3 import ckpt, config, cost, model
 from hybridjit.models.deepseek_v3.ckpt import build_weights, checkpoint_layout

@@ -5,7 +5,7 @@ from typing import Any
 
 from hybridjit.models.common.checkpoint_map import Layout, MoENames, TensorSpec, build_decoder_weights, decoder_layout
 from hybridjit.models.common.decoder import Weights
-from hybridjit.models.common.moe import Experts
+from hybridjit.models.common.experts import Experts
 from hybridjit.models.deepseek_v3.config import DeepseekV3Config as ModelConfig
 from hybridjit.models.deepseek_v3.model import MLA
 

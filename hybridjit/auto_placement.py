@@ -1,0 +1,114 @@
+"""How many routed experts the GPU holds: the device memory left once the rest of the model is loaded, less what
+serving and prefill will need there, spent on resident experts, the same number in every MoE layer; a model
+whose experts all fit runs entirely on the GPU.
+
+The reserve is sized from the model: the KV cache of `kv_tokens` tokens (the serving slots' cache), two blocks
+of stream-loaded prefill's expert ring (one in use, one arriving) and room for activations. Everything can be
+overridden; a residency that does not fit is refused at load with the numbers, never an out-of-memory error in
+the middle of a request.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hybridjit.models.registry import ModelConfig, family_of
+from hybridjit.pinned_experts import BLOCKS_PER_LAYER
+
+GIB = 2**30
+UNBOUNDED = 2**62  # the free memory of a device that reports none
+# Default reserve for the KV cache: 8 serving slots of 8K tokens.
+KV_TOKENS = 8 * 8192
+# Activations of decode and of a long prefill chunk, and the allocator's fragmentation: a fixed part and a share of
+# the device's memory.
+ACTIVATION_RESERVE = 4 * GIB
+FRAGMENTATION_SHARE = 0.05
+
+
+def resident_expert_bytes(cfg: ModelConfig, dtype) -> int:
+    """Device bytes of one resident expert: FP8 as stored with its float32 block scales, any other format in the
+    compute dtype."""
+    d, f = cfg.hidden_size, cfg.moe_intermediate_size
+    if cfg.fp8 is not None and cfg.int_quant is None:
+        bo, bi = cfg.fp8.block
+        return 3 * d * f + 4 * (2 * -(-f // bo) * -(-d // bi) + -(-d // bo) * -(-f // bi))
+    return 3 * d * f * jnp.dtype(dtype).itemsize
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype) -> int:
+    """KV-cache bytes of one token over all layers, from the family's own cache layout."""
+    cache = jax.eval_shape(lambda: family_of(cfg).model.init_cache(cfg, 1, 1, dtype))
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(cache))
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceBudget:
+    """The device memory the resident experts may use, and how it was found (bytes)."""
+
+    device_total: int
+    free_after_weights: int
+    kv_cache: int
+    prefill_ring: int
+    activations: int
+    per_expert: int
+    moe_layers: int
+    experts_per_layer: int  # routed experts in each MoE layer
+
+    @property
+    def reserved(self) -> int:
+        return self.kv_cache + self.prefill_ring + self.activations
+
+    @property
+    def for_experts(self) -> int:
+        return max(0, self.free_after_weights - self.reserved)
+
+    @property
+    def resident_per_layer(self) -> int:
+        """The most experts every MoE layer can hold on the device."""
+        if not self.moe_layers:
+            return 0
+        return min(self.experts_per_layer, self.for_experts // (self.per_expert * self.moe_layers))
+
+    def check(self, resident_experts: int) -> None:
+        """Raises ValueError, with the numbers, when `resident_experts` (over all layers) do not fit."""
+        needed = resident_experts * self.per_expert
+        if needed > self.for_experts:
+            raise ValueError(
+                f"the resident experts need {needed / GIB:.2f} GiB of device memory ({resident_experts} experts of "
+                f"{self.per_expert / 2**20:.1f} MiB); {self.for_experts / GIB:.2f} GiB is available: "
+                f"{self.free_after_weights / GIB:.2f} GiB free after the other weights, less "
+                f"{self.reserved / GIB:.2f} GiB reserved (KV cache {self.kv_cache / GIB:.2f}, prefill ring "
+                f"{self.prefill_ring / GIB:.2f}, activations {self.activations / GIB:.2f})"
+            )
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "for_experts": self.for_experts,
+                "resident_per_layer": self.resident_per_layer}
+
+
+def device_budget(cfg: ModelConfig, device: jax.Device, dtype, *, kv_tokens: int = KV_TOKENS,
+                  free_bytes: int | None = None, moe_layers: int | None = None) -> DeviceBudget:
+    """The budget on `device` now (call it once the other weights are there); `free_bytes` overrides the free
+    memory the device reports. A device that reports none (the CPU) has no bound."""
+    stats = device.memory_stats() or {}
+    total = int(stats.get("bytes_limit", 0))
+    if free_bytes is None:
+        free_bytes = total - int(stats.get("bytes_in_use", 0)) if total else UNBOUNDED
+    if moe_layers is None:
+        moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    per_expert = resident_expert_bytes(cfg, dtype)
+    return DeviceBudget(
+        device_total=total,
+        free_after_weights=free_bytes,
+        kv_cache=kv_tokens * kv_bytes_per_token(cfg, dtype),
+        # Stream-loaded prefill, where the family has it, keeps two blocks of a layer's experts (as stored: FP8 or
+        # BF16) on the device.
+        prefill_ring=2 * -(-cfg.n_routed_experts // BLOCKS_PER_LAYER) * resident_expert_bytes(cfg, jnp.bfloat16)
+        if hasattr(family_of(cfg).model, "ChunkedAttention") else 0,
+        activations=ACTIVATION_RESERVE + int(FRAGMENTATION_SHARE * total),
+        per_expert=per_expert,
+        moe_layers=moe_layers,
+        experts_per_layer=cfg.n_routed_experts,
+    )

@@ -1,0 +1,106 @@
+"""Routed experts resident on the device: some of a MoE layer's experts held on the GPU, computed there by XLA
+while the CPU computes the rest of each token's experts (issue #23).
+
+A layer's expert bank in host memory always keeps every expert, so the device copies are an acceleration the
+runtime may use or not, call by call: each token's routed pairs are split into those whose expert is resident
+(computed here) and the others (handed to the CPU with the resident pairs' weights set to zero, which the CPU
+kernels skip). The two halves run concurrently inside the same compiled step and are summed.
+
+Two ways to compute the resident pairs, chosen by shape (static):
+- gathered (few pairs, as in decode): each pair's expert is gathered and multiplied on its token alone, so a
+  step reads only the experts it uses;
+- grouped (many pairs): the pairs are grouped per resident expert with a fixed capacity per expert, as
+  batched GEMMs over every resident expert; pairs beyond an expert's capacity go to the CPU with the others,
+  so the result is exact whatever the routing.
+
+Einsum dimension names: r resident experts or routed pairs, c capacity, d hidden, f intermediate.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from hybridjit.models.common.experts import Experts, dequantize_blocks, experts_grouped, glu, grouped_pairs
+from hybridjit.models.common.pytree import pytree
+
+# Grouped computation gives each resident expert room for this many times its mean share of the pairs; the
+# rest of a popular expert's pairs run on the CPU.
+CAPACITY_FACTOR = 4
+
+
+@pytree(meta=("quant_block",))
+class ResidentExperts:
+    """Some of a layer's routed experts on the device: `slot_of` [e] int32 gives each expert's index in the
+    stacks of `experts` (-1: not resident); `experts` holds them [r, ...] in the compute dtype, or FP8 with
+    block `scales` (gate, up, down) [r, out blocks, in blocks] float32, dequantized where they are used."""
+
+    slot_of: jax.Array
+    experts: Experts
+    scales: tuple[jax.Array, jax.Array, jax.Array] | None = None
+    quant_block: tuple[int, int] | None = None
+
+    @property
+    def count(self) -> int:
+        return self.experts.gate.shape[0]
+
+    def dequantized(self, experts: Experts, scales, dtype) -> Experts:
+        """`experts` (a gather or all of the stacks) in `dtype`, FP8 ones scaled by their `scales` blocks."""
+        if scales is None:
+            weights = (experts.gate.astype(dtype), experts.up.astype(dtype), experts.down.astype(dtype))
+        else:
+            pairs = zip((experts.gate, experts.up, experts.down), scales, strict=True)
+            weights = tuple(dequantize_blocks(w, s, self.quant_block, dtype) for w, s in pairs)
+        return Experts(*weights, experts.gate_bias, experts.up_bias, experts.down_bias, experts.activation)
+
+
+@pytree(meta=("gathered",))
+class ResidentPairs:
+    """The routed pairs a step computes on the device: per pair (gathered: slots and weights [T, k], weight 0
+    where the pair runs on the CPU) or grouped per resident expert (rows and slot weights [r, capacity])."""
+
+    index: jax.Array
+    weights: jax.Array
+    gathered: bool
+
+
+def split_routes(res: ResidentExperts, ids: jax.Array, weights: jax.Array) -> tuple[jax.Array, ResidentPairs]:
+    """Splits each token's routed pairs (ids, weights [T, k]) between the device and the CPU: (the CPU's weights
+    [T, k]: the routing weights with the pairs the device computes set to zero, those pairs)."""
+    t, k = ids.shape
+    slots = res.slot_of[ids]
+    resident = slots >= 0
+    if t * k <= res.count:
+        here = resident
+        pairs = ResidentPairs(jnp.maximum(slots, 0), jnp.where(here, weights, 0.0), gathered=True)
+    else:
+        capacity = min(t, -(-CAPACITY_FACTOR * t * k // res.slot_of.shape[0]))
+        rows, slot_weights, here = grouped_pairs(jnp.where(resident, slots, res.count), weights, res.count, capacity)
+        pairs = ResidentPairs(rows, slot_weights, gathered=False)
+    return jnp.where(here, 0.0, weights).astype(weights.dtype), pairs
+
+
+def _plus(y: jax.Array, bias: jax.Array | None) -> jax.Array:
+    """y [r, ...] plus each pair's own bias [r, ...] (the gathered experts' biases)."""
+    return y if bias is None else y + bias.astype(y.dtype)
+
+
+def resident_output(res: ResidentExperts, x: jax.Array, pairs: ResidentPairs) -> jax.Array:
+    """The resident experts on their pairs of x [T, d] (from split_routes): float32 [T, d]."""
+    if not pairs.gathered:
+        experts = res.dequantized(res.experts, res.scales, x.dtype)
+        return experts_grouped(experts, x, pairs.index, pairs.weights, jnp.zeros(x.shape, jnp.float32))
+    t, k = pairs.index.shape
+    flat = pairs.index.reshape(-1)
+
+    def take(a):
+        return None if a is None else jnp.take(a, flat, axis=0)
+
+    e = res.experts
+    picked = Experts(*map(take, (e.gate, e.up, e.down, e.gate_bias, e.up_bias, e.down_bias)), e.activation)
+    w = res.dequantized(picked, None if res.scales is None else tuple(map(take, res.scales)), x.dtype)
+    # Each pair's expert on its own token: a step reads the k experts of each token, never all the resident ones.
+    xs = jnp.repeat(x, k, axis=0)  # [r = t * k, d]
+    g = _plus(jnp.einsum("rd,rfd->rf", xs, w.gate), w.gate_bias)
+    u = _plus(jnp.einsum("rd,rfd->rf", xs, w.up), w.up_bias)
+    y = jnp.einsum("rf,rdf->rd", glu(w.activation, g, u), w.down, preferred_element_type=jnp.float32)
+    y = _plus(y, w.down_bias) * pairs.weights.reshape(-1, 1)
+    return y.reshape(t, k, -1).sum(axis=1)

@@ -1,0 +1,268 @@
+"""Routed experts resident on the device (issue #23): a split layer (some experts computed by XLA, the rest by the
+CPU kernels) equals the all-CPU layer for every family and every residency pattern, none and all included, and
+across a re-placement between decode steps; the residency file, the probe and the automatic budget.
+
+Float32 on the CPU, with the CPU kernels that multiply float32 exactly (kernel_choice.py), so that the only
+difference between the halves is float32 summation order.
+"""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from checkpoint_factory import tiny_config, write_checkpoint
+from kernel_choice import EXACT_FLOAT32_FAMILY, kernel_family
+from test_families import PROMPTS, TINY, rel_rms
+
+import hybridjit
+from hybridjit.auto_placement import device_budget, resident_expert_bytes
+from hybridjit.expert_residency import Residency, ResidencyError
+from hybridjit.export import save_checkpoint
+from hybridjit.models import registry
+from hybridjit.models.common.experts import Experts, routed_experts_dense
+from hybridjit.models.common.resident_experts import ResidentExperts, resident_output, split_routes
+from hybridjit.placement import Placement
+from hybridjit.quant import dequantize_fp8_blocks, quantize_fp8_blocks
+from hybridjit.resolve import default_model_dir
+from hybridjit.sampling import SamplingParams
+from hybridjit.serving.engine import Engine
+from hybridjit.synthetic import SyntheticCheckpoint
+
+SAME_MATH_RTOL = 1e-5  # float32, the same products summed in another order
+
+
+# ------------------------------------------------------------------------------ the split on its own
+
+
+def _random_experts(rng, e, d, f, biases=False, activation=("silu",)):
+    def arr(*shape):
+        return rng.standard_normal(shape).astype(np.float32) / np.sqrt(shape[-1])
+
+    bias = (arr(e, f), arr(e, f), arr(e, d)) if biases else (None, None, None)
+    return Experts(arr(e, f, d), arr(e, f, d), arr(e, d, f), *bias, activation=activation)
+
+
+def _resident(experts: Experts, ids, fp8_block=None):
+    """ResidentExperts of `ids` of `experts` (float32 numpy), FP8-quantized per block when fp8_block is given."""
+    slot_of = np.full(experts.gate.shape[0], -1, np.int32)
+    slot_of[ids] = np.arange(len(ids))
+    pick = [None if a is None else jnp.asarray(a[ids]) for a in
+            (experts.gate, experts.up, experts.down, experts.gate_bias, experts.up_bias, experts.down_bias)]
+    if fp8_block is None:
+        return ResidentExperts(jnp.asarray(slot_of), Experts(*pick, activation=experts.activation))
+    quantized = [[quantize_fp8_blocks(m, fp8_block) for m in np.asarray(w)] for w in pick[:3]]
+    weights = [jnp.asarray(np.stack([q for q, _ in qs])) for qs in quantized]
+    scales = tuple(jnp.asarray(np.stack([s for _, s in qs])) for qs in quantized)
+    stacks = Experts(*weights, *pick[3:], activation=experts.activation)
+    return ResidentExperts(jnp.asarray(slot_of), stacks, scales, fp8_block)
+
+
+def _route(rng, t, e, k, skew=0.0):
+    """Distinct top-k ids per token (popularity ~ rank^-skew) and positive weights."""
+    p = np.arange(1, e + 1, dtype=np.float64) ** -skew
+    ids = np.stack([rng.choice(e, k, replace=False, p=p / p.sum()) for _ in range(t)]).astype(np.int32)
+    return jnp.asarray(ids), jnp.asarray(rng.uniform(0.1, 1.0, (t, k)).astype(np.float32))
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 64], ids=["gathered-1", "gathered-3", "grouped-64"])
+@pytest.mark.parametrize("features", ["plain", "biases-clamped", "fp8"])
+def test_split_routes_sum_to_the_whole_layer(tokens, features):
+    """Device part + the CPU's pairs (as weights) = every pair on one side, gathered (few pairs) and grouped (many,
+    with skewed routing overflowing the hot experts' capacity onto the CPU)."""
+    rng = np.random.default_rng(tokens)
+    e, d, f, k = 64, 32, 24, 4
+    activation = ("clamped_swiglu", 1.702, 0.5) if features == "biases-clamped" else ("silu",)
+    experts = _random_experts(rng, e, d, f, biases=features == "biases-clamped", activation=activation)
+    ids_resident = [0, 1, 2, 5, 8, 9, 13, 20, 21, 30, 33, 40, 50, 63]
+    res = _resident(experts, ids_resident, (8, 8) if features == "fp8" else None)
+    if features == "fp8":  # the reference multiplies what the device holds: the dequantized FP8 weights
+        deq = [np.stack([dequantize_fp8_blocks(np.asarray(w[i]), np.asarray(s[i]), (8, 8)) for i in range(len(w))])
+               for w, s in zip((res.experts.gate, res.experts.up, res.experts.down), res.scales, strict=True)]
+        full = [np.asarray(a).copy() for a in (experts.gate, experts.up, experts.down)]
+        for full_w, w in zip(full, deq, strict=True):
+            full_w[ids_resident] = w
+        experts = dataclasses.replace(experts, gate=full[0], up=full[1], down=full[2])
+    x = jnp.asarray(rng.standard_normal((tokens, d)).astype(np.float32))
+    ids, weights = _route(rng, tokens, e, k, skew=1.5)
+    cpu_weights, pairs = split_routes(res, ids, weights)
+    assert pairs.gathered == (tokens * k <= len(ids_resident))
+    # A pair is computed on one side exactly: the CPU keeps its weight or gets 0, and the device's pairs are
+    # exactly the zeroed ones.
+    on_cpu = np.asarray(cpu_weights) != 0
+    assert np.all(np.where(on_cpu, np.asarray(cpu_weights) == np.asarray(weights), True))
+    assert np.all(on_cpu | np.isin(np.asarray(ids), ids_resident))  # only resident experts leave the CPU
+    jx = jax.tree.map(jnp.asarray, experts)
+    device = resident_output(res, x, pairs)
+    cpu = routed_experts_dense(jx, x, ids, cpu_weights)
+    whole = routed_experts_dense(jx, x, ids, weights)
+    assert rel_rms(np.asarray(device + cpu), np.asarray(whole)) < SAME_MATH_RTOL
+    if tokens == 64:  # the skew overflowed some resident expert's capacity onto the CPU, and the rest ran here
+        resident_pairs = np.isin(np.asarray(ids), ids_resident)
+        assert 0 < np.sum(resident_pairs & on_cpu) < np.sum(resident_pairs)
+
+
+# ------------------------------------------------------------------------------ every family, whole model
+
+
+@pytest.fixture(scope="module", params=sorted(TINY))
+def family_checkpoint(request, tmp_path_factory):
+    raw = TINY[request.param]
+    cfg = registry.config_from_hf(raw)
+    synthetic = SyntheticCheckpoint(cfg, seed=5)
+    tensors = {name: np.asarray(synthetic.get(name)) for name in synthetic.tensors}
+    tensors = {n: t if t.dtype == np.uint8 else t.astype(np.float32) for n, t in tensors.items()}
+    return save_checkpoint(tmp_path_factory.mktemp(request.param), {**raw, "eos_token_id": None}, tensors)
+
+
+def _load(path, resident):
+    return hybridjit.load(path, placement=dataclasses.replace(Placement.default("float32"), resident_experts=resident))
+
+
+def _half(cfg) -> Residency:
+    """About half of each MoE layer's experts, different ones in consecutive layers."""
+    moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    return Residency({layer: tuple(range(n % 2, cfg.n_routed_experts, 2)) for n, layer in enumerate(moe)})
+
+
+def _decode(m, steps, replace_at: dict):
+    """Greedy tokens [sequence, step] of PROMPTS through a serving Engine, with m.place_experts(r) called before
+    each step of replace_at {step: r}."""
+    engine = Engine(m, len(PROMPTS), 64)
+    params = SamplingParams()
+    prefilled = engine.prefill(PROMPTS, [params] * len(PROMPTS))
+    for slot in range(len(PROMPTS)):
+        engine.insert(prefilled, slot, slot, params)
+    tokens = [np.asarray(prefilled.tokens)]
+    for step in range(1, steps):
+        if step in replace_at:
+            assert m.place_experts(replace_at[step]) == m.residency == replace_at[step]
+        tokens.append(np.asarray(engine.generate().tokens()))
+    return np.stack(tokens, axis=1).tolist()
+
+
+def test_split_layers_equal_the_all_cpu_model_across_re_placements(family_checkpoint):
+    """Half the experts resident, then the other half (the changed experts swapped in place between decode steps),
+    then one per layer, then all of them (no CPU job): logits and greedy tokens are the all-CPU model's."""
+    steps = 6
+    with kernel_family(EXACT_FLOAT32_FAMILY):
+        with _load(family_checkpoint, None) as ref_model:
+            reference = ref_model.logits(PROMPTS)
+            greedy = ref_model.generate(PROMPTS, max_new_tokens=steps)
+        half = _half(registry.config_from_json(family_checkpoint / "config.json"))
+        with _load(family_checkpoint, half) as m:
+            e = m.config.n_routed_experts
+            assert m.residency == half
+            assert rel_rms(m.logits(PROMPTS), reference) < SAME_MATH_RTOL
+            flipped = Residency({layer: tuple(sorted(set(range(e)) - set(ids))) for layer, ids in half.layers.items()})
+            fewer = Residency({layer: ids[:1] for layer, ids in half.layers.items()})
+            assert _decode(m, steps, {2: flipped, 4: fewer}) == greedy
+            everything = m.place_experts("auto")
+            assert all(len(ids) == e for ids in everything.layers.values())
+            assert rel_rms(m.logits(PROMPTS), reference) < SAME_MATH_RTOL
+            assert m.generate(PROMPTS, max_new_tokens=steps) == greedy
+
+
+# ------------------------------------------------------------------------------ choosing and keeping a residency
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    with kernel_family(EXACT_FLOAT32_FAMILY), hybridjit.load() as m:
+        yield m
+
+
+def test_probe_counts_every_routed_pair(embedded):
+    prompts = ["def f(x):\n    return x", "import os"]
+    counts = embedded.probe(prompts)
+    cfg = embedded.config
+    assert sorted(counts) == [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    tokens = sum(len(embedded.tokenizer.encode(p)) for p in prompts)
+    assert all(int(c.sum()) == tokens * cfg.num_experts_per_tok for c in counts.values())
+    top = Residency.most_used(counts, 4)
+    assert all(set(ids) == set(np.argsort(-counts[layer], kind="stable")[:4]) for layer, ids in top.layers.items())
+    assert top.covered_share(counts) >= 4 / cfg.n_routed_experts
+
+
+def test_the_residency_file_round_trips_and_bad_ones_are_named(tmp_path, embedded):
+    residency = Residency({1: (3, 0), 2: (5,)})
+    path = tmp_path / "placement.json"
+    residency.save(path)
+    assert Residency.load(path) == residency == Residency({1: (0, 3), 2: (5,)})
+    bad = {"format": "hybridjit-residency", "version": 1, "layers": {"1": [0, 99]}}
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ResidencyError, match=r"layer 1 names expert 99; its experts are 0\.\.15"):
+        embedded.place_experts(path)
+    path.write_text(json.dumps({**bad, "layers": {"0": [1]}}))  # layer 0 is dense
+    with pytest.raises(ResidencyError, match=r"placement\.json: layer 0 is not a MoE layer"):
+        embedded.place_experts(path)
+    path.write_text("{}")
+    with pytest.raises(ResidencyError, match=r"placement\.json: not a residency file"):
+        Residency.load(path)
+
+
+def test_auto_fills_the_budget_and_a_residency_that_does_not_fit_is_refused_with_numbers(embedded):
+    cfg = embedded.config
+    per_expert = resident_expert_bytes(cfg, embedded.dtype)
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    plan = device_budget(cfg, embedded.placement.device, embedded.dtype, free_bytes=0)
+    room = plan.reserved + 5 * moe_layers * per_expert + per_expert  # five per layer, and a bit
+    assert embedded.place_experts("auto", free_bytes=room).experts == 5 * moe_layers
+    assert embedded.device_budget.resident_per_layer == 5
+    with pytest.raises(ValueError, match=r"need .* GiB of device memory \(18 experts of .*available"):
+        embedded.place_experts(Residency({1: tuple(range(6)), 2: tuple(range(6)), 3: tuple(range(6))}),
+                               free_bytes=room)
+    assert embedded.place_experts(Residency({})).experts == 0
+
+
+def test_fp8_experts_stay_fp8_on_the_device_and_match():
+    """The FP8 embedded model: the resident copies are kept as stored (FP8 and block scales), dequantized where
+    they are used, and the model's logits are the all-CPU ones."""
+    path = default_model_dir().parent / "default-fp8"
+    prompts = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13]]
+    with kernel_family(EXACT_FLOAT32_FAMILY):
+        with _load(path, None) as ref_model:
+            reference = ref_model.logits(prompts)
+        with _load(path, "auto") as m:
+            res = m.weights.layers[1].mlp.resident
+            assert res.experts.gate.dtype == ml_dtypes.float8_e4m3fn and res.scales is not None
+            assert rel_rms(m.logits(prompts), reference) < SAME_MATH_RTOL
+
+
+# ------------------------------------------------------------------------------ on a GPU
+
+on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+GPU_FLOAT32_RTOL = 1e-4  # test_gpu.py's: float32 on both sides, summation order only
+BFLOAT16_SLACK = 1e-2  # test_gpu.py's: as close to float32 as the CPU in bfloat16 is, within this
+
+
+@on_gpu
+@pytest.mark.parametrize("weight_format", ["bf16", "fp8"])
+def test_split_layers_on_the_gpu_match_the_cpu(weight_format, tmp_path):
+    """The hand-off and the resident experts in the same compiled step, half the experts each side, and the default
+    on a GPU (auto: a tiny model's experts all fit, so all are resident and no CPU job runs)."""
+    path = write_checkpoint(tmp_path, tiny_config("v3", eos_token_id=None), seed=11, weight_format=weight_format)
+    prompts = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13]]
+    cpu = jax.devices("cpu")[0]
+    with hybridjit.load(path, placement=Placement.default("float32", cpu)) as ref_model:
+        reference, greedy = ref_model.logits(prompts), ref_model.generate(prompts, max_new_tokens=8)
+        half = _half(ref_model.config)
+        with hybridjit.load(path, placement=Placement.default("bfloat16", cpu)) as cpu_bf16:
+            cpu_error = rel_rms(cpu_bf16.logits(prompts), reference)
+    with _load_gpu(path, "float32", half) as m:
+        assert rel_rms(m.logits(prompts), reference) < GPU_FLOAT32_RTOL
+        assert m.generate(prompts, max_new_tokens=8) == greedy
+    with _load_gpu(path, "bfloat16", half) as m:
+        assert rel_rms(m.logits(prompts), reference) < cpu_error + BFLOAT16_SLACK
+    with hybridjit.load(path, dtype="float32") as m:  # the default placement on a GPU
+        assert all(len(ids) == m.config.n_routed_experts for ids in m.residency.layers.values())
+        assert m.device_budget.resident_per_layer == m.config.n_routed_experts
+        assert rel_rms(m.logits(prompts), reference) < GPU_FLOAT32_RTOL
+        assert m.generate(prompts, max_new_tokens=8) == greedy
+
+
+def _load_gpu(path, dtype, residency):
+    return hybridjit.load(path, placement=dataclasses.replace(Placement.default(dtype), resident_experts=residency))
