@@ -529,19 +529,52 @@ HJ_AMX void StoreSums(const GroupSums& g) {
 }
 
 HJ_AMX void AddSums(const GroupSums& g, int64_t out_stride) {
-  for (int i = 0; i < 2; ++i) {
-    for (int j = 0; j < 2; ++j) {
-      const __m512 x = _mm512_loadu_ps(g.xs + j * kTileRows);
-      const int32_t* c = g.sums + (2 * i + j) * 256;
-      for (int m = 0; m < kTileRows; ++m) {
-        float* o = g.out + (i * kTileRows + m) * out_stride + j * kTileRows;
-        const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(g.ws[i * kTileRows + m]), x);
-        const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(c + m * 16));
-        _mm512_storeu_ps(o, g.first ? _mm512_mul_ps(v, scale) : _mm512_fmadd_ps(v, scale, _mm512_loadu_ps(o)));
-      }
+  const int32_t* sums = g.sums;
+  const float* ws = g.ws;
+  float* out = g.out;
+  const __m512 x[2] = {_mm512_loadu_ps(g.xs), _mm512_loadu_ps(g.xs + kTileRows)};
+  if (g.first) {
+    for (int m = 0; m < 2 * kTileRows; ++m, out += out_stride) {
+      const __m512 w = _mm512_set1_ps(ws[m]);
+      const int32_t* c = sums + (m / kTileRows) * 512 + (m % kTileRows) * 16;
+      _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c)), _mm512_mul_ps(w, x[0])));
+      _mm512_storeu_ps(out + kTileRows, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 256)), _mm512_mul_ps(w, x[1])));
     }
+    return;
+  }
+  for (int m = 0; m < 2 * kTileRows; ++m, out += out_stride) {
+    const __m512 w = _mm512_set1_ps(ws[m]);
+    const int32_t* c = sums + (m / kTileRows) * 512 + (m % kTileRows) * 16;
+    _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c)), _mm512_mul_ps(w, x[0]),
+                                          _mm512_loadu_ps(out)));
+    _mm512_storeu_ps(out + kTileRows, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 256)),
+                                                      _mm512_mul_ps(w, x[1]), _mm512_loadu_ps(out + kTileRows)));
   }
 }
+
+// Prefetches (into L2) the weights of the strip after the current one, a few lines per call, so that the
+// next strip's copy finds them there instead of waiting on memory.
+struct StripPrefetch {
+  const char* base = nullptr;  // the first byte of the strip's first row
+  int64_t row_bytes = 0, bytes = 0, lines = 0, rows = 0, next = 0;
+
+  void Start(const LayerWeights& layer, const Projection& w, int64_t r0, int64_t k0, int64_t n_ksteps) {
+    row_bytes = layer.RowBytes(w.cols);
+    const int64_t per_byte = layer.format == WeightFormat::kInt4 ? 2 : 1;
+    const int64_t c0 = k0 * 64, c1 = std::min(w.cols, (k0 + n_ksteps) * 64);
+    base = static_cast<const char*>(w.data) + r0 * row_bytes + c0 / per_byte;
+    bytes = (c1 - c0 + per_byte - 1) / per_byte;
+    lines = (bytes + 63) / 64 + 1;
+    rows = std::max<int64_t>(0, std::min(kRowBlock, w.rows - r0));
+    next = 0;
+  }
+  HJ_AMX void Issue(int64_t n) {
+    for (; n > 0 && next < rows * lines; --n, ++next) {
+      const int64_t line = next % lines;
+      _mm_prefetch(base + next / lines * row_bytes + std::min(line * 64, bytes - 1), _MM_HINT_T1);
+    }
+  }
+};
 
 HJ_AMX void AmxGroupGemm(const LayerWeights& layer, const Projection* w, int n_proj, int64_t row0, int64_t rows,
                          const void* packed, int64_t tokens, float* const* out, int64_t out_stride) {
@@ -585,12 +618,24 @@ HJ_AMX void AmxGroupGemm(const LayerWeights& layer, const Projection* w, int n_p
           }
         }
         float* o = out[p] + rs * out_stride;
+        // The next strip: the next projection, else the next k-steps, else the next rows.
+        StripPrefetch prefetch;
+        if (p + 1 < n_proj) {
+          prefetch.Start(layer, w[p + 1], row0 + rs, k0, n_ksteps);
+        } else if (k0 + strip_ksteps < l.ksteps) {
+          prefetch.Start(layer, w[0], row0 + rs, k0 + strip_ksteps, std::min(strip_ksteps, l.ksteps - k0 - strip_ksteps));
+        } else if (rs + kRowBlock < rows) {
+          prefetch.Start(layer, w[0], row0 + rs + kRowBlock, 0, std::min(strip_ksteps, l.ksteps));
+        }
+        const int64_t blocks = l.padded_tokens / 32 * (strip_rows / 32);
+        const int64_t quota = (prefetch.rows * prefetch.lines + blocks - 1) / blocks;
         for (int64_t tb = 0; tb < l.padded_tokens / kTileRows; tb += 2) {
           const char* b0 = b_tiles + (tb * l.ksteps + k0) * kTileBytes;
           const char* b1 = b0 + l.ksteps * kTileBytes;
           for (int64_t rt = 0; rt < strip_rows / kTileRows; rt += 2) {
             const char* a0 = strip + rt * n_ksteps * kTileBytes;
             const char* a1 = a0 + n_ksteps * kTileBytes;
+            prefetch.Issue(quota);
             for (int64_t g = 0; g < n_groups; ++g) {
               _tile_zero(0);
               _tile_zero(1);
