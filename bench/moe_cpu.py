@@ -85,8 +85,15 @@ def make_gguf_projection(rng, gguf_type: str, n: int, rows: int, cols: int) -> l
     return list(blocks.reshape(n, rows, -1))
 
 
+RANDOM_BLOCK = (1 << 28) + 4099  # bytes; not a multiple of any row, so that repeats fall at other columns
+
+
 def random_bytes(rng, n: int) -> np.ndarray:
-    return np.frombuffer(rng.bytes(n), np.uint8).copy()
+    """n random bytes; past 256 MiB, one random block repeated (the generator makes ~0.2-1 GB/s, too slow for the
+    tens of GB of 256 DeepSeek-V3 experts; repeats far apart in memory change no timing)."""
+    if n <= RANDOM_BLOCK:
+        return np.frombuffer(rng.bytes(n), np.uint8).copy()
+    return np.resize(np.frombuffer(rng.bytes(RANDOM_BLOCK), np.uint8), n)
 
 
 def make_projection(rng, fmt: str, n: int, rows: int, cols: int):
@@ -103,7 +110,9 @@ def make_projection(rng, fmt: str, n: int, rows: int, cols: int):
         grid = (-(-rows // 128), -(-cols // 128))
     elif fmt == "bf16":
         bits = random_bytes(rng, 2 * n * rows * cols).view(np.uint16)
-        weights = ((bits & 0x80FF) | 0x3C00).view(ml_dtypes.bfloat16).reshape(n, rows, cols)  # +-[2^-7, 2^-5)
+        bits &= 0x80FF  # in place: 256 experts are 22 GB
+        bits |= 0x3C00
+        weights = bits.view(ml_dtypes.bfloat16).reshape(n, rows, cols)  # +-[2^-7, 2^-5)
         grid = None
     elif fmt in ("int8", "int8_row"):
         raw = random_bytes(rng, n * rows * cols).view(np.int8)
