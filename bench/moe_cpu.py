@@ -27,9 +27,25 @@ q8_0 --hidden 4096 --inter 1536` for Qwen3-235B's experts (llama.cpp's MUL_MAT_I
 yet). Baselines in the same process: NumPy (float32 weights, matmul per expert) and PyTorch CPU (bfloat16
 weights, if torch is installed). --crossover times AVX-512 against AMX by tokens per expert (the basis of
 HYBRIDJIT_AMX_MIN_TOKENS). Ends with one JSON line.
+
+Prefill cases of issue #27 (tokens over a number of experts, each format, kt-kernel alongside):
+
+    g++ -O2 -march=native bench/amx_tiles.cc -o /tmp/amx_tiles && /tmp/amx_tiles | tail -1 > /tmp/amx_tiles.json
+    python bench/moe_cpu.py --formats bf16 fp8 int8 int4 --decode --prefill-cases 2048:32 2048:256 256:256 8192:256 \
+        --no-baselines --amx-ceilings /tmp/amx_tiles.json
+
+kt-kernel (the peer, `pip install kt-kernel`, or bench/slim_peer_wheel.py's wheel) runs on the same shapes in this
+process when it is installed and the host has AMX (else a printed line says why not): its AMX MoE classes
+(`kt_kernel_ext.moe`: AMXBF16_MOE; AMXFP8_MOE on our fp8 weights and 128x128 scales; AMXInt8_MOE and AMXInt4_MOE,
+which quantize bf16 weights per output channel at load: coarser than our int8 / int4 with a scale per 128
+inputs), driven from NumPy through the extension module itself (no torch needed), with the same thread count,
+routing and timing as ours. --amx-ceilings adds, beside each prefill figure, the instruction peak and the L2-bound
+sweep ceiling of its tile type (bf16 or int8) measured by bench/amx_tiles.cc on this host.
 """
 
 import argparse
+import glob
+import importlib.util
 import json
 import mmap
 import statistics
@@ -69,8 +85,15 @@ def make_gguf_projection(rng, gguf_type: str, n: int, rows: int, cols: int) -> l
     return list(blocks.reshape(n, rows, -1))
 
 
+RANDOM_BLOCK = (1 << 28) + 4099  # bytes; not a multiple of any row, so that repeats fall at other columns
+
+
 def random_bytes(rng, n: int) -> np.ndarray:
-    return np.frombuffer(rng.bytes(n), np.uint8).copy()
+    """n random bytes; past 256 MiB, one random block repeated (the generator makes ~0.2-1 GB/s, too slow for the
+    tens of GB of 256 DeepSeek-V3 experts; repeats far apart in memory change no timing)."""
+    if n <= RANDOM_BLOCK:
+        return np.frombuffer(rng.bytes(n), np.uint8).copy()
+    return np.resize(np.frombuffer(rng.bytes(RANDOM_BLOCK), np.uint8), n)
 
 
 def make_projection(rng, fmt: str, n: int, rows: int, cols: int):
@@ -87,7 +110,9 @@ def make_projection(rng, fmt: str, n: int, rows: int, cols: int):
         grid = (-(-rows // 128), -(-cols // 128))
     elif fmt == "bf16":
         bits = random_bytes(rng, 2 * n * rows * cols).view(np.uint16)
-        weights = ((bits & 0x80FF) | 0x3C00).view(ml_dtypes.bfloat16).reshape(n, rows, cols)  # +-[2^-7, 2^-5)
+        bits &= 0x80FF  # in place: 256 experts are 22 GB
+        bits |= 0x3C00
+        weights = bits.view(ml_dtypes.bfloat16).reshape(n, rows, cols)  # +-[2^-7, 2^-5)
         grid = None
     elif fmt in ("int8", "int8_row"):
         raw = random_bytes(rng, n * rows * cols).view(np.int8)
@@ -267,16 +292,21 @@ def decode_experts(bytes_per_expert, quick, top_k):
     return int(min(256, max(4 * top_k, 4e9 // bytes_per_expert)))
 
 
+def prefill_groups(args) -> list[tuple[int, list[int]]]:
+    """[(experts, [tokens, ...])] of the prefill cases, grouped by the experts of the layer that serves them."""
+    groups: dict[int, list[int]] = {}
+    for tokens, experts in args.prefill_cases:
+        groups.setdefault(experts, []).append(tokens)
+    return list(groups.items())
+
+
 def bench_hybridjit(args, rng, floor, results):
     hidden, inter, top_k = args.hidden, args.inter, args.top_k
     for fmt in args.formats:
         per_expert = expert_bytes(fmt, hidden, inter)
-        phases = [("decode", t) for t in args.decode] + [("prefill", t) for t in args.prefill]
-        for phase in ("decode", "prefill"):
-            tokens_list = [t for p, t in phases if p == phase]
-            if not tokens_list:
-                continue
-            n_experts = decode_experts(per_expert, args.quick, top_k) if phase == "decode" else args.prefill_experts
+        runs = [("decode", decode_experts(per_expert, args.quick, top_k), args.decode)] if args.decode else []
+        runs += [("prefill", experts, tokens_list) for experts, tokens_list in prefill_groups(args)]
+        for phase, n_experts, tokens_list in runs:
             for memory in args.memory:
                 with make_layer(rng, fmt, n_experts, hidden, inter, memory) as layer:
                     distances = args.prefetch if phase == "decode" and args.prefetch else [None]
@@ -293,7 +323,7 @@ def bench_hybridjit(args, rng, floor, results):
                                 "experts": n_experts, "kernel": layer_kernel(layer, max(1, round(per_call))),
                                 "prefetch_bytes": kernel_info()["prefetch_bytes"] if phase == "decode" else None,
                                 "memory": memory, "jobs": jobs}
-                        results.append(figures(case, ms, routes, per_expert, hidden, inter, floor))
+                        results.append(with_ceilings(args, figures(case, ms, routes, per_expert, hidden, inter, floor)))
                         print(row(results[-1]), flush=True)
         if args.prefetch:  # back to the default; without --prefetch, HYBRIDJIT_PREFETCH_BYTES stays in force
             set_prefetch_bytes(None)
@@ -404,13 +434,137 @@ def bench_crossover(args, rng, floor, results):
     set_amx_min_tokens(info["amx_min_tokens"])
 
 
+AMX_TILES = {"amx_bf16": "bf16", "amx_int8": "int8", "amx_int8g": "int8"}
+
+
+def with_ceilings(args, case):
+    """The case with the AMX ceilings of its tile type (bench/amx_tiles.cc's JSON line, --amx-ceilings) beside its
+    figure: the instruction peak and the L2-bound sweep, and the figure's fraction of each."""
+    tiles = case.get("tiles") or AMX_TILES.get(case.get("kernel", ""))
+    if case["phase"] != "prefill" or not args.amx_ceilings or tiles is None:
+        return case
+    peak, sweep = args.amx_ceilings[f"{tiles}_peak"], args.amx_ceilings[f"{tiles}_sweep"]
+    case.update(tiles=tiles, peak_tflops=round(peak, 2), sweep_tflops=round(sweep, 2),
+                of_peak=round(case["tflops"] / peak, 3), of_sweep=round(case["tflops"] / sweep, 3))
+    return case
+
+
+# kt-kernel 0.7.2's AMX MoE classes per format, and their tile type.
+KT_CLASSES = {"bf16": ("AMXBF16_MOE", "bf16"), "fp8": ("AMXFP8_MOE", "bf16"), "int8": ("AMXInt8_MOE", "int8"),
+              "int4": ("AMXInt4_MOE", "int8")}  # fmt: skip
+
+
+def load_kt_kernel():
+    """(kt-kernel's AMX extension module, version) or (None, why not). The module is loaded from its file: the
+    package's __init__ imports torch for its wrappers, which the MoE classes themselves do not need."""
+    spec = importlib.util.find_spec("kt_kernel")
+    if spec is None or not spec.submodule_search_locations:
+        return None, "kt-kernel is not installed (pip install kt-kernel, or bench/slim_peer_wheel.py's wheel)"
+    if "amx" not in kernel_info()["supported"]:
+        return None, "this host has no AMX (kt-kernel's AMX MoE classes need it)"
+    found = glob.glob(f"{spec.submodule_search_locations[0]}/_kt_kernel_ext_amx.*.so")
+    if not found:
+        return None, "kt-kernel has no AMX extension in this install"
+    ext_spec = importlib.util.spec_from_file_location("kt_kernel_ext", found[0])
+    module = importlib.util.module_from_spec(ext_spec)
+    try:
+        ext_spec.loader.exec_module(module)
+    except ImportError as e:
+        return None, f"kt-kernel's AMX extension does not load: {e}"
+    from importlib.metadata import version
+
+    return module, version("kt-kernel")
+
+
+def contiguous_pointer(views: list[np.ndarray]) -> int:
+    """The address of n equal matrices that lie one after the other in memory ([n, rows, cols], as kt-kernel takes
+    them), checked."""
+    base = views[0].ctypes.data
+    assert all(v.ctypes.data == base + i * v.nbytes and v.flags.c_contiguous for i, v in enumerate(views))
+    return base
+
+
+def flush_c_stdout():
+    """kt-kernel prints from C++ (its pool's greetings); flushed so that nothing of it follows the JSON line."""
+    import ctypes
+
+    ctypes.CDLL(None).fflush(None)
+
+
+def bench_kt_kernel(args, rng, floor, results):
+    """kt-kernel's AMX MoE on the prefill cases, same shapes, threads, routing and timing as ours."""
+    formats = [f for f in args.formats if f in KT_CLASSES]
+    if not formats or not args.prefill_cases:
+        return
+    kt, version = load_kt_kernel()
+    if kt is None:
+        print(f"kt-kernel peer skipped: {version}")
+        return
+    hidden, inter, top_k, threads = args.hidden, args.inter, args.top_k, kernel_info()["threads"]
+    cpu = kt.CPUInfer(threads)
+    flush_c_stdout()
+    print(f"kt-kernel {version} ({getattr(kt, '__int8_kernel__', '?')}), {threads} threads", flush=True)
+    for n_experts, tokens_list in prefill_groups(args):
+        # bf16 weights serve bf16 and, quantized by kt-kernel at load, int8 and int4; fp8 has its own.
+        sources = {}
+        for fmt in formats:
+            source = "fp8" if fmt == "fp8" else "bf16"
+            if source not in sources:
+                sources.clear()  # one set of weights at a time (DeepSeek-V3 shapes: up to 22 GB)
+                sources[source] = [make_projection(rng, source, n_experts, r, c) for r, c in
+                                   ((inter, hidden), (inter, hidden), (hidden, inter))]
+            (gate, gate_s), (up, up_s), (down, down_s) = sources[source]
+            config = kt.moe.MOEConfig(n_experts, top_k, hidden, inter, 0)
+            config.max_len = max(tokens_list)
+            config.gate_proj, config.up_proj, config.down_proj = (contiguous_pointer(m) for m in (gate, up, down))
+            if fmt == "fp8":
+                config.gate_scale, config.up_scale, config.down_scale = (
+                    contiguous_pointer(m) for m in (gate_s, up_s, down_s))
+                quant = kt.QuantConfig()
+                quant.bits, quant.group_size, quant.zero_point, quant.per_channel = 8, 128, False, False
+                quant.quant_method = "fp8"
+                config.quant_config = quant
+            config.pool = cpu.backend_
+            class_name, tiles = KT_CLASSES[fmt]
+            moe = getattr(kt.moe, class_name)(config)
+            cpu.submit(moe.load_weights_task())
+            cpu.sync()
+            for tokens in tokens_list:
+                calls = max(3, args.repeats // 6)
+                routes = [(ids.astype(np.int64), w) for ids, w in routings(rng, calls + 2, tokens, top_k, n_experts)]
+                x = rng.standard_normal((tokens, hidden)).astype(ml_dtypes.bfloat16)
+                y = np.zeros_like(x)
+                size = np.array([tokens], np.int64)
+
+                def run(ids, weights, cpu=cpu, moe=moe, x=x, y=y, size=size):
+                    cpu.submit(moe.forward_task(size.ctypes.data, top_k, ids.ctypes.data, weights.ctypes.data,
+                                                x.ctypes.data, y.ctypes.data, False))
+                    cpu.sync()
+
+                ms = median_ms(run, routes, floor)
+                case = {"impl": f"kt-kernel {version}", "format": fmt, "phase": "prefill", "tokens": tokens,
+                        "top_k": top_k, "experts": n_experts, "kernel": class_name, "tiles": tiles,
+                        "quantization": "per output channel" if fmt in ("int8", "int4") else "as ours"}
+                per_expert = expert_bytes(fmt, hidden, inter)
+                results.append(with_ceilings(args, figures(case, ms, routes, per_expert, hidden, inter, floor)))
+                flush_c_stdout()
+                print(row(results[-1]), flush=True)
+            del moe
+        sources.clear()
+    del cpu
+    flush_c_stdout()
+
+
 def row(r) -> str:
     ratio = f"{r['ratio_to_floor']:>6.1%} of {r['floor_gbps']:5.1f}" if "ratio_to_floor" in r else " " * 15
+    ceilings = (f"  ({r['of_peak']:.0%} of {r['tiles']} peak {r['peak_tflops']:.1f}, "
+                f"{r['of_sweep']:.0%} of sweep {r['sweep_tflops']:.1f})") if "of_peak" in r else ""
+    experts = f"/{r['experts']:<3}" if r["phase"] == "prefill" else "    "
     return (
-        f"{r['impl']:>9} {r['format']:>8} {r.get('memory', ''):>6} {r['phase']:>9} {r['tokens']:>5} tok  "
+        f"{r['impl']:>9} {r['format']:>8} {r.get('memory', ''):>6} {r['phase']:>9} {r['tokens']:>5}{experts} tok  "
         f"{'' if r.get('jobs', 1) == 1 else str(r['jobs']) + ' jobs':>6} "
         f"{r.get('kernel', ''):>9} "
-        f"{r['median_ms']:>10.3f} ms {r['gbps']:>8.1f} GB/s {ratio} {r['tflops']:>8.3f} TFLOP/s"
+        f"{r['median_ms']:>10.3f} ms {r['gbps']:>8.1f} GB/s {ratio} {r['tflops']:>8.3f} TFLOP/s{ceilings}"
     )
 
 
@@ -423,6 +577,13 @@ def main():
     parser.add_argument("--inter", type=int, default=2048)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--prefill-experts", type=int, default=32)
+    parser.add_argument("--prefill-cases", nargs="+", default=None, metavar="TOKENS:EXPERTS",
+                        help="prefill cases as tokens:experts (e.g. 2048:32 2048:256); replaces --prefill and "
+                             "--prefill-experts")
+    parser.add_argument("--no-peer", dest="peer", action="store_false",
+                        help="skip kt-kernel on the prefill cases even where it is installed")
+    parser.add_argument("--amx-ceilings", type=str, default=None, metavar="JSON",
+                        help="bench/amx_tiles.cc's JSON line (a file): its ceilings beside each AMX prefill figure")
     parser.add_argument("--repeats", type=int, default=30, help="timed calls per decode case (prefill: a sixth)")
     parser.add_argument("--no-baselines", dest="baselines", action="store_false")
     parser.add_argument("--crossover", action="store_true")
@@ -441,6 +602,15 @@ def main():
     args = parser.parse_args()
     if args.quick:
         args.prefill, args.repeats = [], min(args.repeats, 6)
+    if args.prefill_cases is None:
+        args.prefill_cases = [(t, args.prefill_experts) for t in args.prefill]
+    else:
+        args.prefill_cases = [tuple(int(v) for v in case.split(":")) for case in args.prefill_cases]
+        # The NumPy / PyTorch baselines run the cases of the first expert count.
+        args.prefill_experts, args.prefill = prefill_groups(args)[0]
+    if args.amx_ceilings:
+        with open(args.amx_ceilings) as f:
+            args.amx_ceilings = json.loads(f.read().strip().splitlines()[-1])["tflops"]
     rng = np.random.default_rng(0)
     floors = memory_floors(bytes_per_array=(1 << 28) if args.quick else (1 << 30), repeats=3 if args.quick else 5)
     print(f"machine: {machine()}")
@@ -452,6 +622,8 @@ def main():
         args.baselines = args.crossover = False
     else:
         bench_hybridjit(args, rng, floor, results)
+        if args.peer:
+            bench_kt_kernel(args, rng, floor, results)
     if args.baselines:
         bench_numpy(args, rng, floor, results)
         bench_torch(args, rng, floor, results)

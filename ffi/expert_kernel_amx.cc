@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -392,15 +393,289 @@ HJ_AMX void AmxGemm(const LayerWeights& layer, const Projection* w, int n_proj, 
   }
 }
 
+// ---- int8 / int4 with scale groups: int8 tiles, rescaled per group ---------------------------------------
+// The weights stay integers: int8 rows are copied into the strip as they are, int4 nibbles widened to int8
+// (q - 8), and tdpbssd multiplies them by int8 activations quantized per token and per scale group (as
+// QuantizeInt8, so every integer kernel sums the same products). A group's k-steps (block_cols / 64 of them)
+// accumulate exact int32 sums in the C tiles; after each group the tiles are stored to L1 and added to the
+// float32 output as sum * (weight scale of the row and group) * (activation scale of the token and group).
+// Packed activations: float scale[groups][padded tokens], then the B tiles as Int8Pack lays them out.
+
+struct GroupLayout {
+  int64_t groups, padded_tokens, ksteps;
+  size_t scale_bytes;
+  GroupLayout(const LayerWeights& layer, int64_t tokens, int64_t cols)
+      : groups(Blocks(cols, layer.block_cols)),
+        padded_tokens(PaddedTokens(tokens)),
+        ksteps(Blocks(cols, 64)),
+        scale_bytes(RoundUp(groups * padded_tokens * 4, 64)) {}
+};
+
+size_t GroupPackedBytes(const LayerWeights& layer, int64_t tokens, int64_t cols) {
+  const GroupLayout l(layer, tokens, cols);
+  return l.scale_bytes + l.padded_tokens / kTileRows * l.ksteps * kTileBytes;
+}
+
+// QuantizeInt8 in AVX-512, bit for bit: the same amax (float bits compared as integers, so a NaN wins), the
+// same float32 product x * (127 / amax), rounded to nearest even by the default MXCSR mode. q holds n values.
+HJ_AMX float QuantizeInt8Avx512(const float* x, int64_t n, int8_t* q) {
+  __m512i amax_bits = _mm512_setzero_si512();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512i v = _mm512_maskz_loadu_epi32(FirstLanes16(n - i), x + i);
+    amax_bits = _mm512_max_epu32(amax_bits, _mm512_and_si512(v, _mm512_set1_epi32(0x7fffffff)));
+  }
+  const uint32_t bits = _mm512_reduce_max_epu32(amax_bits);
+  float amax;
+  std::memcpy(&amax, &bits, sizeof amax);
+  if (amax == 0.0f || !std::isfinite(amax)) {
+    std::memset(q, 0, n);
+    return amax == 0.0f ? 0.0f : amax;
+  }
+  const __m512 inv = _mm512_set1_ps(127.0f / amax);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = FirstLanes16(n - i);
+    const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), inv));
+    _mm_mask_storeu_epi8(q + i, k, _mm512_cvtsepi32_epi8(r));
+  }
+  return Int8Scale(amax);
+}
+
+// Token t's int8 row (64 bytes per k-step) into column t % 16 of its token block's B tiles: one scatter of
+// 16 dwords (the 16 tile rows) per k-step.
+HJ_AMX void ScatterTokenInt8(const int8_t* q, int64_t ksteps, int64_t t, char* tiles) {
+  char* base = tiles + (t / kTileRows) * ksteps * kTileBytes + (t % kTileRows) * 4;
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(64));
+  for (int64_t ks = 0; ks < ksteps; ++ks) {
+    _mm512_i32scatter_epi32(base + ks * kTileBytes, rows, _mm512_loadu_si512(q + ks * 64), 1);
+  }
+}
+
+HJ_AMX void GroupPack(const LayerWeights& layer, const ActivationRows& rows, int64_t cols, void* packed) {
+  const GroupLayout l(layer, rows.count, cols);
+  auto* scales = static_cast<float*>(packed);
+  char* tiles = static_cast<char*>(packed) + l.scale_bytes;
+  std::memset(packed, 0, l.scale_bytes);
+  if (l.padded_tokens > rows.count) {
+    std::memset(tiles + rows.count / kTileRows * l.ksteps * kTileBytes, 0,
+                (l.padded_tokens / kTileRows - rows.count / kTileRows) * l.ksteps * kTileBytes);
+  }
+  thread_local std::vector<float> x;
+  thread_local std::vector<int8_t> q;
+  x.resize(cols);
+  q.assign(l.ksteps * 64, 0);
+  for (int64_t t = 0; t < rows.count; ++t) {
+    RowToFloat(rows, t, cols, x.data());
+    for (int64_t g = 0; g < l.groups; ++g) {
+      const int64_t begin = g * layer.block_cols;
+      scales[g * l.padded_tokens + t] =
+          QuantizeInt8Avx512(x.data() + begin, std::min(layer.block_cols, cols - begin), q.data() + begin);
+    }
+    ScatterTokenInt8(q.data(), l.ksteps, t, tiles);
+  }
+}
+
+// Rows [r0, r0 + 128) x k-steps [k0, k0 + n) of an int8 or int4 projection as int8 tiles (as Bf16Strip lays
+// them out; rows past the matrix and elements past the row are zero).
+HJ_AMX void IntGroupStrip(const LayerWeights& layer, const Projection& w, int64_t r0, int64_t k0, int64_t n_ksteps,
+                          char* strip) {
+  const int64_t cols = w.cols, row_bytes = layer.RowBytes(cols);
+  const bool int4 = layer.format == WeightFormat::kInt4;
+  for (int64_t rt = 0; rt < kRowBlock / kTileRows; ++rt) {
+    for (int64_t m = 0; m < kTileRows; ++m) {
+      const int64_t r = r0 + rt * kTileRows + m;
+      const unsigned char* row = static_cast<const unsigned char*>(w.data) + r * row_bytes;
+      char* dst = strip + rt * n_ksteps * kTileBytes + m * 64;
+      for (int64_t ks = 0; ks < n_ksteps; ++ks, dst += kTileBytes) {
+        const int64_t c = (k0 + ks) * 64;
+        const int64_t n = r < w.rows ? std::min<int64_t>(64, cols - c) : 0;
+        __m512i v = _mm512_setzero_si512();
+        if (n == 64 && !int4) {
+          v = _mm512_loadu_si512(row + c);
+        } else if (n > 0 && !int4) {
+          v = _mm512_maskz_loadu_epi8(FirstLanes64(n), row + c);
+        } else if (n > 0) {
+          // 32 bytes, element 2j the low nibble of byte j: as 16-bit lanes (hi << 8 | lo), i.e. the two
+          // elements in order, then q = nibble - 8; elements past n are zeroed.
+          const __m256i b = n == 64 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c / 2))
+                                    : _mm256_maskz_loadu_epi8(FirstLanes32((n + 1) / 2), row + c / 2);
+          const __m512i x = _mm512_cvtepu8_epi16(b);
+          const __m512i pairs = _mm512_or_si512(_mm512_and_si512(x, _mm512_set1_epi16(0x000f)),
+                                                _mm512_and_si512(_mm512_slli_epi16(x, 4), _mm512_set1_epi16(0x0f00)));
+          v = _mm512_maskz_sub_epi8(FirstLanes64(n), pairs, _mm512_set1_epi8(8));
+        }
+        _mm512_storeu_si512(dst, v);
+      }
+    }
+  }
+}
+
+// One group's sums of the 2 x 2 C tiles of rows [rt * 16, +32) and tokens [tb * 16, +32), stored to `sums`
+// (4 KB, 64-byte aligned), waiting to be added to the float32 output: out (+)= sum * ws[row] * xs[token]
+// (ws: the rows' scales of the group, 0 past the matrix; xs: the tokens' activation scales of the group).
+struct GroupSums {
+  int32_t* sums = nullptr;
+  const float* ws = nullptr;
+  const float* xs = nullptr;
+  float* out = nullptr;  // row rt * 16, token tb * 16
+  bool first = false;    // the first group of the row: out is written, not added to
+};
+
+HJ_AMX void StoreSums(const GroupSums& g) {
+  _tile_stored(0, g.sums, 64);
+  _tile_stored(1, g.sums + 256, 64);
+  _tile_stored(2, g.sums + 512, 64);
+  _tile_stored(3, g.sums + 768, 64);
+}
+
+HJ_AMX void AddSums(const GroupSums& g, int64_t out_stride) {
+  const int32_t* sums = g.sums;
+  const float* ws = g.ws;
+  float* out = g.out;
+  const __m512 x[2] = {_mm512_loadu_ps(g.xs), _mm512_loadu_ps(g.xs + kTileRows)};
+  if (g.first) {
+    for (int m = 0; m < 2 * kTileRows; ++m, out += out_stride) {
+      const __m512 w = _mm512_set1_ps(ws[m]);
+      const int32_t* c = sums + (m / kTileRows) * 512 + (m % kTileRows) * 16;
+      _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c)), _mm512_mul_ps(w, x[0])));
+      _mm512_storeu_ps(out + kTileRows, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 256)), _mm512_mul_ps(w, x[1])));
+    }
+    return;
+  }
+  for (int m = 0; m < 2 * kTileRows; ++m, out += out_stride) {
+    const __m512 w = _mm512_set1_ps(ws[m]);
+    const int32_t* c = sums + (m / kTileRows) * 512 + (m % kTileRows) * 16;
+    _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c)), _mm512_mul_ps(w, x[0]),
+                                          _mm512_loadu_ps(out)));
+    _mm512_storeu_ps(out + kTileRows, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 256)),
+                                                      _mm512_mul_ps(w, x[1]), _mm512_loadu_ps(out + kTileRows)));
+  }
+}
+
+// Prefetches (into L2) the weights of the strip after the current one, a few lines per call, so that the
+// next strip's copy finds them there instead of waiting on memory.
+struct StripPrefetch {
+  const char* base = nullptr;  // the first byte of the strip's first row
+  int64_t row_bytes = 0, bytes = 0, lines = 0, rows = 0, next = 0;
+
+  void Start(const LayerWeights& layer, const Projection& w, int64_t r0, int64_t k0, int64_t n_ksteps) {
+    row_bytes = layer.RowBytes(w.cols);
+    const int64_t per_byte = layer.format == WeightFormat::kInt4 ? 2 : 1;
+    const int64_t c0 = k0 * 64, c1 = std::min(w.cols, (k0 + n_ksteps) * 64);
+    base = static_cast<const char*>(w.data) + r0 * row_bytes + c0 / per_byte;
+    bytes = (c1 - c0 + per_byte - 1) / per_byte;
+    lines = (bytes + 63) / 64 + 1;
+    rows = std::max<int64_t>(0, std::min(kRowBlock, w.rows - r0));
+    next = 0;
+  }
+  HJ_AMX void Issue(int64_t n) {
+    for (; n > 0 && next < rows * lines; --n, ++next) {
+      const int64_t line = next % lines;
+      _mm_prefetch(base + next / lines * row_bytes + std::min(line * 64, bytes - 1), _MM_HINT_T1);
+    }
+  }
+};
+
+HJ_AMX void AmxGroupGemm(const LayerWeights& layer, const Projection* w, int n_proj, int64_t row0, int64_t rows,
+                         const void* packed, int64_t tokens, float* const* out, int64_t out_stride) {
+  const int64_t cols = w[0].cols;
+  const GroupLayout l(layer, tokens, cols);
+  const int64_t group_ksteps = layer.block_cols / 64;  // block_cols is a multiple of 128 (kIntGroupQuantum)
+  // A strip holds whole groups: 512 elements, or one group where groups are longer.
+  const int64_t strip_ksteps = RoundUp(kKStepsInt8, group_ksteps);
+  const auto* x_scales = static_cast<const float*>(packed);
+  const char* b_tiles = static_cast<const char*>(packed) + l.scale_bytes;
+  const size_t strip_bytes = kRowBlock / kTileRows * strip_ksteps * kTileBytes;
+  const int64_t strip_groups = strip_ksteps / group_ksteps;
+  thread_local std::vector<char> strips;
+  thread_local std::vector<float> wscales;  // [projection][group of the strip][strip row]
+  strips.resize(strip_bytes * n_proj + 64 + 2 * 4096);
+  wscales.resize(n_proj * strip_groups * kRowBlock);
+  char* strip_base = strips.data() + (64 - reinterpret_cast<uintptr_t>(strips.data()) % 64) % 64;
+  // Two buffers of sums: a group's are added to the output while the tiles multiply the next group (the
+  // vector work then overlaps the tile multiplies instead of waiting for them).
+  int32_t* sums[2] = {reinterpret_cast<int32_t*>(strip_base + strip_bytes * n_proj),
+                      reinterpret_cast<int32_t*>(strip_base + strip_bytes * n_proj + 4096)};
+  GroupSums pending;
+  int64_t n_sums = 0;
+  ConfigureTiles();
+  for (int64_t rs = 0; rs < rows; rs += kRowBlock) {
+    const int64_t strip_rows = std::min(kRowBlock, RoundUp(rows - rs, 32));
+    for (int64_t k0 = 0; k0 < l.ksteps; k0 += strip_ksteps) {
+      const int64_t n_ksteps = std::min(strip_ksteps, l.ksteps - k0);
+      const int64_t g0 = k0 / group_ksteps, n_groups = Blocks(n_ksteps, group_ksteps);
+      for (int p = 0; p < n_proj; ++p) {
+        if (pending.sums) AddSums(pending, out_stride);  // before its weight scales are overwritten
+        pending = {};
+        char* strip = strip_base + p * strip_bytes;
+        IntGroupStrip(layer, w[p], row0 + rs, k0, n_ksteps, strip);
+        float* ws = wscales.data() + p * strip_groups * kRowBlock;
+        for (int64_t g = 0; g < n_groups; ++g) {
+          for (int64_t m = 0; m < strip_rows; ++m) {
+            const int64_t r = row0 + rs + m;
+            ws[g * kRowBlock + m] = 0.0f;
+            if (r < w[p].rows) std::memcpy(&ws[g * kRowBlock + m], static_cast<const float*>(w[p].scale) + r * l.groups + g0 + g, 4);
+          }
+        }
+        float* o = out[p] + rs * out_stride;
+        // The next strip: the next projection, else the next k-steps, else the next rows.
+        StripPrefetch prefetch;
+        if (p + 1 < n_proj) {
+          prefetch.Start(layer, w[p + 1], row0 + rs, k0, n_ksteps);
+        } else if (k0 + strip_ksteps < l.ksteps) {
+          prefetch.Start(layer, w[0], row0 + rs, k0 + strip_ksteps, std::min(strip_ksteps, l.ksteps - k0 - strip_ksteps));
+        } else if (rs + kRowBlock < rows) {
+          prefetch.Start(layer, w[0], row0 + rs + kRowBlock, 0, std::min(strip_ksteps, l.ksteps));
+        }
+        const int64_t blocks = l.padded_tokens / 32 * (strip_rows / 32);
+        const int64_t quota = (prefetch.rows * prefetch.lines + blocks - 1) / blocks;
+        for (int64_t tb = 0; tb < l.padded_tokens / kTileRows; tb += 2) {
+          const char* b0 = b_tiles + (tb * l.ksteps + k0) * kTileBytes;
+          const char* b1 = b0 + l.ksteps * kTileBytes;
+          for (int64_t rt = 0; rt < strip_rows / kTileRows; rt += 2) {
+            const char* a0 = strip + rt * n_ksteps * kTileBytes;
+            const char* a1 = a0 + n_ksteps * kTileBytes;
+            prefetch.Issue(quota);
+            for (int64_t g = 0; g < n_groups; ++g) {
+              _tile_zero(0);
+              _tile_zero(1);
+              _tile_zero(2);
+              _tile_zero(3);
+              const int64_t ks_end = std::min(n_ksteps, (g + 1) * group_ksteps);
+              for (int64_t ks = g * group_ksteps; ks < ks_end; ++ks) {
+                _tile_loadd(4, a0 + ks * kTileBytes, 64);
+                _tile_loadd(5, a1 + ks * kTileBytes, 64);
+                _tile_loadd(6, b0 + ks * kTileBytes, 64);
+                _tile_loadd(7, b1 + ks * kTileBytes, 64);
+                MultiplyTiles2x2<true>();
+              }
+              if (pending.sums) AddSums(pending, out_stride);
+              pending = {sums[n_sums++ % 2], ws + g * kRowBlock + rt * kTileRows,
+                         x_scales + (g0 + g) * l.padded_tokens + tb * kTileRows,
+                         o + rt * kTileRows * out_stride + tb * kTileRows, k0 == 0 && g == 0};
+              StoreSums(pending);
+            }
+          }
+        }
+      }
+    }
+  }
+  if (pending.sums) AddSums(pending, out_stride);
+  _tile_release();
+}
+
 constexpr GemmKernel kBf16Tiles{"amx_bf16", 32, Bf16PackedBytes, Bf16Pack, AmxGemm<false>};
 constexpr GemmKernel kInt8Tiles{"amx_int8", 32, Int8PackedBytes, Int8Pack, AmxGemm<true>};
+constexpr GemmKernel kIntGroupTiles{"amx_int8g", 32, GroupPackedBytes, GroupPack, AmxGroupGemm};
 
 }  // namespace
 
 const GemmKernel* AmxKernel(const LayerWeights& layer) {
   if (layer.format == WeightFormat::kF32) return nullptr;  // float32 weights: no lossless AMX type
   if (IsGgufFormat(layer.format)) return nullptr;  // GGUF blocks: the AVX-512 VNNI kernel at every token count
-  return IntTiles(layer) ? &kInt8Tiles : &kBf16Tiles;
+  if (IntTiles(layer)) return &kInt8Tiles;
+  if (layer.format == WeightFormat::kInt8 || layer.format == WeightFormat::kInt4) return &kIntGroupTiles;
+  return &kBf16Tiles;
 }
 
 }  // namespace hybridjit

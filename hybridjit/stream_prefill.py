@@ -516,7 +516,11 @@ class PrefillRates:
 
     pcie_gbps: float = 54.0  # pinned host -> device copies
     gpu_tflops: float = 550.0  # what prefill's GPU work achieves (a dense bf16 GEMM: 784; attention is slower)
-    cpu_expert_tflops: float = 3.8  # the CPU expert kernels on one layer, 4096 tokens routed uniformly
+    # The CPU expert kernels on one layer, 4096 tokens routed uniformly: bench/prefill.py's cpu_expert_tflops on
+    # DeepSeek-V3 FP8 experts, 1x H200 with 16 cores, session 1 (6b0c27d, bench/RESULTS.md), i.e. FP8 through the
+    # amx_bf16 kernel before issue #27. The integer formats now run amx_int8g (grouped int8 tiles): re-measure
+    # per format with bench/prefill.py and bench/moe_cpu.py --prefill-cases before relying on this default.
+    cpu_expert_tflops: float = 3.8
 
 
 def prefill_flops(cfg: ModelConfig, batch: int, length: int) -> dict[str, float]:

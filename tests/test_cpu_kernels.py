@@ -261,6 +261,49 @@ def test_matches_float64_reference(family, fmt, block, pool, hidden, inter, toke
         check_layer(layer, dense, fmt, block, x, ids, weights, tokens)
 
 
+# Grouped int8/int4 on AMX (amx_int8g) at sizes that take its blocking apart: several 128-row strips and 512-element
+# k-chunks, a group longer than a chunk (1024), groups that do not divide a chunk (384), rows whose last group and
+# last 64-element k-step are partial (1100), and more tokens per expert than two 16-token tiles.
+@pytest.mark.parametrize(
+    "fmt, block", [("int8", (1, 128)), ("int4", (1, 128)), ("int8", (1, 384)), ("int4", (1, 1024))]
+)
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
+def test_grouped_int_kernels_at_blocking_sizes(family, fmt, block):
+    rng = np.random.default_rng(zlib.crc32(repr((fmt, block)).encode()))
+    hidden, inter, tokens = 1100, 300, 150
+    layer, dense, _ = make_layer(rng, fmt, 4, hidden, inter, block)
+    with layer, kernel_family(family):
+        x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+        ids, weights = routing(rng, tokens, 2, 4)
+        if family == "amx":
+            assert layer_kernel(layer, tokens) == "amx_int8g"
+        check_layer(layer, dense, fmt, block, x, ids, weights, tokens)
+
+
+# Every family against the generic kernel on the same call, by relative RMS difference. Where both quantize the
+# activations to int8 the same way, only float32 summation order (and the rare intermediate on the other side
+# of a rounding boundary) separates them: the int8 tolerance. Where a family rounds to bfloat16 and generic
+# does not, the difference is that rounding (~2e-3, see TOLERANCE): 1e-2, still far below what a wrong tile,
+# scale or group gives (order 1).
+@pytest.mark.parametrize("fmt, block", [("bf16", None), ("fp8", (128, 128)), ("int8", (1, 128)), ("int4", (1, 256))])
+@pytest.mark.parametrize("family", [pytest.param(f, marks=host_has(f)) for f in FAMILIES if f != "generic"])
+def test_every_family_agrees_with_generic(family, fmt, block):
+    rng = np.random.default_rng(zlib.crc32(repr((family, fmt, block)).encode()))
+    layer, _, _ = make_layer(rng, fmt, 4, 520, 300, block)
+    x = rng.standard_normal((70, 520)).astype(np.float32)
+    ids, weights = routing(rng, 70, 2, 4)
+    with layer:
+        with kernel_family("generic"):
+            y_generic = routed_experts_host(layer, x, ids, weights)
+        with kernel_family(family):
+            kernel = layer_kernel(layer, 70)
+            y = routed_experts_host(layer, x, ids, weights)
+    same_activations = fmt in ("int8", "int4") and kernel != "amx_bf16"
+    tolerance = TOLERANCE["int8"] if same_activations else 1e-2
+    error = relative_rms(y, np.asarray(y_generic, np.float64))
+    assert error < tolerance, f"{kernel} on {fmt} vs generic: relative RMS {error:.3g} >= {tolerance:.3g}"
+
+
 @pytest.mark.parametrize("tokens", [1, 40])
 @pytest.mark.parametrize("fmt, block", [("fp8", (16, 48)), ("int8", (1, 128)), ("int4", (1, 256))])
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
@@ -394,15 +437,15 @@ def test_amx_takes_over_from_avx512_by_tokens_per_expert():
             assert [layer_kernel(layers["int8", (1, 128)], t) for t in (1, 15, 16, 512)] == [
                 "avx512",
                 "avx512",
-                "amx_bf16",
-                "amx_bf16",
+                "amx_int8g",
+                "amx_int8g",
             ]
             assert layer_kernel(layers["int8", (1, 256)], 16) == "amx_int8"
         with kernel_family("amx", amx_min_tokens=0):  # the measured crossover of each kind of layer
             for key, threshold, kernel in [
                 (("bf16", None), 8, "amx_bf16"),
                 (("fp8", (128, 128)), 32, "amx_bf16"),
-                (("int8", (1, 128)), 64, "amx_bf16"),
+                (("int8", (1, 128)), 16, "amx_int8g"),
                 (("int8", (1, 256)), 16, "amx_int8"),
             ]:
                 assert layer_kernel(layers[key], threshold - 1) == "avx512"
