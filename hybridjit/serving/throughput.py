@@ -33,11 +33,10 @@ class Job:
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
-    key: object
+    job: Job
     token_ids: list[int]  # the generated tokens; an end-of-sequence token is not among them
     text: str | None  # their text, cut before a stop string; None without a tokenizer
     finish_reason: str  # "stop" (end of sequence or a stop string) or "length"
-    prompt_tokens: int
 
 
 class _Running:
@@ -68,14 +67,15 @@ class ThroughputRunner:
         self.engine = Engine(model, slots, cache_len, micro_batches)
 
     def run(self, jobs: list[Job], on_tokens: Callable[[int], None] | None = None) -> Iterator[Completion]:
-        """Yields each job's Completion as it ends (not in the jobs' order); `on_tokens(n)` hears of every n new
-        tokens as they are read."""
+        """Yields each job's Completion as it ends (not in the jobs' order); `on_tokens(n)` hears of the n tokens
+        each prefill or step added to the completions (end-of-sequence tokens are not counted)."""
         for job in jobs:
             if len(job.prompt) + job.max_tokens > self.engine.cache_len:
                 room = self.engine.cache_len
                 raise ValueError(f"{job.key!r}: prompt + max_tokens exceed the slots' {room} positions")
         self.engine.reset()
         self._on_tokens = on_tokens or (lambda n: None)
+        self._delivered = 0  # tokens appended to completions since the last report
         queue = collections.deque(_Running(j, self.model.tokenizer) for j in sorted(jobs, key=lambda j: -len(j.prompt)))
         self._active: dict[int, _Running] = {}
         pending: tuple[Step, dict[int, _Running]] | None = None
@@ -101,7 +101,6 @@ class ThroughputRunner:
         prefilled = self.engine.prefill([j.prompt for j in rows], [j.sampling for j in rows])
         first, finite = np.asarray(prefilled.tokens), np.asarray(prefilled.finite)
         raise_gpu_errors()
-        self._on_tokens(count)
         for row, (running, slot) in enumerate(zip(batch, free, strict=False)):
             self._check_finite(running, bool(finite[row]))
             self._deliver(running, int(first[row]), done)
@@ -109,15 +108,20 @@ class ThroughputRunner:
                 self.engine.insert(prefilled, row, slot, running.job.sampling)
                 running.slot = slot
                 self._active[slot] = running
+        self._report_tokens()
 
     def _read(self, step: Step, jobs: dict[int, _Running], done: list[Completion]):
         tokens, finite = step.tokens(), step.finite()
         raise_gpu_errors()  # a CPU expert job that failed while the GPU waited: its step is garbage
-        self._on_tokens(sum(not r.finished for r in jobs.values()))
         for slot, running in jobs.items():
             if not running.finished:
                 self._check_finite(running, bool(finite[slot]))
                 self._deliver(running, int(tokens[slot]), done)
+        self._report_tokens()
+
+    def _report_tokens(self):
+        self._on_tokens(self._delivered)
+        self._delivered = 0
 
     def _check_finite(self, running: _Running, finite: bool):
         if not finite:
@@ -130,6 +134,7 @@ class ThroughputRunner:
         if token in self.model.config.eos_token_ids:
             return self._finish(running, "stop", done)
         running.tokens.append(token)
+        self._delivered += 1
         if running.decoder is not None:
             running.decoder.push(token)
             if running.decoder.stopped:
@@ -142,7 +147,7 @@ class ThroughputRunner:
         if running.slot is not None:
             del self._active[running.slot]
             self.engine.free(running.slot)
-        done.append(Completion(running.job.key, running.tokens, self._text(running), reason, len(running.job.prompt)))
+        done.append(Completion(running.job, running.tokens, self._text(running), reason))
 
     def _text(self, running: _Running) -> str | None:
         if running.decoder is not None:  # what it has emitted (up to a stop string) and what it held back
