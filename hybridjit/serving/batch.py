@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from hybridjit.offline_policy import DUAL, choose_policy
+from hybridjit.offline_policy import DUAL, Floors, choose_policy
 from hybridjit.serving.batch_output import ResumableOutput
 from hybridjit.serving.batch_requests import check_defaults, encode_requests, id_key, read_requests
 from hybridjit.serving.throughput import Completion, ThroughputRunner, cache_len_for
@@ -41,6 +41,7 @@ def batch(
     prefill_batch: int | None = None,
     progress: bool = True,
     dtype: str | None = None,
+    floors: Floors | None = None,
 ) -> list[dict]:
     """Completes every request; returns their output records in the requests' order (those found in `output`
     from an earlier run included).
@@ -58,6 +59,8 @@ def batch(
     prefilled together.
     `progress`: a progress bar (tokens/s, ETA) and notes on stderr.
     `dtype`: the compute dtype of a model loaded here (as hybridjit.load's).
+    `floors`: the machine's rates the performance model reads (default: offline_policy.Floors(), with the
+    device's free memory measured).
     """
     given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
              "stop": stop}  # fmt: skip
@@ -69,8 +72,8 @@ def batch(
 
         _note(progress, f"loading {model or 'the embedded model'}...")
         with contextlib.closing(load(model, dtype=dtype)) as loaded:
-            return _run(loaded, parsed, source, output, (slots, micro_batches, prefill_batch), progress)
-    return _run(model, parsed, source, output, (slots, micro_batches, prefill_batch), progress)
+            return _run(loaded, parsed, source, output, (slots, micro_batches, prefill_batch, floors), progress)
+    return _run(model, parsed, source, output, (slots, micro_batches, prefill_batch, floors), progress)
 
 
 def _lines(requests) -> tuple[str, Iterable[tuple[str, str | dict]]]:
