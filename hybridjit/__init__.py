@@ -2,6 +2,7 @@
 
     model = hybridjit.load()            # the embedded default model; or a name, repo id or checkpoint path
     model.generate("def fibonacci(n):")
+    hybridjit.batch(model, "prompts.jsonl", "completions.jsonl")  # many requests for throughput, resumable
 
 The names below are imported on first use, so that `import hybridjit` (and the command line's --help) does
 not start JAX.
@@ -10,11 +11,12 @@ not start JAX.
 import importlib
 
 __version__ = "0.1.0"
-__all__ = ["Model", "NonFiniteLogitsError", "load", "kernel_info", "__version__"]
+__all__ = ["Model", "NonFiniteLogitsError", "batch", "load", "kernel_info", "__version__"]
 
 _LAZY = {
     "Model": "hybridjit.engine",
     "load": "hybridjit.engine",
+    "batch": "hybridjit.serving.batch",
     "NonFiniteLogitsError": "hybridjit.engine",
     "kernel_info": "hybridjit.ops.routed_experts",
 }

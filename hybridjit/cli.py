@@ -1,5 +1,5 @@
-"""The `hybridjit` command: `generate` a completion, `serve` a model over an OpenAI-compatible HTTP API, show
-`info` about a checkpoint, or `convert` one.
+"""The `hybridjit` command: `generate` a completion, `serve` a model over an OpenAI-compatible HTTP API, run a
+`batch` of requests from a JSON-lines file for throughput, show `info` about a checkpoint, or `convert` one.
 
 Only the completion goes to stdout; progress, statistics and errors go to stderr. An error is one line,
 `hybridjit: error: ...`, and the exit status says what kind: 2 bad input (arguments, files, checkpoints),
@@ -11,6 +11,7 @@ import collections
 import os
 import sys
 import time
+from pathlib import Path
 
 from hybridjit import __version__
 from hybridjit.convert import WEIGHT_FORMATS, convert_checkpoint
@@ -122,6 +123,20 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_batch(args) -> int:
+    from hybridjit.serving.batch import batch  # deferred, as in generate
+
+    if args.output.exists() and args.input.resolve() == args.output.resolve():
+        raise ValueError(f"{args.output}: the output file must not be the input file")
+    batch(
+        args.model, args.input, args.output, dtype=args.dtype, max_tokens=args.max_tokens,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
+        slots=args.slots, micro_batches=args.micro_batches, prefill_batch=args.prefill_batch,
+        progress=not args.quiet,
+    )  # fmt: skip
+    return 0
+
+
 def _weight_format(cfg: ModelConfig) -> str:
     if cfg.fp8:
         return "fp8 e4m3, block " + "x".join(map(str, cfg.fp8.block))
@@ -192,6 +207,10 @@ def non_negative(value: str) -> int:
     return number
 
 
+def micro_batches(value: str) -> int | str:
+    return value if value == "dual" else positive(value)
+
+
 def port(value: str) -> int:
     number = _integer(value)
     if not 0 < number < 2**16:
@@ -250,6 +269,35 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: the backend's)")
     srv.add_argument("--quiet", action="store_true", help="no loading progress")
     srv.set_defaults(run=cmd_serve)
+    bat = sub.add_parser("batch", help="complete every request of a JSON-lines file, for throughput (resumable)",
+                         formatter_class=HelpFormatter,
+                         description="Each input line: {\"id\": ..., \"prompt\": \"text\" or [token ids]} or "
+                         "{\"id\": ..., \"messages\": [...]}, with optional max_tokens, temperature, top_p, top_k, "
+                         "seed, stop (the server's fields). Each output line: id, text, token_ids, prompt_tokens, "
+                         "completion_tokens, finish_reason. Rerun after an interruption: ids already in OUT are "
+                         "skipped.")
+    bat.add_argument("input", type=Path, help="requests, one JSON object per line")
+    bat.add_argument("output", type=Path, help="completions, one JSON object per line, appended to")
+    bat.add_argument("--model", help="checkpoint path, repo id or name (default: the embedded model)")
+    bat.add_argument("--max-tokens", type=positive, default=256, help="most tokens per request that gives none")
+    bat.add_argument("--temperature", type=float,
+                     help="sampling temperature of requests that give none; 0 is greedy (default: 1, as the server)")
+    bat.add_argument("--top-p", type=float, help="top_p of requests that give none (default: 1)")
+    bat.add_argument("--top-k", type=non_negative, help="top_k of requests that give none (default: 0, all)")
+    bat.add_argument("--seed", type=seed,
+                     help="seed of requests that give none (default: one derived from each request's id)")
+    bat.add_argument("--stop", action="append", type=utf8_text, metavar="STRING",
+                     help="stop string of requests that give none (repeatable)")
+    bat.add_argument("--slots", type=positive, help="sequences decoded together (default: the performance model's)")
+    bat.add_argument("--micro-batches", type=micro_batches, metavar="N|dual",
+                     help="attention micro-batches of a decode step, whose routed experts run as one call, or 'dual': "
+                          "two overlapped micro-batches with expert calls of their own (default: the performance "
+                          "model's)")
+    bat.add_argument("--prefill-batch", type=positive,
+                     help="prompts prefilled together (default: the performance model's)")
+    bat.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: the backend's)")
+    bat.add_argument("--quiet", action="store_true", help="no progress bar or notes")
+    bat.set_defaults(run=cmd_batch)
     info = sub.add_parser("info", help="describe a checkpoint without loading its weights",
                           formatter_class=HelpFormatter)
     info.add_argument("checkpoint", nargs="?", help="checkpoint path, repo id or name (default: the embedded model)")

@@ -146,7 +146,7 @@ def plan_ring(
     if depth is not None and depth < 1:
         raise ValueError(f"the ring needs a depth of at least 1 block, got {depth}")
     if vram_budget is None:
-        vram_budget = _free_device_memory(device)
+        vram_budget = free_device_memory(device)
     if depth is None:
         depth = len(experts[0].blocks)
         if vram_budget is not None:
@@ -179,7 +179,8 @@ def _cudnn_has_mla() -> bool:
         return False
 
 
-def _free_device_memory(device: jax.Device) -> int | None:
+def free_device_memory(device: jax.Device) -> int | None:
+    """Bytes a program may still allocate on `device` (90% of what is free), None where it does not say (a CPU)."""
     stats = device.memory_stats()
     if not stats or "bytes_limit" not in stats:
         return None

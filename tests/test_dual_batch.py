@@ -11,7 +11,7 @@ from hybrid_placement import hybrid
 import hybridjit
 from hybridjit.models import deepseek_v3 as dsv3
 from hybridjit.ops.async_experts import SUBMIT, WAIT
-from hybridjit.ops.routed_experts import kernel_info
+from hybridjit.ops.routed_experts import TARGET, kernel_info
 
 # Same math, different grouping of tokens into kernel calls: rounding only. The AVX-512 and AMX kernels
 # round activations to bfloat16 (2^-8 relative) and accumulate a token differently by how many share its
@@ -82,3 +82,26 @@ def test_compiled_program_interleaves_the_micro_batches(model):
     for layer, submit, wait in zip(moe_layers, submits_a, waits_a, strict=True):
         attention_b = positions(order, op_name=f"/layer{layer}/mb1/attention/")
         assert attention_b and submit < min(attention_b) and max(attention_b) < wait, layer
+
+
+@pytest.mark.parametrize("groups", [[1, 2], [2, 1, 2]])
+def test_grouped_step_equals_plain_step_with_one_expert_call_per_layer(model, groups):
+    """Module-based batching (decode_step_grouped): attention per micro-batch, the routed experts of all of them
+    as one call per MoE layer, the same logits and caches as one plain step over the micro-batches together."""
+    cfg, w = model.config, model.weights
+    rows = list(range(sum(groups)))
+    tokens, pos, cache = prefilled(model, rows)
+    plain, plain_cache = jax.jit(dsv3.decode_step, static_argnums=0)(cfg, w, tokens, pos, cache)
+    bounds = np.cumsum([0, *groups])
+    parts = [prefilled(model, rows[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    step = jax.jit(dsv3.decode_step_grouped, static_argnums=0)
+    args = (cfg, w, *(tuple(p[k] for p in parts) for k in range(3)))
+    logits, caches = step(*args)
+    grouped = np.concatenate(logits)
+    for row in rows:
+        assert rel_rms(grouped[row], np.asarray(plain)[row]) < RTOL, row
+    latent = np.concatenate([c[-1].latent for c in caches])
+    assert rel_rms(latent, np.asarray(plain_cache[-1].latent)) < RTOL
+    order = schedule(step.lower(*args).compile().as_text())
+    expert_calls = [ins for ins in order if ins["target"] in (SUBMIT, TARGET)]
+    assert len(expert_calls) == sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))

@@ -80,6 +80,15 @@ def _decode_dual_program(
     return sampled, caches
 
 
+@partial(jax.jit, static_argnums=(0, 1), donate_argnames="caches")
+def _decode_grouped_program(
+    cfg, schedule, weights, tokens, positions, live, caches, keys, counts, temperature, top_k, top_p
+):
+    logits, caches = family_of(cfg).model.decode_step_grouped(cfg, weights, tokens, positions, caches, schedule, live)
+    per_batch = zip(logits, keys, counts, temperature, top_k, top_p, strict=True)
+    return tuple(_sample_rows(*args) for args in per_batch), caches
+
+
 @partial(jax.jit, donate_argnames="cache")
 def _insert_program(cache, rows, row, slot):
     """cache [slots, L, ...] with row `row` of rows [b, t <= L, ...] copied to positions [0, t) of slot `slot`."""
@@ -143,17 +152,29 @@ def sampling_arrays(params: list[SamplingParams]) -> tuple:
 
 class Engine:
     """The decode state of `slots` sequences over `model` (a hybridjit.engine.Model), each with room for
-    cache_len positions. With model.dual_batch and two or more slots, the slots form two micro-batches that
-    decode interleaved (decode_step_dual): slot s is row s of the first, or s - first's size of the second."""
+    cache_len positions, in micro-batches of consecutive slots (each with a cache of its own):
 
-    def __init__(self, model, slots: int, cache_len: int):
+    - micro_batches=None (interactive): with model.dual_batch and two or more slots, two micro-batches that
+      decode interleaved, each with its own routed-expert calls (decode_step_dual); else one;
+    - micro_batches=n (offline throughput): n micro-batches whose attention runs one after the other and whose
+      routed experts run as one call per layer over all of them (decode_step_grouped, module-based batching).
+    """
+
+    def __init__(self, model, slots: int, cache_len: int, micro_batches: int | None = None):
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if not 1 <= cache_len <= model.config.max_position_embeddings:
             raise ValueError(f"cache_len must be in [1, {model.config.max_position_embeddings}], got {cache_len}")
+        if micro_batches is not None and not 1 <= micro_batches <= slots:
+            raise ValueError(f"micro_batches must be in [1, slots = {slots}], got {micro_batches}")
         self.model, self.slots, self.cache_len = model, slots, cache_len
-        half = slots - slots // 2
-        self.groups = [range(half), range(half, slots)] if model.dual_batch and slots > 1 else [range(slots)]
+        self.coalesced = micro_batches is not None
+        if micro_batches is None:
+            micro_batches = 2 if model.dual_batch and slots > 1 else 1
+        bounds = [slots * m // micro_batches for m in range(micro_batches + 1)]
+        # The larger micro-batches first, as dual-batch has always split (its first half takes the odd slot).
+        bounds = [slots - b for b in reversed(bounds)]
+        self.groups = [range(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         self.reset()
 
     def reset(self):
@@ -282,9 +303,10 @@ class Engine:
             )
             for g in self.groups
         ]
-        if len(self.groups) == 2:
+        if len(self.groups) > 1:
             positions, live, counts, temperature, top_k, top_p = zip(*split, strict=True)
-            sampled, caches = _decode_dual_program(
+            program = _decode_grouped_program if self.coalesced else _decode_dual_program
+            sampled, caches = program(
                 m.config, schedule, m.weights, tuple(self.tokens), positions, live, tuple(self.caches),
                 tuple(self.keys), counts, temperature, top_k, top_p,
             )

@@ -4,11 +4,25 @@ Strict: a number must be a JSON number and a string a string (no "5" for 5, no t
 API checks. Fields a client may send that change nothing here (user, metadata, ...) are ignored.
 """
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_SEED = 2**64  # the seeds of SamplingParams' keys: non-negative integers below this
+# pydantic's names for the members of a union, which it puts in an error's location after the field.
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|dict|.*\[.*\])$")
+
+
+def field_path(location: tuple) -> list:
+    """The field a pydantic error's location names (its "loc" within the body), without pydantic's union members:
+    ("messages", 0, "content", "str") -> ["messages", 0, "content"]."""
+    return [part for part in location if not (isinstance(part, str) and _UNION_MEMBER.match(part))]
+
+
+def field_name(path: list) -> str:
+    """A field path as the error messages write it: messages[0].content."""
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in path)[1:]
 
 
 class Body(BaseModel):

@@ -11,7 +11,6 @@ A streamed request that fails after its first chunk ends with an error event ins
 import asyncio
 import json
 import math
-import re
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -30,7 +29,13 @@ from hybridjit.sampling import SamplingParams
 from hybridjit.serving import scheduler as sched
 from hybridjit.serving.chat import ChatTemplate, ChatTemplateError, ToolCall, ToolCallFormat, ToolCallStream
 from hybridjit.serving.metrics import RequestTiming, ServerMetrics
-from hybridjit.serving.protocol import ChatCompletionRequest, CompletionRequest, GenerationParams
+from hybridjit.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationParams,
+    field_name,
+    field_path,
+)
 from hybridjit.tokenizer import IncrementalDecoder
 
 # After SIGTERM, requests in flight have this long to finish before they are cancelled.
@@ -201,20 +206,15 @@ def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-# pydantic's names for the members of a union, which it puts in an error's location after the field.
-_UNION_MEMBER = re.compile(r"^(str|int|float|bool|dict|.*\[.*\])$")
-
-
 def validation_error(exc: RequestValidationError) -> ApiError:
     """pydantic's first complaint about a body, as a 400 naming the field (param: the top-level field)."""
     error = exc.errors()[0]
-    path = [part for part in error["loc"][1:] if not (isinstance(part, str) and _UNION_MEMBER.match(part))]
+    path = field_path(error["loc"][1:])
     if error["type"] == "json_invalid":
         return ApiError(400, f"the body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])}")
     if not path:
         return ApiError(400, f"the body must be a JSON object: {error['msg']}")
-    where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in path)[1:]
-    return ApiError(400, f"{where}: {error['msg']}", param=path[0], code=error["type"])
+    return ApiError(400, f"{field_name(path)}: {error['msg']}", param=path[0], code=error["type"])
 
 
 class JsonBodies:

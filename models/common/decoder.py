@@ -1,6 +1,7 @@
 """The decoder every family shares: embeddings, layers of (attention, dense MLP or MoE block) with pre-norms and
 residuals, final norm and LM head; whole-sequence prefill, one-token decode steps (with Expert Deferral and
-Skipping), the dual-micro-batch decode step, and the pieces stream-loaded prefill runs layer by layer.
+Skipping), the dual-micro-batch decode step, the module-batched decode step (attention in micro-batches, routed
+experts coalesced over all of them), and the pieces stream-loaded prefill runs layer by layer.
 
 A family plugs its attention in as an `Attention` (MLA for DeepSeek, GQA for the others) and its weights as
 `Layer`s of a `Weights` pytree; its model module wraps these functions with its Attention bound.
@@ -260,6 +261,63 @@ def decode_step_dual(
     return tuple(logits(cfg, w, xm)[:, 0] for xm in x), new_caches
 
 
+def decode_step_grouped(
+    attention: Attention,
+    cfg: ModelConfig,
+    w: Weights,
+    tokens: tuple[jax.Array, ...],
+    positions: tuple[jax.Array, ...],
+    caches: tuple[list, ...],
+    schedule: ExpertSchedule = NO_SCHEDULE,
+    live: tuple[jax.Array, ...] | None = None,
+):
+    """decode_step for micro-batches of their own caches, batched by module (MoE-Gen): each layer's attention runs
+    micro-batch by micro-batch over its cache, then the layer's MoE block runs once over the tokens of all of them,
+    so each routed expert gets one GEMM per layer per step over every token routed to it (CoX-MoE's coalesced
+    execution; dual-batch overlap instead gives each micro-batch its own expert call). The micro-batches bound
+    what one attention call holds: the unit a cache kept in host memory would be streamed in. Same math as
+    decode_step on the micro-batches concatenated. Returns (logits per micro-batch, caches per micro-batch).
+    """
+    sizes = [t.shape[0] for t in tokens]
+    bounds = [sum(sizes[:m]) for m in range(len(sizes) + 1)]
+    everyone = None if live is None else jnp.concatenate(live)[:, None]
+    x = jnp.concatenate([w.embed[t] for t in tokens])[:, None]
+    new_caches: tuple[list, ...] = tuple([] for _ in tokens)
+    moe_layers = [i for i, layer in enumerate(w.layers) if isinstance(layer.mlp, MoE)]
+    schedule.check(cfg)
+    carried = None
+    for i, layer in enumerate(w.layers):
+        with jax.named_scope(f"layer{i}"):
+            normed = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+            outs = []
+            for m in range(len(tokens)):
+                with jax.named_scope(f"mb{m}/attention"):
+                    h, c = attention.decode(
+                        cfg, layer.attn, normed[bounds[m] : bounds[m + 1]], positions[m][:, None], caches[m][i]
+                    )
+                outs.append(h)
+                new_caches[m].append(c)
+            x = x + jnp.concatenate(outs)
+            h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+            if isinstance(layer.mlp, MoE):
+                n = moe_layers.index(i)
+                out, _, carried = moe(
+                    cfg,
+                    layer.mlp,
+                    h,
+                    n_skipped=schedule.n_skipped,
+                    n_deferred=schedule.n_deferred if i != moe_layers[-1] else 0,
+                    deferred_slot=1 + n % 2,
+                    carried=carried,
+                    live=everyone,
+                )
+            else:
+                out = mlp(layer.mlp, h)
+            x = x + out
+    out = logits(cfg, w, x)[:, 0]
+    return tuple(out[bounds[m] : bounds[m + 1]] for m in range(len(tokens))), new_caches
+
+
 def prefill_attention_layer(
     attention: Attention, cfg: ModelConfig, layer: Layer, x: jax.Array, cache, attend: Callable
 ):
@@ -271,7 +329,8 @@ def prefill_attention_layer(
 
 def bind(attention: Attention) -> tuple[Callable, ...]:
     """The decoder's functions with one family's attention bound, as its model module exports them: (forward,
-    forward_layer, finite_stages, prefill, extend, decode_step, decode_step_dual, prefill_attention_layer)."""
+    forward_layer, finite_stages, prefill, extend, decode_step, decode_step_dual, decode_step_grouped,
+    prefill_attention_layer)."""
     functions = (
         forward,
         forward_layer,
@@ -280,6 +339,7 @@ def bind(attention: Attention) -> tuple[Callable, ...]:
         extend,
         decode_step,
         decode_step_dual,
+        decode_step_grouped,
         prefill_attention_layer,
     )
     return tuple(functools.partial(f, attention) for f in functions)

@@ -4,6 +4,9 @@ grouped-query attention (models/common/gqa.py) bound, and its KV cache."""
 from hybridjit.models.common import decoder, gqa
 
 init_cache = gqa.init_cache
-(forward, forward_layer, finite_stages, prefill, extend, decode_step, decode_step_dual, prefill_attention_layer) = (
+(
+    forward, forward_layer, finite_stages, prefill, extend, decode_step, decode_step_dual, decode_step_grouped,
+    prefill_attention_layer,
+) = (
     decoder.bind(gqa.ATTENTION)
 )

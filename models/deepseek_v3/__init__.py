@@ -5,8 +5,8 @@ A family package holds what the runtime asks of a family (models/registry.py lis
 - config: CONFIG, the config class built from a Hugging Face config.json; MODEL_TYPES, ARCHITECTURES, the known
   NAMES and the PRESETS of the released sizes;
 - model: the model as pure functions: init_cache and the shared decoder's functions with the family's attention
-  bound (forward, forward_layer, finite_stages, prefill, decode_step, decode_step_dual, prefill_attention_layer),
-  and ChunkedAttention where the family runs stream-loaded prefill;
+  bound (forward, forward_layer, finite_stages, prefill, decode_step, decode_step_dual, decode_step_grouped,
+  prefill_attention_layer), and ChunkedAttention where the family runs stream-loaded prefill;
 - ckpt: the checkpoint map (checkpoint_layout, build_weights);
 - cost: the figures of the path choice (layer_flops).
 This package also re-exports its model's functions and the shared pieces it composes, for researchers.
@@ -37,6 +37,7 @@ from hybridjit.models.deepseek_v3.model import (
     causal_attention,
     decode_step,
     decode_step_dual,
+    decode_step_grouped,
     finite_stages,
     forward,
     forward_layer,
@@ -50,5 +51,6 @@ __all__ = [
     "route", "ARCHITECTURES", "ckpt", "config", "cost", "model", "MLA", "MODEL_TYPES", "NAMES", "PRESETS",
     "ChunkedAttention", "DeepseekV3Config", "ExpertSchedule", "Layer", "LayerCache", "Weights", "attention_absorbed",
     "attention_prefill", "build_weights", "causal_attention", "checkpoint_layout", "decode_step", "decode_step_dual",
+    "decode_step_grouped",
     "finite_stages", "forward", "forward_layer", "init_cache", "layer_flops", "prefill", "prefill_attention_layer",
 ]

@@ -1,4 +1,5 @@
-"""The DeepSeek-V3 family's cost figures for the choice of path (hybridjit.stream_prefill's model of prefill time)."""
+"""The DeepSeek-V3 family's cost figures for the choice of path (hybridjit.stream_prefill's model of prefill time)
+and for the offline policy's model of a decode step (hybridjit.offline_policy)."""
 
 from hybridjit.models.deepseek_v3.config import DeepseekV3Config as ModelConfig
 
@@ -17,3 +18,14 @@ def layer_flops(cfg: ModelConfig, batch: int, length: int) -> dict[str, float]:
         "router+shared": 2.0 * n * (3 * d * f * cfg.n_shared_experts + d * cfg.n_routed_experts),
         "routed": 2.0 * n * cfg.num_experts_per_tok * 3 * d * f,
     }
+
+
+def kv_elements_per_token(cfg: ModelConfig) -> int:
+    """Cache elements one token keeps per layer: MLA's compressed latent and its shared rope key."""
+    return cfg.kv_lora_rank + cfg.qk_rope_head_dim
+
+
+def decode_attention_flops(cfg: ModelConfig, batch: int, context: int) -> float:
+    """FLOPs of one layer's decode attention core over `context` cached positions, absorbed as decode runs it:
+    per head, scores against the latent and rope key (r + p), then the weighted latent (r)."""
+    return 2.0 * batch * cfg.num_attention_heads * context * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)

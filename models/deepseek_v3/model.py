@@ -188,6 +188,9 @@ ATTENTION = decoder.Attention(
 
 
 # The shared decoder (models/common/decoder.py) with MLA bound: see its functions for what each computes.
-(forward, forward_layer, finite_stages, prefill, extend, decode_step, decode_step_dual, prefill_attention_layer) = (
+(
+    forward, forward_layer, finite_stages, prefill, extend, decode_step, decode_step_dual, decode_step_grouped,
+    prefill_attention_layer,
+) = (
     decoder.bind(ATTENTION)
 )

@@ -1,0 +1,216 @@
+"""Offline throughput benchmark (issue #25): prefill and decode throughput of `hybridjit batch`'s engine at
+MoE-Gen's setting (prompts of 512 tokens, 256 new tokens each), batch sizes swept, against the performance
+model's prediction and the interactive engine's batch-1 decode.
+
+    python bench/offline.py [--models deepseek-v3:5 qwen3-30b-a3b] [--slots 64 256 1024] [--prefill 1 8]
+
+Each model is a geometry with random FP8 weights (prefill.py's PooledExperts: fast to load), truncated to
+`:LAYERS` where given, its routed experts in one pinned host copy on the CPU. Per model, in one process:
+- the interactive decode: batch 1, the dual-batch engine as `generate` runs it;
+- decode steps of every --slots size, experts coalesced over the batch (one attention micro-batch), each slot's
+  cache holding the mean context of the workload (prompt + half the new tokens): tok/s = slots / step;
+- prefill of every --prefill batch of 512-token prompts (whichever path the engine chooses);
+- the performance model (hybridjit/offline_policy.py) fed with floors measured here (memory read floor, pinned
+  H2D, dense GEMM, the CPU expert kernels' rate, the device's free memory): its prediction of each measured case,
+  and its pick over the same grid against the best measured. A run's throughput combines them as the model does:
+  generated tokens / (n / P prefills + n x 256 / B steps), n = --requests.
+A truncated model's figures are also projected to full depth: the full-depth prediction times the measured /
+predicted ratio of the truncated one (labelled "projected"). Ends with one JSON line.
+"""
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench_model import load_model
+from floors import floors_line, machine, memory_floors
+from hybridjit.offline_policy import Floors, Policy, Workload, kv_bytes_per_slot, predict, search
+from hybridjit.placement import Placement
+from hybridjit.sampling import SamplingParams
+from hybridjit.serving.engine import Engine, Prefilled, bucket
+from hybridjit.stream_prefill import choose_prefill_path, free_device_memory
+from prefill import PooledExperts, cpu_expert_tflops, gemm_tflops, h2d_gbps
+
+ON_GPU = jax.default_backend() == "gpu"
+PROMPT, NEW = 512, 256  # MoE-Gen's setting
+
+
+def load(geometry: str, layers: int | None, dtype):
+    args = argparse.Namespace(checkpoint=None, geometry=geometry, layers=layers)
+    placement = Placement(jax.devices()[0], jnp.dtype(dtype), pinned_experts=ON_GPU)
+    return load_model(args, placement, "fp8", synthetic=PooledExperts)
+
+
+def measured_floors(model, memory: dict) -> Floors:
+    """The model's Floors from this run's measurements (the GPU ones only on a GPU; the rest stay defaults)."""
+    device = model.placement.device
+    figures = {"host_read_gbps": memory["read_gbps"], "cpu_expert_tflops": cpu_expert_tflops(model, 4096)}
+    if ON_GPU:
+        figures |= {"pcie_gbps": h2d_gbps(device), "gpu_tflops": gemm_tflops(device),
+                    "device_free_bytes": free_device_memory(device)}  # fmt: skip
+    return dataclasses.replace(Floors(), **figures)
+
+
+def decode_step_seconds(model, slots: int, micro_batches: int | None, context: int, steps: int, rng) -> float:
+    """Median seconds of a decode step of `slots` sequences each at `context` cached positions, run as the runner
+    runs them (the next step dispatched before this one's tokens are read). The caches hold zeros: a step's time
+    depends on how much cache it reads, not on what is in it."""
+    cfg = model.config
+    engine = Engine(model, slots, context + steps + 4, micro_batches)
+    one = model.family.model.init_cache(cfg, 1, context, model.dtype, model.placement.device)
+    token = jnp.asarray(rng.integers(2, cfg.vocab_size, 1), jnp.int32)
+    filled = Prefilled(one, token, jnp.ones(1, bool), np.array([context], np.int32))
+    for slot in range(slots):
+        engine.insert(filled, 0, slot, SamplingParams())
+    times, previous, last = [], None, time.perf_counter()
+    for i in range(steps + 2):  # the first two compile and record the graphs
+        step = engine.generate()
+        if previous is not None:
+            previous.tokens()
+        now = time.perf_counter()
+        if i >= 2:
+            times.append(now - last)
+        previous, last = step, now
+    previous.tokens()
+    return statistics.median(times)
+
+
+def prefill_seconds(model, batch: int, rng, repeats: int = 2) -> tuple[float, str]:
+    """Median seconds of the engine's prefill of `batch` random 512-token prompts, and the path it took."""
+    engine = Engine(model, 1, PROMPT + 1)
+    params = [SamplingParams()] * batch
+    times = []
+    for _ in range(repeats + 1):  # the first compiles
+        seqs = rng.integers(2, model.config.vocab_size, (batch, PROMPT)).tolist()
+        start = time.perf_counter()
+        prefilled = engine.prefill(seqs, params)
+        np.asarray(prefilled.tokens)
+        times.append(time.perf_counter() - start)
+        del prefilled
+    path = choose_prefill_path(model, batch, PROMPT, threshold=model.stream_prefill_threshold)
+    return statistics.median(times[1:]), path
+
+
+def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
+    geometry, _, layers = spec.partition(":")
+    model, name, full = load(geometry, int(layers) if layers else None, args.dtype)
+    cfg, itemsize = model.config, jnp.dtype(model.dtype).itemsize
+    floors = measured_floors(model, memory)
+    work = Workload(args.requests, PROMPT, NEW, bucket(PROMPT + NEW))
+    context = PROMPT + NEW // 2
+    print(f"\n{name}: {cfg.num_hidden_layers} of {full.num_hidden_layers} layers; floors: read "
+          f"{floors.host_read_gbps:.1f} GB/s, H2D {floors.pcie_gbps:.1f} GB/s, GEMM {floors.gpu_tflops:.0f} TFLOP/s, "
+          f"CPU experts {floors.cpu_expert_tflops:.2f} TFLOP/s, device free "
+          + (f"{floors.device_free_bytes / 2**30:.1f} GiB" if floors.device_free_bytes else "unbounded"))  # fmt: skip
+
+    interactive = decode_step_seconds(model, 1, None, context, args.steps, rng)  # as generate runs one prompt
+    interactive_tok_s = 1 / interactive
+    print(f"interactive batch 1: {1e3 * interactive:.1f} ms/step, {interactive_tok_s:.2f} tok/s")
+
+    decode, prefill = {}, {}
+    print(f"{'slots':>6} {'step ms':>9} {'tok/s':>9} {'pred ms':>9} {'pred tok/s':>10} {'meas/pred':>9}")
+    for slots in args.slots:
+        if time.perf_counter() > deadline:
+            print(f"time limit: slots {slots} and up not run")
+            break
+        kv = slots * kv_bytes_per_slot(cfg, context + args.steps + 4, itemsize)
+        if floors.device_free_bytes is not None and kv > floors.device_free_bytes:
+            print(f"{slots:6d} slots: their KV cache ({kv / 2**30:.1f} GiB) does not fit the device")
+            continue
+        step = decode_step_seconds(model, slots, 1, context, args.steps, rng)
+        predicted = predict(cfg, floors, work, Policy(slots, 1, 1), itemsize, ON_GPU).step_s
+        decode[slots] = {"step_s": step, "predicted_step_s": predicted}
+        print(f"{slots:6d} {1e3 * step:9.1f} {slots / step:9.1f} {1e3 * predicted:9.1f} {slots / predicted:10.1f} "
+              f"{predicted / step:9.2f}")  # fmt: skip
+    print(f"{'prompts':>7} {'path':>7} {'ms':>9} {'tok/s':>9} {'pred ms':>9}")
+    for batch in args.prefill:
+        if time.perf_counter() > deadline:
+            print(f"time limit: prefill {batch} and up not run")
+            break
+        seconds, path = prefill_seconds(model, batch, rng)
+        predicted = predict(cfg, floors, work, Policy(1, 1, batch), itemsize, ON_GPU).prefill_s
+        prefill[batch] = {"seconds": seconds, "predicted_s": predicted, "path": path}
+        print(f"{batch:7d} {path:>7} {1e3 * seconds:9.1f} {batch * PROMPT / seconds:9.1f} {1e3 * predicted:9.1f}")
+
+    def run_tok_s(b, p, step, pre):
+        generated = work.requests * NEW
+        return generated / (-(-work.requests // p) * pre + generated / b * step)
+
+    grid = {(b, p): run_tok_s(b, p, decode[b]["step_s"], prefill[p]["seconds"])
+            for b in decode for p in prefill if p <= b}  # fmt: skip
+    if not grid:
+        return {"model": name, "interactive_tok_s": interactive_tok_s, "error": "no case ran within the time limit"}
+    best = max(grid, key=grid.get)
+    picks = [search(cfg, floors, work, itemsize, ON_GPU, slots=b, micro_batches=1) for b in decode]
+    pick = max((p for p in picks if p.prefill_batch in prefill), key=lambda p: p.prediction.total_tok_s, default=None)
+    pick_key = (pick.slots, pick.prefill_batch) if pick else best
+    measured_pick = grid.get(pick_key, 0.0)
+    predicted_pick = pick.prediction.total_tok_s if pick else 0.0
+    best_decode = max(b / decode[b]["step_s"] for b in decode)
+    result = {
+        "model": name, "layers": cfg.num_hidden_layers, "full_layers": full.num_hidden_layers,
+        "floors": dataclasses.asdict(floors), "interactive_tok_s": round(interactive_tok_s, 2),
+        "decode": [{"slots": b, "step_ms": round(1e3 * d["step_s"], 2), "tok_s": round(b / d["step_s"], 2),
+                    "predicted_tok_s": round(b / d["predicted_step_s"], 2)} for b, d in decode.items()],
+        "prefill": [{"prompts": p, "path": d["path"], "ms": round(1e3 * d["seconds"], 1),
+                     "tok_s": round(p * PROMPT / d["seconds"], 1),
+                     "predicted_tok_s": round(p * PROMPT / d["predicted_s"], 1)} for p, d in prefill.items()],
+        "best_of_grid": {"slots": best[0], "prefill": best[1], "tok_s": round(grid[best], 2)},
+        "policy_pick": {"slots": pick_key[0], "prefill": pick_key[1], "measured_tok_s": round(measured_pick, 2),
+                        "predicted_tok_s": round(predicted_pick, 2)},
+        "pick_vs_best": round(measured_pick / grid[best], 3),
+        "measured_vs_predicted": round(measured_pick / predicted_pick, 3) if predicted_pick else None,
+        "best_decode_vs_interactive": round(best_decode / interactive_tok_s, 1),
+    }  # fmt: skip
+    if cfg.num_hidden_layers < full.num_hidden_layers:  # projected: the full-depth prediction x measured / predicted
+        scale = result["measured_vs_predicted"] or 1.0
+        full_pick = search(full, floors, work, itemsize, ON_GPU, slots=pick_key[0], micro_batches=1,
+                           prefill_batch=pick_key[1])  # fmt: skip
+        interactive_full = predict(full, floors, work, Policy(1, 1, 1), itemsize, ON_GPU).decode_tok_s
+        interactive_trunc = predict(cfg, floors, work, Policy(1, 1, 1), itemsize, ON_GPU).decode_tok_s
+        result["projected_full_depth"] = {
+            "tok_s": round(full_pick.prediction.total_tok_s * scale, 2),
+            "decode_tok_s": round(full_pick.prediction.decode_tok_s * scale, 2),
+            "interactive_tok_s": round(interactive_tok_s * interactive_full / interactive_trunc, 2),
+        }
+    print(f"best of the grid: {best[0]} slots, prefill {best[1]}: {grid[best]:.1f} tok/s; the model's pick: "
+          f"{pick_key[0]} slots, prefill {pick_key[1]}: {measured_pick:.1f} tok/s measured, {predicted_pick:.1f} "
+          f"predicted; best decode / interactive = {result['best_decode_vs_interactive']}x")  # fmt: skip
+    if "projected_full_depth" in result:
+        print(f"projected to full depth: {result['projected_full_depth']}")
+    model.close()
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["deepseek-v3:5", "qwen3-30b-a3b"],
+                        help="geometries, each GEOMETRY[:LAYERS]")
+    parser.add_argument("--slots", type=int, nargs="+", default=[64, 256, 512, 1024])
+    parser.add_argument("--prefill", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--requests", type=int, default=4096, help="the modelled run's requests")
+    parser.add_argument("--steps", type=int, default=6, help="timed decode steps per case")
+    parser.add_argument("--dtype", default="bfloat16" if ON_GPU else "float32")
+    parser.add_argument("--time-limit", type=float, default=330.0,
+                        help="seconds after which no further case starts (the JSON line still ends the run)")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    memory = memory_floors()
+    print(floors_line(memory))
+    rng = np.random.default_rng(0)
+    results = []
+    for i, spec in enumerate(args.models):
+        # Each model gets its share of the time left.
+        deadline = start + args.time_limit * (i + 1) / len(args.models)
+        results.append(bench_model(spec, args, memory, rng, deadline))
+    print(json.dumps({"bench": "offline", "machine": machine(), "floors": memory, "results": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""The offline batch's performance model: which policy (slots decoded together, attention micro-batches, prompts
+prefilled together) gives the most throughput on this machine for this model, and what throughput it predicts.
+
+A roofline per module, as MoE-Lightning's hierarchical roofline (HRM) and MoE-Gen's batch-size search model it,
+fed with the machine's measured floors (`Floors`, an input: bench/floors.py and bench/offline.py measure them;
+the defaults below are bench/RESULTS.md's figures for the 1x H100 + 16-core Xeon host) and the model's shapes
+(the family's cost module):
+
+- routed experts, on the CPU, once per MoE layer over the whole batch (coalesced): the larger of reading the
+  distinct experts the batch routes to (host read floor x the kernels' share of it) and their FLOPs at the CPU's
+  AMX rate;
+- everything else, on the GPU: the larger of reading the non-expert weights and the KV cache (HBM) and their
+  FLOPs, plus a fixed cost per layer and attention micro-batch (launches) and the hand-off per expert call.
+  The GPU and CPU parts of a coalesced step run one after the other (each layer's experts need its attention,
+  and the next layer needs them); dual-batch overlap runs them side by side but reads the experts twice;
+- prefill, per batch of prompts: the cheaper of the hybrid path (GPU, then CPU experts by the roofline above)
+  and, where the engine can stream, the stream-loaded one (stream_prefill.prefill_seconds).
+
+A run of n requests (mean prompt L, mean budget G) takes n / P prefills and n G / B decode steps at the mean
+context L + G / 2; the policy maximizing generated tokens per second of the whole run is chosen from a grid,
+within device memory: the KV cache of B slots and one prefill batch's activations must fit what the device has
+free once the weights are loaded. Any of the three can be fixed by the user; the rest is searched.
+"""
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+from hybridjit.models.registry import ModelConfig, family_of
+from hybridjit.serving.engine import bucket
+from hybridjit.stream_prefill import PrefillRates, expert_bytes, free_device_memory, prefill_seconds
+
+DUAL = "dual"  # micro_batches: the interactive engine's two overlapped micro-batches, each with its expert calls
+MAX_SLOTS = 1024
+MICRO_BATCHES = (1, 2, 4, 8)
+# Bytes a prompt token takes while prefilled, besides the weights: float32 logits over the vocabulary (the hybrid
+# prefill program computes every position's) and a few hidden-size activations.
+PREFILL_ACTIVATION_HIDDEN_COPIES = 16
+# The decode attention's float32 scores [b, heads, context] (about three live copies) of one micro-batch stay
+# under this (stream_prefill's bound for its attention scratch).
+ATTENTION_SCRATCH = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Floors:
+    """The machine's measured rates. Defaults: bench/RESULTS.md on the 1x H100 80 GB + 16-core Xeon (AMX) host,
+    except where said. Another engineer's per-machine measurement (issue #23) fills this in."""
+
+    host_read_gbps: float = 155.0  # read floor (bench/floors.py): decode.py's V3 projection ran at 155 GB/s
+    cpu_decode_share: float = 0.85  # of the read floor the FP8 decode kernels reach: 73-94% by host (moe_cpu.py)
+    cpu_expert_tflops: float = 3.8  # AMX expert GEMMs at many tokens per expert: 3.6-3.8 (DESIGN.md §9)
+    pcie_gbps: float = 54.0  # pinned host -> device: 52-55 GB/s (DESIGN.md §3; PrefillRates)
+    gpu_tflops: float = 550.0  # what prefill's GPU work reaches (PrefillRates; dense bf16 GEMM 680-790)
+    gpu_hbm_gbps: float = 2500.0  # not measured here: H100 HBM3's 3.35 TB/s nominal at ~75%
+    handoff_us: float = 22.0  # one routed-expert call's GPU -> CPU -> GPU hand-off: 21-23 us (DESIGN.md §1)
+    gpu_layer_us: float = 40.0  # launches and small kernels per layer and attention call (a guess; see offline.py)
+    device_free_bytes: int | None = None  # for KV cache and prefill; None: measured when the policy is chosen
+
+    def prefill_rates(self) -> PrefillRates:
+        return PrefillRates(self.pcie_gbps, self.gpu_tflops, self.cpu_expert_tflops)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    requests: int
+    prompt_tokens: float  # mean
+    new_tokens: float  # mean budget (max_tokens)
+    cache_len: int  # positions per slot
+
+    @classmethod
+    def of_jobs(cls, jobs, cache_len: int) -> "Workload":
+        n = len(jobs)
+        return cls(n, sum(len(j.prompt) for j in jobs) / n, sum(j.max_tokens for j in jobs) / n, cache_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    step_s: float  # one decode step of all slots
+    expert_s: float  # of which the routed experts on the CPU
+    prefill_s: float  # one prefill batch
+    decode_tok_s: float
+    prefill_tok_s: float
+    total_tok_s: float  # generated tokens per second of the whole run, prefills included
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    slots: int
+    micro_batches: int | str  # attention micro-batches with coalesced experts, or DUAL
+    prefill_batch: int
+    prediction: Prediction | None = None
+
+    def describe(self) -> str:
+        mb = "dual-batch overlap" if self.micro_batches == DUAL else f"{self.micro_batches} attention micro-batch(es)"
+        line = f"policy: {self.slots} slots, {mb}, prefill {self.prefill_batch} prompts at a time"
+        if p := self.prediction:
+            line += (f"; predicted {p.total_tok_s:.1f} generated tok/s (decode {p.decode_tok_s:.1f} tok/s, step "
+                     f"{1e3 * p.step_s:.1f} ms of which experts {1e3 * p.expert_s:.1f}; prefill {p.prefill_tok_s:.0f} "
+                     "tok/s)")  # fmt: skip
+        return line
+
+
+# ------------------------------------------------------------------------------------------ the model
+
+
+def _moe_layers(cfg: ModelConfig) -> int:
+    return sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+
+
+def cpu_expert_seconds(cfg: ModelConfig, floors: Floors, tokens: int) -> float:
+    """All MoE layers' routed experts for `tokens` tokens in one call each: the roofline of reading the distinct
+    experts they route to (uniform routing) and of their FLOPs."""
+    n, moe = cfg.n_routed_experts, _moe_layers(cfg)
+    if not moe:
+        return 0.0
+    distinct = n * (1 - (1 - 1 / n) ** (tokens * cfg.num_experts_per_tok))
+    read = distinct * expert_bytes(cfg) / (moe * n) / (floors.host_read_gbps * floors.cpu_decode_share * 1e9)
+    flops = family_of(cfg).cost.layer_flops(cfg, tokens, 1)["routed"]
+    return moe * max(read, flops / (floors.cpu_expert_tflops * 1e12))
+
+
+def gpu_seconds(cfg: ModelConfig, floors: Floors, batch: int, context: float, calls: int, itemsize: int) -> float:
+    """Everything of a decode step but the routed experts, for `batch` tokens over `context` cached positions each,
+    attention in `calls` micro-batches: per layer the roofline of its weight and KV reads against its FLOPs."""
+    cost = family_of(cfg).cost
+    part = cost.layer_flops(cfg, batch, 1)
+    kv = batch * context * cost.kv_elements_per_token(cfg) * itemsize
+    seconds = 0.0
+    for i in range(cfg.num_hidden_layers):
+        dense = part["router+shared"] if cfg.is_moe_layer(i) else part["dense mlp"]
+        flops = part["projections"] + dense  # 2 FLOPs per weight per token: the weights' elements are flops / 2b
+        weights = flops / (2 * batch) * itemsize
+        attention = cost.decode_attention_flops(cfg, batch, int(context))
+        memory = (weights + kv) / (floors.gpu_hbm_gbps * 1e9)
+        seconds += max(memory, (flops + attention) / (floors.gpu_tflops * 1e12)) + calls * floors.gpu_layer_us * 1e-6
+    head = 2 * cfg.hidden_size * cfg.vocab_size
+    return seconds + max(head * itemsize / 2 / (floors.gpu_hbm_gbps * 1e9), batch * head / (floors.gpu_tflops * 1e12))
+
+
+def decode_step(cfg: ModelConfig, floors: Floors, batch: int, context: float, micro_batches, itemsize: int):
+    """(step seconds, of which routed experts) of one decode step of `batch` slots."""
+    handoffs = _moe_layers(cfg) * floors.handoff_us * 1e-6
+    if micro_batches == DUAL and batch > 1:
+        halves = (batch - batch // 2, batch // 2)
+        experts = sum(cpu_expert_seconds(cfg, floors, b) for b in halves)
+        gpu = sum(gpu_seconds(cfg, floors, b, context, 1, itemsize) for b in halves)
+        return max(experts, gpu) + 2 * handoffs, experts  # overlapped: one side's GPU hides the other's CPU
+    calls = 1 if micro_batches == DUAL else micro_batches
+    experts = cpu_expert_seconds(cfg, floors, batch)
+    return gpu_seconds(cfg, floors, batch, context, calls, itemsize) + experts + handoffs, experts
+
+
+def prefill_batch_seconds(cfg: ModelConfig, floors: Floors, batch: int, length: int, can_stream: bool) -> float:
+    """One prefill of `batch` prompts padded to `length`: the hybrid path by the roofline, or the stream-loaded one
+    where the engine can take it and it is faster."""
+    hybrid = prefill_seconds(cfg, batch, length, floors.prefill_rates())
+    gpu_part = hybrid["hybrid"] - family_of(cfg).cost.layer_flops(cfg, batch, length)["routed"] * _moe_layers(cfg) / (
+        floors.cpu_expert_tflops * 1e12
+    )
+    seconds = gpu_part + cpu_expert_seconds(cfg, floors, batch * length)
+    return min(seconds, hybrid["stream"]) if can_stream else seconds
+
+
+def predict(
+    cfg: ModelConfig, floors: Floors, work: Workload, policy: Policy, itemsize: int, can_stream: bool
+) -> Prediction:
+    step, experts = decode_step(cfg, floors, policy.slots, work.prompt_tokens + work.new_tokens / 2,
+                                policy.micro_batches, itemsize)  # fmt: skip
+    length = bucket(math.ceil(work.prompt_tokens))
+    prefill = prefill_batch_seconds(cfg, floors, policy.prefill_batch, length, can_stream)
+    generated = work.requests * work.new_tokens
+    total = math.ceil(work.requests / policy.prefill_batch) * prefill + generated / policy.slots * step
+    prefill_tok_s = policy.prefill_batch * work.prompt_tokens / prefill
+    return Prediction(step, experts, prefill, policy.slots / step, prefill_tok_s, generated / total)
+
+
+# ----------------------------------------------------------------------------------------- the choice
+
+
+def kv_bytes_per_slot(cfg: ModelConfig, cache_len: int, itemsize: int) -> int:
+    return cfg.num_hidden_layers * cache_len * family_of(cfg).cost.kv_elements_per_token(cfg) * itemsize
+
+
+def prefill_bytes(cfg: ModelConfig, batch: int, length: int) -> int:
+    return batch * length * (4 * cfg.vocab_size + PREFILL_ACTIVATION_HIDDEN_COPIES * cfg.hidden_size * 4)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
+
+
+def _slot_grid(limit: int) -> list[int]:
+    """Powers of two and the steps halfway between (3 x 2^k), up to `limit`, and `limit` itself: slots are
+    bounded by memory, where a power of two would leave up to half of it unused."""
+    return sorted({*_powers_of_two(limit), *(3 << i for i in range(limit.bit_length()) if 3 << i <= limit), limit})
+
+
+def search(
+    cfg: ModelConfig, floors: Floors, work: Workload, itemsize: int, can_stream: bool,
+    slots: int | None = None, micro_batches: int | str | None = None, prefill_batch: int | None = None,
+) -> Policy:  # fmt: skip
+    """The policy of the grid (slots by _slot_grid, micro-batches MICRO_BATCHES and DUAL, prefill batches powers of
+    two; the fixed ones as given) with the best predicted throughput that fits `floors.device_free_bytes` (None:
+    unbounded)."""
+    memory = floors.device_free_bytes
+    per_slot = kv_bytes_per_slot(cfg, work.cache_len, itemsize)
+    length = bucket(math.ceil(work.prompt_tokens))
+    most = min(work.requests, MAX_SLOTS)
+    slot_grid = [slots] if slots else _slot_grid(most)
+    best = None
+    for b in slot_grid:
+        kv = b * per_slot
+        if memory is not None and kv > memory and slots is None:
+            continue
+        mb_grid = [micro_batches] if micro_batches else [*(m for m in MICRO_BATCHES if m <= b), DUAL]
+        for mb in mb_grid:
+            calls = 2 if mb == DUAL else mb
+            context = work.cache_len
+            if 3 * 4 * -(-b // calls) * cfg.num_attention_heads * context > ATTENTION_SCRATCH and not micro_batches:
+                continue
+            for p in [prefill_batch] if prefill_batch else _powers_of_two(b):
+                if memory is not None and kv + prefill_bytes(cfg, p, length) > memory and not prefill_batch:
+                    continue
+                policy = Policy(b, mb, p)
+                prediction = predict(cfg, floors, work, policy, itemsize, can_stream)
+                policy = dataclasses.replace(policy, prediction=prediction)
+                if best is None or policy.prediction.total_tok_s > best.prediction.total_tok_s:
+                    best = policy
+    if best is None:
+        raise ValueError(
+            f"no policy fits the device's {memory / 2**30:.2f} GiB free: one slot's KV cache of {work.cache_len} "
+            f"positions takes {per_slot / 2**30:.3f} GiB; shorten max_tokens or the prompts"
+        )
+    return best
+
+
+def choose_policy(
+    model, jobs, cache_len: int, slots=None, micro_batches=None, prefill_batch=None, floors: Floors | None = None
+) -> Policy:
+    """The policy for running `jobs` (runner Jobs) on a loaded model, with the user's choices fixed."""
+    from hybridjit.stream_prefill import choose_prefill_path
+
+    floors = floors or Floors()
+    if floors.device_free_bytes is None and model.placement.device.platform != "cpu":
+        floors = dataclasses.replace(floors, device_free_bytes=free_device_memory(model.placement.device))
+    work = Workload.of_jobs(jobs, cache_len)
+    can_stream = choose_prefill_path(model, 1, 1, threshold=0) == "stream"  # pinned, streamable experts
+    itemsize = jnp.dtype(model.dtype).itemsize
+    return search(model.config, floors, work, itemsize, can_stream, slots, micro_batches, prefill_batch)
