@@ -121,10 +121,11 @@ class Model:
         if "free_bytes" not in budget:  # the copies held now are given back as they are replaced
             plan = dataclasses.replace(plan, free_after_weights=plan.free_after_weights + held)
         if residency == "auto":
-            layers = self._loader.expert_names
-            counts = counts or {layer: np.zeros(self.config.n_routed_experts) for layer in layers}
-            residency = Residency.most_used({layer: counts.get(layer, np.zeros(1)) for layer in layers},
-                                            plan.resident_per_layer)
+            unused = np.zeros(self.config.n_routed_experts)
+            residency = Residency.most_used(
+                {layer: (counts or {}).get(layer, unused) for layer in self._loader.expert_names},
+                plan.resident_per_layer,
+            )
             self.device_budget = plan
         elif not isinstance(residency, Residency):
             raise TypeError(f"residency must be 'auto', a Residency or a path, got {residency!r:.60}")

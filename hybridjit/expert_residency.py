@@ -20,6 +20,7 @@ import numpy as np
 from hybridjit.models.common.moe import MoE
 from hybridjit.models.common.resident_experts import ResidentExperts
 from hybridjit.models.registry import family_of
+from hybridjit.serving.engine import bucket
 
 FORMAT = "hybridjit-residency"
 
@@ -42,14 +43,10 @@ class Residency:
         return sum(len(ids) for ids in self.layers.values())
 
     @classmethod
-    def most_used(cls, counts: Mapping[int, np.ndarray], per_layer: int | Mapping[int, int]) -> "Residency":
+    def most_used(cls, counts: Mapping[int, np.ndarray], per_layer: int) -> "Residency":
         """The `per_layer` most activated experts of each layer of `counts` (layer -> activations per expert);
         ties go to the lower id, so a layer without counts holds its first experts."""
-        def take(layer, c):
-            n = per_layer if isinstance(per_layer, int) else per_layer.get(layer, 0)
-            return np.argsort(-np.asarray(c), kind="stable")[:n]
-
-        return cls({layer: tuple(take(layer, c)) for layer, c in counts.items()})
+        return cls({layer: tuple(np.argsort(-np.asarray(c), kind="stable")[:per_layer]) for layer, c in counts.items()})
 
     def covered_share(self, counts: Mapping[int, np.ndarray]) -> float:
         """The share of the activations in `counts` whose expert this residency holds on the device."""
@@ -169,8 +166,6 @@ def _routing_program(cfg, weights, tokens, lengths):
 def count_activations(model, sequences: list[list[int]], batch: int = 8) -> dict[int, np.ndarray]:
     """Layer -> activations per routed expert when the model prefills `sequences` (token-id lists): the probe
     of a workload sample that ranks experts for residency (CoX-MoE, seed 003)."""
-    from hybridjit.serving.engine import bucket  # the engine's shape buckets, so probes reuse few programs
-
     cfg = model.config
     moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
     totals = np.zeros((len(moe), cfg.n_routed_experts), np.int64)

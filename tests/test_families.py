@@ -79,15 +79,19 @@ def test_every_family_has_a_tiny_case():
     assert set(TINY) == {t for f in registry.FAMILIES for t in f.config.MODEL_TYPES} - {"deepseek_v2", "kimi_k2"}
 
 
-@pytest.fixture(scope="module", params=sorted(TINY))
-def model(request, tmp_path_factory):
-    raw = TINY[request.param]
-    cfg = registry.config_from_hf(raw)
-    synthetic = SyntheticCheckpoint(cfg, seed=3)
-    # float tensors as float32; raw ones (MXFP4 blocks and scales) as they are
+def save_tiny(family: str, directory, seed: int):
+    """A random checkpoint of TINY[family] written to `directory` (no end-of-sequence token, so that generation
+    runs its full length): float tensors as float32, raw ones (MXFP4 blocks and scales) as they are."""
+    raw = TINY[family]
+    synthetic = SyntheticCheckpoint(registry.config_from_hf(raw), seed=seed)
     tensors = {name: np.asarray(synthetic.get(name)) for name in synthetic.tensors}
     tensors = {n: t if t.dtype == np.uint8 else t.astype(np.float32) for n, t in tensors.items()}
-    path = save_checkpoint(tmp_path_factory.mktemp(request.param), {**raw, "eos_token_id": None}, tensors)
+    return save_checkpoint(directory, {**raw, "eos_token_id": None}, tensors)
+
+
+@pytest.fixture(scope="module", params=sorted(TINY))
+def model(request, tmp_path_factory):
+    path = save_tiny(request.param, tmp_path_factory.mktemp(request.param), seed=3)
     with kernel_family(EXACT_FLOAT32_FAMILY):
         m = hybridjit.load(path, dtype="float32")
         yield m

@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 from checkpoint_factory import tiny_config, write_checkpoint
 from kernel_choice import EXACT_FLOAT32_FAMILY, kernel_family
-from test_families import PROMPTS, TINY, rel_rms
+from test_families import PROMPTS, TINY, rel_rms, save_tiny
 
 import hybridjit
 from hybridjit.auto_placement import device_budget, resident_expert_bytes
 from hybridjit.expert_residency import Residency, ResidencyError
-from hybridjit.export import save_checkpoint
 from hybridjit.models import registry
 from hybridjit.models.common.experts import Experts, routed_experts_dense
 from hybridjit.models.common.resident_experts import ResidentExperts, resident_output, split_routes
@@ -30,7 +29,6 @@ from hybridjit.quant import dequantize_fp8_blocks, quantize_fp8_blocks
 from hybridjit.resolve import default_model_dir
 from hybridjit.sampling import SamplingParams
 from hybridjit.serving.engine import Engine
-from hybridjit.synthetic import SyntheticCheckpoint
 
 SAME_MATH_RTOL = 1e-5  # float32, the same products summed in another order
 
@@ -110,12 +108,7 @@ def test_split_routes_sum_to_the_whole_layer(tokens, features):
 
 @pytest.fixture(scope="module", params=sorted(TINY))
 def family_checkpoint(request, tmp_path_factory):
-    raw = TINY[request.param]
-    cfg = registry.config_from_hf(raw)
-    synthetic = SyntheticCheckpoint(cfg, seed=5)
-    tensors = {name: np.asarray(synthetic.get(name)) for name in synthetic.tensors}
-    tensors = {n: t if t.dtype == np.uint8 else t.astype(np.float32) for n, t in tensors.items()}
-    return save_checkpoint(tmp_path_factory.mktemp(request.param), {**raw, "eos_token_id": None}, tensors)
+    return save_tiny(request.param, tmp_path_factory.mktemp(request.param), seed=5)
 
 
 def _real(logits, prompts=PROMPTS) -> np.ndarray:

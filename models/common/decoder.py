@@ -114,6 +114,24 @@ def prefill(attention: Attention, cfg: ModelConfig, w: Weights, tokens: jax.Arra
     return logits, cache
 
 
+def _decode_feed_forward(cfg, layer: Layer, h, moe_layers: list[int], i: int, schedule, carried, live):
+    """Layer i's MLP or MoE block on normed h in a decode step: (output, the deferred experts to carry on).
+    Deferred experts alternate between two staging slots; the last MoE layer defers none."""
+    if not isinstance(layer.mlp, MoE):
+        return mlp(layer.mlp, h), carried
+    out, _, carried = moe(
+        cfg,
+        layer.mlp,
+        h,
+        n_skipped=schedule.n_skipped,
+        n_deferred=schedule.n_deferred if i != moe_layers[-1] else 0,
+        deferred_slot=1 + moe_layers.index(i) % 2,
+        carried=carried,
+        live=live,
+    )
+    return out, carried
+
+
 def extend(
     attention: Attention,
     cfg: ModelConfig,
@@ -145,20 +163,8 @@ def extend(
             new_cache.append(c)
             x = x + h
             h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-            if isinstance(layer.mlp, MoE):
-                n = moe_layers.index(i)
-                out, _, carried = moe(
-                    cfg,
-                    layer.mlp,
-                    h,
-                    n_skipped=schedule.n_skipped,
-                    n_deferred=schedule.n_deferred if i != moe_layers[-1] else 0,
-                    deferred_slot=1 + n % 2,
-                    carried=carried,
-                    live=None if live is None else jnp.broadcast_to(live[:, None], tokens.shape),
-                )
-            else:
-                out = mlp(layer.mlp, h)
+            live_tokens = None if live is None else jnp.broadcast_to(live[:, None], tokens.shape)
+            out, carried = _decode_feed_forward(cfg, layer, h, moe_layers, i, schedule, carried, live_tokens)
             x = x + out
     return logits(cfg, w, x), new_cache
 
@@ -299,20 +305,7 @@ def decode_step_grouped(
                 new_caches[m].append(c)
             x = x + jnp.concatenate(outs)
             h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-            if isinstance(layer.mlp, MoE):
-                n = moe_layers.index(i)
-                out, _, carried = moe(
-                    cfg,
-                    layer.mlp,
-                    h,
-                    n_skipped=schedule.n_skipped,
-                    n_deferred=schedule.n_deferred if i != moe_layers[-1] else 0,
-                    deferred_slot=1 + n % 2,
-                    carried=carried,
-                    live=everyone,
-                )
-            else:
-                out = mlp(layer.mlp, h)
+            out, carried = _decode_feed_forward(cfg, layer, h, moe_layers, i, schedule, carried, everyone)
             x = x + out
     out = logits(cfg, w, x)[:, 0]
     return tuple(out[bounds[m] : bounds[m + 1]] for m in range(len(tokens))), new_caches
