@@ -44,7 +44,7 @@ import hybridjit_ffi as _ffi
 from bench_model import add_model_arguments, load_model
 from floors import ReadFloor, floors_line, machine, memory_floors, vmstat
 from hybridjit import engine
-from hybridjit.auto_placement import resident_expert_bytes
+from hybridjit.auto_placement import kv_bytes_per_token, resident_expert_bytes
 from hybridjit.expert_residency import Residency
 from hybridjit.models import deepseek_v3 as dsv3
 from hybridjit.models.registry import ModelConfig
@@ -232,17 +232,20 @@ def hbm_read_gbps(device, gib: int = 4, repeats: int = 10) -> float:
     return (gib << 30) / (best * 1e6)
 
 
-def hbm_bytes_per_step(model: engine.Model, batch: int, covered: float) -> int:
-    """Device-memory bytes a decode step must read: every weight but the resident experts, and of those the
-    distinct ones the step's `batch` tokens route to (uniform routing), times the share held there."""
+def hbm_bytes_per_step(model: engine.Model, batch: int, context: int, covered: float) -> int:
+    """Device-memory bytes a decode step must read: every weight but the embedding table (one row per token) and
+    the resident experts, of those the distinct ones the step's `batch` tokens route to (uniform routing) times
+    the share held there, and the KV cache of `context` positions per token."""
     resident = [layer.mlp.resident for layer in model.weights.layers if getattr(layer.mlp, "resident", None)]
     held = sum(a.nbytes for r in resident for a in jax.tree.leaves(r))
-    everything = sum(a.nbytes for a in jax.tree.leaves(model.weights))
+    w = model.weights
+    everything = sum(a.nbytes for a in jax.tree.leaves(w)) - w.embed.nbytes + batch * w.embed.nbytes // w.embed.shape[0]
     cfg = model.config
     n, picks = cfg.n_routed_experts, batch * cfg.num_experts_per_tok
     distinct = n * (1 - (1 - 1 / n) ** picks)
     per_expert = resident_expert_bytes(cfg, model.dtype)
-    return int(everything - held + len(resident) * distinct * covered * per_expert)
+    kv = batch * context * kv_bytes_per_token(cfg, model.dtype)
+    return int(everything - held + len(resident) * distinct * covered * per_expert + kv)
 
 
 def main(argv=None):
@@ -337,7 +340,7 @@ def main(argv=None):
             # Everything a step reads from device memory (the weights other than routed experts, the resident
             # experts it uses) against the HBM read rate measured in this run.
             r["hbm_gbps"] = round(hbm, 1)
-            r["hbm_bytes_per_step"] = hbm_bytes_per_step(model, batch, r["covered_share"])
+            r["hbm_bytes_per_step"] = hbm_bytes_per_step(model, batch, context, r["covered_share"])
             r["hbm_floor_ms"] = round(r["hbm_bytes_per_step"] / (hbm * 1e6), 3)
             r["ratio_to_hbm_floor"] = round(r["hbm_floor_ms"] / r["median_step_ms"], 3)
         if base_ms:

@@ -112,3 +112,21 @@ def device_budget(cfg: ModelConfig, device: jax.Device, dtype, *, kv_tokens: int
         moe_layers=moe_layers,
         experts_per_layer=cfg.n_routed_experts,
     )
+
+
+def device_weight_bytes(cfg: ModelConfig, dtype) -> int:
+    """Device bytes of every weight but the routed experts as loading places them, from the config alone: each
+    tensor of the family's checkpoint map in the compute dtype (FP8 ones are dequantized on loading)."""
+    layout = family_of(cfg).ckpt.checkpoint_layout(cfg)
+    itemsize = jnp.dtype(dtype).itemsize
+    return sum(int(np.prod(spec.shape)) * itemsize for spec in layout.values() if not spec.routed_expert)
+
+
+def planned_budget(cfg: ModelConfig, device: jax.Device, dtype, *, kv_tokens: int = KV_TOKENS) -> DeviceBudget:
+    """The budget loading `cfg` would find on `device`, before loading anything: its free memory now less the other
+    weights (device_weight_bytes). A device that reports no memory (the CPU) has no bound."""
+    stats = device.memory_stats() or {}
+    total = int(stats.get("bytes_limit", 0))
+    free = total - int(stats.get("bytes_in_use", 0)) - device_weight_bytes(cfg, dtype) if total else None
+    return device_budget(cfg, device, dtype, kv_tokens=kv_tokens, free_bytes=free)
+

@@ -13,10 +13,14 @@ import sys
 import time
 from pathlib import Path
 
+import jax.numpy as jnp
+
 from hybridjit import __version__
+from hybridjit.auto_placement import KV_TOKENS, device_weight_bytes, planned_budget
 from hybridjit.convert import WEIGHT_FORMATS, convert_checkpoint
 from hybridjit.model_files import open_checkpoint
 from hybridjit.models.registry import ModelConfig
+from hybridjit.placement import Placement
 from hybridjit.resolve import resolve_model
 from hybridjit.weights import routed_expert_bytes
 
@@ -168,8 +172,28 @@ def cmd_info(args) -> int:
         f"({', '.join(f'{k} {_gib(v)}' for k, v in by_dtype.most_common())})",
         f"routed experts  {_gib(expert_bytes)} in host memory; the rest {_gib(ckpt.total_bytes() - expert_bytes)}",
     ]
+    if args.placement:
+        lines += _placement_lines(cfg, Placement.default(args.dtype), args.kv_tokens, n_moe)
     print("\n".join(lines))
     return 0
+
+
+def _placement_lines(cfg: ModelConfig, placement: Placement, kv_tokens: int, n_moe: int) -> list[str]:
+    """What loading would place where on this machine (hybridjit.auto_placement), as `info --placement` shows it."""
+    if placement.resident_experts is None or not n_moe:
+        return [f"placement       {placement.device}: no accelerator; the routed experts stay in host memory for the "
+                "CPU kernels, the rest runs on XLA:CPU"]
+    plan = planned_budget(cfg, placement.device, placement.dtype, kv_tokens=kv_tokens)
+    n, e = plan.resident_per_layer, cfg.n_routed_experts
+    where = "every routed expert on the device" if n == e else f"{e - n} per layer on the CPU"
+    return [
+        f"placement       {placement.device} ({_gib(plan.device_total)}, {jnp.dtype(placement.dtype).name}): other "
+        f"weights {_gib(device_weight_bytes(cfg, placement.dtype))}, free after them {_gib(plan.free_after_weights)}",
+        f"  reserved      KV cache {_gib(plan.kv_cache)} ({kv_tokens} tokens), prefill ring {_gib(plan.prefill_ring)}, "
+        f"activations {_gib(plan.activations)}",
+        f"  resident      {n} of {e} routed experts per MoE layer ({_gib(n * n_moe * plan.per_expert)}, "
+        f"{plan.per_expert / 2**20:.1f} MiB each): {where}",
+    ]
 
 
 def cmd_convert(args) -> int:
@@ -301,6 +325,12 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="describe a checkpoint without loading its weights",
                           formatter_class=HelpFormatter)
     info.add_argument("checkpoint", nargs="?", help="checkpoint path, repo id or name (default: the embedded model)")
+    info.add_argument("--placement", action="store_true",
+                      help="also what loading would place on this machine's accelerator: the memory it would "
+                           "reserve and the routed experts it would hold there (load(placement='auto'))")
+    info.add_argument("--kv-tokens", type=non_negative, default=KV_TOKENS,
+                      help="tokens of KV cache the placement reserves device memory for")
+    info.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: the backend's)")
     info.set_defaults(run=cmd_info)
     convert = sub.add_parser("convert", help="re-store a checkpoint's weights in another format",
                              formatter_class=HelpFormatter)

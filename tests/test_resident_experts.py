@@ -19,11 +19,19 @@ from kernel_choice import EXACT_FLOAT32_FAMILY, kernel_family
 from test_families import PROMPTS, TINY, rel_rms, save_tiny
 
 import hybridjit
-from hybridjit.auto_placement import device_budget, resident_expert_bytes
+from hybridjit import cli
+from hybridjit.auto_placement import (
+    FRAGMENTATION_SHARE,
+    device_budget,
+    device_weight_bytes,
+    kv_bytes_per_token,
+    planned_budget,
+    resident_expert_bytes,
+)
 from hybridjit.expert_residency import Residency, ResidencyError
 from hybridjit.models import registry
 from hybridjit.models.common.experts import Experts, routed_experts_dense
-from hybridjit.models.common.resident_experts import ResidentExperts, resident_output, split_routes
+from hybridjit.models.common.resident_experts import ResidentExperts, pair_matvec, resident_output, split_routes
 from hybridjit.placement import Placement
 from hybridjit.quant import dequantize_fp8_blocks, quantize_fp8_blocks
 from hybridjit.resolve import default_model_dir
@@ -101,6 +109,26 @@ def test_split_routes_sum_to_the_whole_layer(tokens, features):
     if tokens == 64:  # the skew overflowed some resident expert's capacity onto the CPU, and the rest ran here
         resident_pairs = np.isin(np.asarray(ids), ids_resident)
         assert 0 < np.sum(resident_pairs & on_cpu) < np.sum(resident_pairs)
+
+
+@pytest.mark.parametrize("shape", [(24, 16), (20, 12)], ids=["whole-blocks", "partial-edge-blocks"])
+def test_pair_matvec_is_the_float64_product_of_the_dequantized_weights(shape):
+    """Each pair's FP8 matrix (block-scaled; edge blocks partial or not) or plain matrix times its vector, against
+    float64 numpy on the dequantized weights."""
+    rng = np.random.default_rng(0)
+    (o, i), block, r = shape, (8, 8), 5
+    quantized = [quantize_fp8_blocks(rng.standard_normal(shape), block) for _ in range(r)]
+    w = np.stack([q for q, _ in quantized])
+    scale = np.stack([s for _, s in quantized])
+    v = rng.standard_normal((r, i)).astype(np.float32)
+    dequantized = np.stack([dequantize_fp8_blocks(q, s, block) for q, s in quantized]).astype(np.float64)
+    reference = np.einsum("roi,ri->ro", dequantized, v.astype(np.float64))
+    y = pair_matvec(jnp.asarray(w), jnp.asarray(scale), block, jnp.asarray(v))
+    assert y.dtype == jnp.float32 and y.shape == (r, o)
+    atol = SAME_MATH_RTOL * np.abs(reference).max()
+    np.testing.assert_allclose(np.asarray(y), reference, rtol=SAME_MATH_RTOL, atol=atol)
+    plain = pair_matvec(jnp.asarray(dequantized, jnp.float32), None, None, jnp.asarray(v))
+    np.testing.assert_allclose(np.asarray(plain), reference, rtol=SAME_MATH_RTOL, atol=atol)
 
 
 # ------------------------------------------------------------------------------ every family, whole model
@@ -214,6 +242,51 @@ def test_auto_fills_the_budget_and_a_residency_that_does_not_fit_is_refused_with
         embedded.place_experts(Residency({1: tuple(range(6)), 2: tuple(range(6)), 3: tuple(range(6))}),
                                free_bytes=room)
     assert embedded.place_experts(Residency({})).experts == 0
+
+
+class _DeviceWithMemory:
+    """A device as auto placement sees it: one that reports its memory."""
+
+    def __init__(self, limit: int, in_use: int):
+        self.stats = {"bytes_limit": limit, "bytes_in_use": in_use}
+
+    def memory_stats(self):
+        return self.stats
+
+    def __str__(self):
+        return "gpu:0"
+
+
+def test_the_plan_before_loading_counts_the_weights_loading_places(embedded):
+    """info --placement plans from the config alone: the other weights it counts are those a load puts on the
+    device, and the free memory it plans with is the device's less them."""
+    cfg = embedded.config
+    assert device_weight_bytes(cfg, embedded.dtype) == sum(a.nbytes for a in jax.tree.leaves(embedded.weights))
+    device = _DeviceWithMemory(limit=40 * 2**30, in_use=2**30)
+    plan = planned_budget(cfg, device, jnp.bfloat16, kv_tokens=1024)
+    assert plan.free_after_weights == 39 * 2**30 - device_weight_bytes(cfg, jnp.bfloat16)
+    assert plan.kv_cache == 1024 * kv_bytes_per_token(cfg, jnp.bfloat16)
+    assert plan.resident_per_layer == cfg.n_routed_experts
+
+
+def test_info_shows_the_placement(monkeypatch, capsys):
+    assert cli.main(["info", "--placement"]) == 0
+    assert "no accelerator; the routed experts stay in host memory" in capsys.readouterr().out
+    # On a device with room for a few experts per layer: the numbers loading would use.
+    cfg = registry.config_from_json(default_model_dir() / "config.json")
+    per_expert = resident_expert_bytes(cfg, jnp.bfloat16)
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    empty = device_budget(cfg, _DeviceWithMemory(0, 0), jnp.bfloat16, kv_tokens=0, free_bytes=0)
+    # Room for 3.5 experts per layer; 5% of the device goes to fragmentation.
+    needed = empty.reserved + 3.5 * moe_layers * per_expert + device_weight_bytes(cfg, jnp.bfloat16)
+    limit = int(needed / (1 - FRAGMENTATION_SHARE))
+    device = _DeviceWithMemory(limit=limit, in_use=0)
+    gpu = Placement(device=device, dtype=jnp.bfloat16, resident_experts="auto")
+    monkeypatch.setattr(cli.Placement, "default", classmethod(lambda cls, dtype=None: gpu))
+    assert cli.main(["info", "--placement", "--kv-tokens", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "placement       gpu:0" in out and "KV cache 0.0 MiB (0 tokens)" in out
+    assert f"resident      3 of {cfg.n_routed_experts} routed experts per MoE layer" in out
 
 
 def test_fp8_experts_stay_fp8_on_the_device_and_match():

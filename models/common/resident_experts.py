@@ -7,8 +7,8 @@ runtime may use or not, call by call: each token's routed pairs are split into t
 kernels skip). The two halves run concurrently inside the same compiled step and are summed.
 
 Two ways to compute the resident pairs, chosen by shape (static):
-- gathered (few pairs, as in decode): each pair's expert is gathered and multiplied on its token alone, so a
-  step reads only the experts it uses;
+- gathered (few pairs, as in decode): each pair's expert is gathered and multiplied on its token alone, in one
+  fused reduction per projection, so a step reads only the experts it uses, once;
 - grouped (many pairs): the pairs are grouped per resident expert with a fixed capacity per expert, as
   batched GEMMs over every resident expert; pairs beyond an expert's capacity go to the CPU with the others,
   so the result is exact whatever the routing.
@@ -80,7 +80,27 @@ def split_routes(res: ResidentExperts, ids: jax.Array, weights: jax.Array) -> tu
 
 def _plus(y: jax.Array, bias: jax.Array | None) -> jax.Array:
     """y [r, ...] plus each pair's own bias [r, ...] (the gathered experts' biases)."""
-    return y if bias is None else y + bias.astype(y.dtype)
+    return y if bias is None else y + bias.astype(jnp.float32)
+
+
+def pair_matvec(w: jax.Array, scale: jax.Array | None, block: tuple[int, int] | None, v: jax.Array) -> jax.Array:
+    """Each pair's matrix w [r, o, i] (gathered; FP8 with block `scale` [r, o/bo, i/bi], or unscaled) times its
+    vector v [r, i]: float32 [r, o].
+
+    Written as one float32 contraction over the weights as gathered so that XLA fuses the gather, the conversion
+    and the block scaling into the reduction: each weight is read once from device memory and never written back
+    dequantized. (A matmul takes its operands materialized: an all-resident DeepSeek-V3 FP8 layer took 0.86 ms
+    at batch 1 on an H100 that way, 0.39 ms this way; bench/RESULTS.md, decode.py --resident.)"""
+    r, o, i = w.shape
+    v = v.astype(jnp.float32)
+    if scale is not None and (o % block[0] or i % block[1]):  # partial edge blocks: dequantize first
+        w, scale = dequantize_blocks(w, scale, block, jnp.float32), None
+    if scale is None:
+        return jnp.einsum("roi,ri->ro", w.astype(jnp.float32), v, precision=jax.lax.Precision.HIGHEST)
+    (bo, bi), (no, ni) = block, scale.shape[1:]
+    blocks = w.reshape(r, no, bo, ni, bi).astype(jnp.float32) * scale[:, :, None, :, None]
+    y = jnp.einsum("rapcq,rcq->rap", blocks, v.reshape(r, ni, bi), precision=jax.lax.Precision.HIGHEST)
+    return y.reshape(r, o)
 
 
 def resident_output(res: ResidentExperts, x: jax.Array, pairs: ResidentPairs) -> jax.Array:
@@ -95,12 +115,11 @@ def resident_output(res: ResidentExperts, x: jax.Array, pairs: ResidentPairs) ->
         return None if a is None else jnp.take(a, flat, axis=0)
 
     e = res.experts
-    picked = Experts(*map(take, (e.gate, e.up, e.down, e.gate_bias, e.up_bias, e.down_bias)), e.activation)
-    w = res.dequantized(picked, None if res.scales is None else tuple(map(take, res.scales)), x.dtype)
+    gate_scale, up_scale, down_scale = (None,) * 3 if res.scales is None else map(take, res.scales)
     # Each pair's expert on its own token: a step reads the k experts of each token, never all the resident ones.
     xs = jnp.repeat(x, k, axis=0)  # [r = t * k, d]
-    g = _plus(jnp.einsum("rd,rfd->rf", xs, w.gate), w.gate_bias)
-    u = _plus(jnp.einsum("rd,rfd->rf", xs, w.up), w.up_bias)
-    y = jnp.einsum("rf,rdf->rd", glu(w.activation, g, u), w.down, preferred_element_type=jnp.float32)
-    y = _plus(y, w.down_bias) * pairs.weights.reshape(-1, 1)
+    g = _plus(pair_matvec(take(e.gate), gate_scale, res.quant_block, xs), take(e.gate_bias))
+    u = _plus(pair_matvec(take(e.up), up_scale, res.quant_block, xs), take(e.up_bias))
+    y = pair_matvec(take(e.down), down_scale, res.quant_block, glu(e.activation, g, u))
+    y = _plus(y, take(e.down_bias)) * pairs.weights.reshape(-1, 1)
     return y.reshape(t, k, -1).sum(axis=1)
