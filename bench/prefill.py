@@ -40,7 +40,6 @@ from jax.sharding import SingleDeviceSharding
 from bench_model import add_model_arguments, load_model
 from hybridjit import engine
 from hybridjit import stream_prefill as sp
-from hybridjit.checkpoint import DTYPES
 from hybridjit.models import deepseek_v3 as dsv3
 from hybridjit.models.registry import ModelConfig
 from hybridjit.ops.routed_experts import routed_experts
@@ -48,14 +47,14 @@ from hybridjit.pinned_experts import pinned_layer
 from hybridjit.placement import Placement
 from hybridjit.sampling import SamplingParams
 from hybridjit.serving.engine import Engine
-from hybridjit.synthetic import SyntheticCheckpoint
+from hybridjit.synthetic import SyntheticCheckpoint, random_values
 from hybridjit.weights import SCALE_SUFFIX
 
 GIB = 1 << 30
 
 
 class PooledExperts(SyntheticCheckpoint):
-    """A SyntheticCheckpoint whose FP8 routed-expert weights are views into one random byte pool at
+    """A SyntheticCheckpoint whose FP8 routed-expert weights are views into one random pool at
     per-tensor offsets: nothing is generated or kept per tensor (the loader copies each into pinned memory
     once), so a layer of DeepSeek-V3 experts costs one copy to load and no second host copy."""
 
@@ -63,8 +62,10 @@ class PooledExperts(SyntheticCheckpoint):
 
     def __init__(self, cfg: ModelConfig, seed: int = 0):
         super().__init__(cfg, seed)
-        rng = np.random.default_rng(seed)
-        self._pool = (rng.integers(0, 256, self.POOL_BYTES, dtype=np.uint8) & 0xBF).view(DTYPES["F8_E4M3"])
+        # Distributed like real block-scaled weights (hybridjit.synthetic): random bytes would make one code in
+        # eight denormal or zero, which the CPU's FP8 kernel corrects one by one (15x slower decode; bench/RESULTS.md,
+        # offline.py).
+        self._pool = random_values("F8_E4M3", self.POOL_BYTES, np.random.default_rng(seed))
 
     def get(self, name):
         info = self.tensors[name]

@@ -94,7 +94,7 @@ class SyntheticCheckpoint:
         if len(info.shape) == 1 or info.name.endswith("bias"):  # norms ~1, biases small
             base = 0.0 if info.name.endswith("bias") else 1.0
             return (base + 0.01 * rng.standard_normal(info.shape, np.float32)).astype(DTYPES[info.dtype])
-        values = _random_values(info.dtype, int(np.prod(info.shape)), rng).reshape(info.shape)
+        values = random_values(info.dtype, int(np.prod(info.shape)), rng).reshape(info.shape)
         if info.dtype in ("F8_E4M3", "U8") or "embed_tokens" in info.name:  # scaled by their scales
             return values
         return (values * (1 / np.sqrt(info.shape[1]))).astype(values.dtype)
@@ -108,7 +108,7 @@ _FP8_RMS = 448 / 4.5
 _pools: dict[str, np.ndarray] = {}
 
 
-def _random_values(dtype: str, count: int, rng: np.random.Generator) -> np.ndarray:
+def random_values(dtype: str, count: int, rng: np.random.Generator) -> np.ndarray:
     """count random values of a safetensors dtype, unit scale. Large tensors (whole layers of experts are
     gigabytes) repeat a 16M-element random pool from a random offset: fresh memory, generated at copy speed."""
     if dtype not in _pools:
