@@ -31,6 +31,7 @@ Ends with one JSON line.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -211,15 +212,38 @@ def bench_case(model: engine.Model, batch: int, context: int, steps: int, rng) -
     }
 
 
-def place(model: engine.Model, share: str) -> int:
-    """Holds `share` ("auto", or a share of each MoE layer's experts) of the routed experts on the GPU, the same
-    experts in every layer (routing is uniform): the number per layer."""
+def place(model: engine.Model, share: str, counts: dict | None) -> tuple[int, float]:
+    """Holds `share` ("auto", or a share of each MoE layer's experts) of the routed experts on the GPU: the most
+    activated in `counts` (layer -> activations per expert), or with uniform routing (None) the first ones.
+    Returns (the number per layer, the share of the activations they cover)."""
     e = model.config.n_routed_experts
     if share == "auto":
-        return min(len(ids) for ids in model.place_experts("auto").layers.values())
-    n = round(float(share) * e)
-    model.place_experts(Residency({layer: tuple(range(n)) for layer in model._loader.expert_names}))
-    return n
+        residency = model.place_experts("auto", counts=counts)
+    else:
+        n = round(float(share) * e)
+        residency = Residency.most_used(counts or {layer: np.zeros(e) for layer in model._loader.expert_names}, n)
+        model.place_experts(residency)
+    n = min((len(ids) for ids in residency.layers.values()), default=0)
+    return n, residency.covered_share(counts) if counts else n / e
+
+
+def skew_routing(model: engine.Model, exponent: float, rng) -> dict:
+    """Zipf-like expert popularity: each MoE layer's selection bias (noaux_tc's correction bias) set to
+    -exponent * log(rank), the ranks a random permutation per layer; then the activations per expert of random
+    prompts (Model.probe), whose skew the routing actually has (the bias adds to sigmoid scores in [0, 1])."""
+    layers = []
+    for layer in model.weights.layers:
+        if isinstance(layer.mlp, dsv3.MoE):
+            if layer.mlp.correction_bias is None:
+                raise SystemExit(f"--zipf needs a router with a selection bias (DeepSeek-V3, GLM-4.5, MiniMax-M2); "
+                                 f"{model.config.model_type} has none")
+            rank = rng.permutation(model.config.n_routed_experts) + 1
+            bias = model.placement.put(-exponent * np.log(rank), layer.mlp.correction_bias.dtype)
+            layer = dataclasses.replace(layer, mlp=dataclasses.replace(layer.mlp, correction_bias=bias))
+        layers.append(layer)
+    model.weights = dataclasses.replace(model.weights, layers=layers)
+    prompts = rng.integers(2, model.config.vocab_size, (32, 64)).tolist()
+    return model.probe(prompts)
 
 
 def hbm_read_gbps(device, gib: int = 4, repeats: int = 10) -> float:
@@ -269,6 +293,11 @@ def main(argv=None):
     parser.add_argument("--resident", nargs="+", default=["0"],
                         help="routed experts resident on the GPU per MoE layer, as a share of its experts (0 to 1) "
                              "or 'auto' (as many as the device's memory allows: Model.place_experts)")
+    parser.add_argument("--zipf", type=float, default=0.0,
+                        help="skew expert popularity by this exponent (selection-bias routers only; 0.05 makes an "
+                             "eighth of GLM-4.5-Air's experts take a third of the pairs): resident experts are then "
+                             "the most activated ones over random prompts, and each case reports the share of the "
+                             "activations they cover (default 0: uniform routing)")
     parser.add_argument("--threads", type=int, nargs="+", default=[],
                         help="run the cases once per CPU expert pool size (default: the pool as configured)")
     args = parser.parse_args(argv)
@@ -310,8 +339,9 @@ def main(argv=None):
     hbm = hbm_read_gbps(model.placement.device) if ON_GPU else None
     runs = [(t, spin, share, c) for _ in range(args.repeat) for t in pool_sizes for spin in spins
             for share in args.resident for c in cases]
+    counts = skew_routing(model, args.zipf, rng) if args.zipf else None
     for threads, spin, share, (context, batch, overlap, deferred) in runs:
-        resident = place(model, share)
+        resident, covered = place(model, share, counts)
         if (threads, spin) != (kernel_info()["threads"], kernel_info()["pool_spin_us"]):
             os.environ["HYBRIDJIT_POOL_SPIN_US"] = str(spin)  # read when the pool is made
             configure_threads(threads)
@@ -330,10 +360,10 @@ def main(argv=None):
         r["vmstat"] = {name: count - before[name] for name, count in vmstat().items()}
         r["threads"] = kernel_info()["threads"]
         r["pool_spin_us"] = kernel_info()["pool_spin_us"]
-        # Uniform routing: the resident share of each layer's experts is the share of the pairs the GPU takes, and
-        # the host floor is that of the rest.
-        r["resident"], r["resident_per_layer"] = share, resident
-        r["covered_share"] = round(resident / model.config.n_routed_experts, 4)
+        # The share of the pairs the GPU takes (uniform routing: the resident share of the experts; skewed: measured
+        # by the probe); the host floor is that of the rest.
+        r["resident"], r["resident_per_layer"], r["zipf"] = share, resident, args.zipf
+        r["covered_share"] = round(covered, 4)
         r["floor_ms"] = round(r["expert_bytes_per_step"] * (1 - r["covered_share"]) / (r["floor_gbps"] * 1e6), 3)
         r["ratio_to_floor"] = round(r["floor_ms"] / r["median_step_ms"], 3) if r["floor_ms"] else None
         if hbm:
@@ -350,7 +380,9 @@ def main(argv=None):
             handoffs_ms = r["handoff_us_per_layer"] * (2 if r["dual_batch"] else 1) / 1e3
             r["base_step_ms"] = round(base_step, 3)
             r["moe_layer_ms"] = round(layer_ms, 3)
-            r["layer_ratio"] = round(layer_ms / (layer_floor + handoffs_ms), 3)
+            # None where nothing is left on the CPU side (every expert resident, on a CPU without a hand-off).
+            bound = layer_floor + handoffs_ms
+            r["layer_ratio"] = round(layer_ms / bound, 3) if bound else None
             r["moe_cpu_busy"] = round(r["expert_ms"] / (r["window_step_ms"] - base_step), 3)
         line = (f"{r['threads']:3d} {batch:5d} {context:6d} {str(overlap):>5} {deferred:5d} {r['median_step_ms']:8.2f} "
                 f"{r['tok_s']:8.2f} {r['expert_ms']:8.2f} {r['expert_alone_ms']:8.2f} "
@@ -359,7 +391,7 @@ def main(argv=None):
         if hbm:
             line += f" hbm floor {r['hbm_floor_ms']:.3f} ms ({r['ratio_to_hbm_floor']:.2f})"
         if base_ms:
-            line += f" {r['moe_layer_ms']:8.3f} {r['layer_ratio']:6.2f} {r['moe_cpu_busy']:6.0%}"
+            line += f" {r['moe_layer_ms']:8.3f} {r['layer_ratio'] or 0:6.2f} {r['moe_cpu_busy']:6.0%}"
         if depth < full_layers:
             # Projection: the whole measured step (dense layers and LM head included) counted per MoE layer and
             # scaled to the full model's MoE layers, so the estimate errs on the slow side.
