@@ -89,13 +89,15 @@ class DeviceBudget:
 
 
 def device_budget(cfg: ModelConfig, device: jax.Device, dtype, *, kv_tokens: int = KV_TOKENS,
-                  free_bytes: int | None = None, moe_layers: int | None = None) -> DeviceBudget:
-    """The budget on `device` now (call it once the other weights are there); `free_bytes` overrides the free
+                  free_bytes: int | None = None, moe_layers: int | None = None,
+                  weights_to_load: int = 0) -> DeviceBudget:
+    """The budget on `device` now (call it once the other weights are there, or say with `weights_to_load` how many
+    bytes of them are still to come: device_weight_bytes plans before loading); `free_bytes` overrides the free
     memory the device reports. A device that reports none (the CPU) has no bound."""
     stats = device.memory_stats() or {}
     total = int(stats.get("bytes_limit", 0))
     if free_bytes is None:
-        free_bytes = total - int(stats.get("bytes_in_use", 0)) if total else UNBOUNDED
+        free_bytes = total - int(stats.get("bytes_in_use", 0)) - weights_to_load if total else UNBOUNDED
     if moe_layers is None:
         moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     per_expert = resident_expert_bytes(cfg, dtype)
@@ -120,13 +122,3 @@ def device_weight_bytes(cfg: ModelConfig, dtype) -> int:
     layout = family_of(cfg).ckpt.checkpoint_layout(cfg)
     itemsize = jnp.dtype(dtype).itemsize
     return sum(int(np.prod(spec.shape)) * itemsize for spec in layout.values() if not spec.routed_expert)
-
-
-def planned_budget(cfg: ModelConfig, device: jax.Device, dtype, *, kv_tokens: int = KV_TOKENS) -> DeviceBudget:
-    """The budget loading `cfg` would find on `device`, before loading anything: its free memory now less the other
-    weights (device_weight_bytes). A device that reports no memory (the CPU) has no bound."""
-    stats = device.memory_stats() or {}
-    total = int(stats.get("bytes_limit", 0))
-    free = total - int(stats.get("bytes_in_use", 0)) - device_weight_bytes(cfg, dtype) if total else None
-    return device_budget(cfg, device, dtype, kv_tokens=kv_tokens, free_bytes=free)
-

@@ -16,7 +16,7 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from hybridjit import __version__
-from hybridjit.auto_placement import KV_TOKENS, device_weight_bytes, planned_budget
+from hybridjit.auto_placement import KV_TOKENS, device_budget, device_weight_bytes
 from hybridjit.convert import WEIGHT_FORMATS, convert_checkpoint
 from hybridjit.model_files import open_checkpoint
 from hybridjit.models.registry import ModelConfig
@@ -183,12 +183,13 @@ def _placement_lines(cfg: ModelConfig, placement: Placement, kv_tokens: int, n_m
     if placement.resident_experts is None or not n_moe:
         return [f"placement       {placement.device}: no accelerator; the routed experts stay in host memory for the "
                 "CPU kernels, the rest runs on XLA:CPU"]
-    plan = planned_budget(cfg, placement.device, placement.dtype, kv_tokens=kv_tokens)
+    weights = device_weight_bytes(cfg, placement.dtype)
+    plan = device_budget(cfg, placement.device, placement.dtype, kv_tokens=kv_tokens, weights_to_load=weights)
     n, e = plan.resident_per_layer, cfg.n_routed_experts
     where = "every routed expert on the device" if n == e else f"{e - n} per layer on the CPU"
     return [
         f"placement       {placement.device} ({_gib(plan.device_total)}, {jnp.dtype(placement.dtype).name}): other "
-        f"weights {_gib(device_weight_bytes(cfg, placement.dtype))}, free after them {_gib(plan.free_after_weights)}",
+        f"weights {_gib(weights)}, free after them {_gib(plan.free_after_weights)}",
         f"  reserved      KV cache {_gib(plan.kv_cache)} ({kv_tokens} tokens), prefill ring {_gib(plan.prefill_ring)}, "
         f"activations {_gib(plan.activations)}",
         f"  resident      {n} of {e} routed experts per MoE layer ({_gib(n * n_moe * plan.per_expert)}, "

@@ -25,7 +25,6 @@ from hybridjit.auto_placement import (
     device_budget,
     device_weight_bytes,
     kv_bytes_per_token,
-    planned_budget,
     resident_expert_bytes,
 )
 from hybridjit.expert_residency import Residency, ResidencyError
@@ -263,7 +262,8 @@ def test_the_plan_before_loading_counts_the_weights_loading_places(embedded):
     cfg = embedded.config
     assert device_weight_bytes(cfg, embedded.dtype) == sum(a.nbytes for a in jax.tree.leaves(embedded.weights))
     device = _DeviceWithMemory(limit=40 * 2**30, in_use=2**30)
-    plan = planned_budget(cfg, device, jnp.bfloat16, kv_tokens=1024)
+    weights = device_weight_bytes(cfg, jnp.bfloat16)
+    plan = device_budget(cfg, device, jnp.bfloat16, kv_tokens=1024, weights_to_load=weights)
     assert plan.free_after_weights == 39 * 2**30 - device_weight_bytes(cfg, jnp.bfloat16)
     assert plan.kv_cache == 1024 * kv_bytes_per_token(cfg, jnp.bfloat16)
     assert plan.resident_per_layer == cfg.n_routed_experts

@@ -42,14 +42,15 @@ class ResidentExperts:
     def count(self) -> int:
         return self.experts.gate.shape[0]
 
-    def dequantized(self, experts: Experts, scales, dtype) -> Experts:
-        """`experts` (a gather or all of the stacks) in `dtype`, FP8 ones scaled by their `scales` blocks."""
-        if scales is None:
-            weights = (experts.gate.astype(dtype), experts.up.astype(dtype), experts.down.astype(dtype))
+    def dequantized(self, dtype) -> Experts:
+        """Every resident expert in `dtype`, FP8 ones scaled by their block scales."""
+        e = self.experts
+        if self.scales is None:
+            weights = (e.gate.astype(dtype), e.up.astype(dtype), e.down.astype(dtype))
         else:
-            pairs = zip((experts.gate, experts.up, experts.down), scales, strict=True)
+            pairs = zip((e.gate, e.up, e.down), self.scales, strict=True)
             weights = tuple(dequantize_blocks(w, s, self.quant_block, dtype) for w, s in pairs)
-        return Experts(*weights, experts.gate_bias, experts.up_bias, experts.down_bias, experts.activation)
+        return Experts(*weights, e.gate_bias, e.up_bias, e.down_bias, e.activation)
 
 
 @pytree(meta=("gathered",))
@@ -106,8 +107,7 @@ def pair_matvec(w: jax.Array, scale: jax.Array | None, block: tuple[int, int] | 
 def resident_output(res: ResidentExperts, x: jax.Array, pairs: ResidentPairs) -> jax.Array:
     """The resident experts on their pairs of x [T, d] (from split_routes): float32 [T, d]."""
     if not pairs.gathered:
-        experts = res.dequantized(res.experts, res.scales, x.dtype)
-        return experts_grouped(experts, x, pairs.index, pairs.weights, jnp.zeros(x.shape, jnp.float32))
+        return experts_grouped(res.dequantized(x.dtype), x, pairs.index, pairs.weights, jnp.zeros(x.shape, jnp.float32))
     t, k = pairs.index.shape
     flat = pairs.index.reshape(-1)
 
