@@ -32,6 +32,7 @@ Ends with one JSON line.
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import statistics
@@ -53,7 +54,7 @@ from hybridjit.ops.async_experts import submit_routed_experts, wait_routed_exper
 from hybridjit.ops.routed_experts import configure_threads, kernel_info, register_layer, routed_experts
 from hybridjit.placement import Placement
 from hybridjit.sampling import SamplingParams
-from hybridjit.serving.engine import Engine, Prefilled
+from hybridjit.serving.engine import DEVICE_ONLY_DECODE_STEPS, Engine, Prefilled
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -131,18 +132,15 @@ def random_cache(model: engine.Model, batch: int, length: int, rng) -> list:
     )
 
 
-def micro_batches(model: engine.Model, batch: int) -> list[int]:
-    """The sizes of the micro-batches a step of `batch` sequences runs: two with dual-batch overlap."""
-    return [batch - batch // 2, batch // 2] if model.dual_batch and batch > 1 else [batch]
-
-
-def step_times(model: engine.Model, batch: int, context: int, steps: int, rng) -> tuple[list[float], float]:
-    """Times decode steps as the serving engine runs them (the next step dispatched before this step's tokens
-    are read back), `batch` slots each over a cache already holding `context` positions: (each step in ms, the
-    seconds from the hand-off's statistics reset to the last step's end: the window whose expert jobs
-    take_gpu_handoff_stats then reports)."""
+def step_times(model: engine.Model, batch: int, context: int, steps: int, rng) -> tuple[list[float], float, Engine]:
+    """Times decode steps as the serving engine runs them (the next call dispatched before this call's tokens
+    are read back), `batch` slots each over a cache already holding `context` positions: (each call's time per
+    step in ms, the seconds from the hand-off's statistics reset to the last call's end: the window whose expert
+    jobs take_gpu_handoff_stats then reports, the Engine: its micro-batches and steps per call)."""
     cfg = model.config
-    decoder = Engine(model, batch, context + steps + 4)
+    most = model.decode_steps or DEVICE_ONLY_DECODE_STEPS  # decode steps a call may run
+    decoder = Engine(model, batch, context + (steps + 3) * most + 4)
+    calls = max(2, -(-steps // decoder.steps))  # at least two for a spread
     tokens = jnp.asarray(rng.integers(2, cfg.vocab_size, batch), jnp.int32)
     filled = Prefilled(random_cache(model, batch, context, rng), tokens, jnp.ones(batch, bool),
                        np.full(batch, context, np.int32))
@@ -151,25 +149,26 @@ def step_times(model: engine.Model, batch: int, context: int, steps: int, rng) -
         # the same experts step after step, and routing should stay uniform (the floor and residency assume it).
         decoder.insert(filled, slot, slot, SamplingParams(temperature=1.0, seed=slot))
     step_ms, last, previous = [], time.perf_counter(), None
-    for i in range(steps + 3):
+    for i in range(calls + 3):
         step = decoder.generate()
         if previous is not None:
             previous.tokens()
         now = time.perf_counter()
-        if i >= 3:  # the first steps compile and record the graph
-            step_ms.append(1e3 * (now - last))
+        if i >= 3:  # the first calls compile and record the graph
+            step_ms.append(1e3 * (now - last) / decoder.steps)
         elif i == 2 and ON_GPU:
             _ffi.take_gpu_handoff_stats()
             window_start = now
         last, previous = now, step
     previous.tokens()
-    return step_ms, (time.perf_counter() - window_start if ON_GPU else 0.0)
+    return step_ms, (time.perf_counter() - window_start if ON_GPU else 0.0), decoder
 
 
 def bench_case(model: engine.Model, batch: int, context: int, steps: int, rng) -> dict:
     cfg, w = model.config, model.weights
-    groups = len(micro_batches(model, batch))
-    step_ms, window_s = step_times(model, batch, context, steps, rng)
+    step_ms, window_s, decoder = step_times(model, batch, context, steps, rng)
+    groups = len(decoder.groups)
+    window_steps = (len(step_ms) + 1) * decoder.steps  # the window holds the last calls + 1 (the first in part)
     step = statistics.median(step_ms)
     deciles = statistics.quantiles(step_ms, n=10)
     moe_layers = sum(isinstance(layer.mlp, dsv3.MoE) for layer in w.layers)
@@ -177,8 +176,7 @@ def bench_case(model: engine.Model, batch: int, context: int, steps: int, rng) -
     alone_ms = cpu_expert_ms(model, batch, rng)
     if ON_GPU:
         jobs, seconds, handler_runs = _ffi.take_gpu_handoff_stats()
-        # The window holds the last steps + 1 steps (the first of them in part): both per step alike.
-        expert_ms, window_step_ms = 1e3 * seconds / (steps + 1), 1e3 * window_s / (steps + 1)
+        expert_ms, window_step_ms = 1e3 * seconds / window_steps, 1e3 * window_s / window_steps
         handoff = handoff_us(cfg, batch, model.dtype)
     else:
         expert_ms, window_step_ms, handoff = alone_ms, step, 0.0
@@ -189,6 +187,7 @@ def bench_case(model: engine.Model, batch: int, context: int, steps: int, rng) -
         "batch": batch,
         "context": context,
         "dual_batch": groups == 2,
+        "steps_per_call": decoder.steps,
         "n_deferred": model.expert_schedule.n_deferred,
         "median_step_ms": round(step, 3),
         # The spread of the case's own steps: a step slower than its neighbours shows here, a whole case
@@ -207,7 +206,7 @@ def bench_case(model: engine.Model, batch: int, context: int, steps: int, rng) -
         "xla_ms": round(step - expert_ms - handoff * moe_layers * groups / 1e3, 3),
         "moe_layers": moe_layers,
         # CUDA handler bodies run per step: one per call without graphs, ~0 when replayed as a graph.
-        "handler_runs_per_step": round(handler_runs / (steps + 1), 2) if handler_runs is not None else None,
+        "handler_runs_per_step": round(handler_runs / window_steps, 2) if handler_runs is not None else None,
         "expert_bytes_per_step": int(distinct * expert_bytes(model) * moe_layers),
     }
 
@@ -298,6 +297,9 @@ def main(argv=None):
                              "eighth of GLM-4.5-Air's experts take a third of the pairs): resident experts are then "
                              "the most activated ones over random prompts, and each case reports the share of the "
                              "activations they cover (default 0: uniform routing)")
+    parser.add_argument("--decode-steps", type=int, nargs="+", default=[None],
+                        help="run the cases once per number of decode steps a program call runs (Model.decode_steps; "
+                             "default: the engine's choice, several only when every routed expert is on the GPU)")
     parser.add_argument("--threads", type=int, nargs="+", default=[],
                         help="run the cases once per CPU expert pool size (default: the pool as configured)")
     args = parser.parse_args(argv)
@@ -320,11 +322,11 @@ def main(argv=None):
     base_ms = {}
     if args.geometry and 0 < dense < depth:
         base, _, _ = load_model(argparse.Namespace(**{**vars(args), "layers": dense}), model.placement, args.format)
-        for context, batch, overlap, _ in cases:
-            base.dual_batch = overlap
-            if (batch, context, overlap) not in base_ms:
+        for (context, batch, overlap, _), per_call in itertools.product(cases, args.decode_steps):
+            base.dual_batch, base.decode_steps = overlap, per_call
+            if (batch, context, overlap, per_call) not in base_ms:
                 base_steps = step_times(base, batch, context, args.steps, rng)[0]
-                base_ms[batch, context, overlap] = statistics.median(base_steps)
+                base_ms[batch, context, overlap, per_call] = statistics.median(base_steps)
         del base
     print(f"decode: {name}, {depth} of {full_layers} layers, on {model.placement.device}, kernel {kernel_info()}"
           + (f", hand-off {_ffi.gpu_handoff_mode()}" if ON_GPU else ""))
@@ -337,15 +339,15 @@ def main(argv=None):
     pool_sizes = args.threads or [kernel_info()["threads"]]
     spins = args.spin_us or [kernel_info()["pool_spin_us"]]
     hbm = hbm_read_gbps(model.placement.device) if ON_GPU else None
-    runs = [(t, spin, share, c) for _ in range(args.repeat) for t in pool_sizes for spin in spins
-            for share in args.resident for c in cases]
+    runs = [(t, spin, share, per_call, c) for _ in range(args.repeat) for t in pool_sizes for spin in spins
+            for share in args.resident for per_call in args.decode_steps for c in cases]
     counts = skew_routing(model, args.zipf, rng) if args.zipf else None
-    for threads, spin, share, (context, batch, overlap, deferred) in runs:
+    for threads, spin, share, per_call, (context, batch, overlap, deferred) in runs:
         resident, covered = place(model, share, counts)
         if (threads, spin) != (kernel_info()["threads"], kernel_info()["pool_spin_us"]):
             os.environ["HYBRIDJIT_POOL_SPIN_US"] = str(spin)  # read when the pool is made
             configure_threads(threads)
-        model.dual_batch = overlap
+        model.dual_batch, model.decode_steps = overlap, per_call
         model.expert_schedule = dsv3.ExpertSchedule(n_deferred=deferred)
         # The case's read floor: passes right before and right after it (other tenants move this machine's
         # memory bandwidth from minute to minute; the floors measured at the start only pick the pattern).
@@ -374,7 +376,7 @@ def main(argv=None):
             r["hbm_floor_ms"] = round(r["hbm_bytes_per_step"] / (hbm * 1e6), 3)
             r["ratio_to_hbm_floor"] = round(r["hbm_floor_ms"] / r["median_step_ms"], 3)
         if base_ms:
-            base_step = base_ms[batch, context, overlap]
+            base_step = base_ms[batch, context, overlap, per_call]
             layer_ms = (r["median_step_ms"] - base_step) / r["moe_layers"]
             layer_floor = r["floor_ms"] / r["moe_layers"]
             handoffs_ms = r["handoff_us_per_layer"] * (2 if r["dual_batch"] else 1) / 1e3
@@ -384,10 +386,12 @@ def main(argv=None):
             bound = layer_floor + handoffs_ms
             r["layer_ratio"] = round(layer_ms / bound, 3) if bound else None
             r["moe_cpu_busy"] = round(r["expert_ms"] / (r["window_step_ms"] - base_step), 3)
-        line = (f"{r['threads']:3d} {batch:5d} {context:6d} {str(overlap):>5} {deferred:5d} {r['median_step_ms']:8.2f} "
+        dual = str(r["dual_batch"])
+        line = (f"{r['threads']:3d} {batch:5d} {context:6d} {dual:>5} {deferred:5d} {r['median_step_ms']:8.2f} "
                 f"{r['tok_s']:8.2f} {r['expert_ms']:8.2f} {r['expert_alone_ms']:8.2f} "
                 f"{r['handoff_us_per_layer']:7.1f}us {r['xla_ms']:8.2f} {r['cpu_busy']:8.0%} {r['floor_ms']:8.2f} "
-                f"{r['ratio_to_floor'] or 0:6.2f}  resident {resident}/{model.config.n_routed_experts}")
+                f"{r['ratio_to_floor'] or 0:6.2f}  resident {resident}/{model.config.n_routed_experts}, "
+                f"{r['steps_per_call']} steps a call")
         if hbm:
             line += f" hbm floor {r['hbm_floor_ms']:.3f} ms ({r['ratio_to_hbm_floor']:.2f})"
         if base_ms:

@@ -33,7 +33,7 @@ from floors import floors_line, machine, memory_floors
 from hybridjit.offline_policy import Floors, Policy, Workload, kv_bytes_per_slot, predict, search
 from hybridjit.placement import Placement
 from hybridjit.sampling import SamplingParams
-from hybridjit.serving.engine import Engine, Prefilled, bucket
+from hybridjit.serving.engine import DEVICE_ONLY_DECODE_STEPS, Engine, Prefilled, bucket
 from hybridjit.stream_prefill import choose_prefill_path, free_device_memory
 from prefill import PooledExperts, cpu_expert_tflops, gemm_tflops, h2d_gbps
 
@@ -62,20 +62,22 @@ def decode_step_seconds(model, slots: int, micro_batches: int | None, context: i
     runs them (the next step dispatched before this one's tokens are read). The caches hold zeros: a step's time
     depends on how much cache it reads, not on what is in it."""
     cfg = model.config
-    engine = Engine(model, slots, context + steps + 4, micro_batches)
+    most = model.decode_steps or DEVICE_ONLY_DECODE_STEPS  # decode steps a call may run
+    engine = Engine(model, slots, context + (steps + 2) * most + 4, micro_batches)
+    calls = -(-steps // engine.steps)
     one = model.family.model.init_cache(cfg, 1, context, model.dtype, model.placement.device)
     token = jnp.asarray(rng.integers(2, cfg.vocab_size, 1), jnp.int32)
     filled = Prefilled(one, token, jnp.ones(1, bool), np.array([context], np.int32))
     for slot in range(slots):
         engine.insert(filled, 0, slot, SamplingParams())
     times, previous, last = [], None, time.perf_counter()
-    for i in range(steps + 2):  # the first two compile and record the graphs
+    for i in range(calls + 2):  # the first two compile and record the graphs
         step = engine.generate()
         if previous is not None:
             previous.tokens()
         now = time.perf_counter()
         if i >= 2:
-            times.append(now - last)
+            times.append((now - last) / engine.steps)
         previous, last = step, now
     previous.tokens()
     return statistics.median(times)

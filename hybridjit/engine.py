@@ -67,7 +67,10 @@ class Model:
         self._loader = loader  # reads experts again from the checkpoint for their resident copies
         self.device_budget: DeviceBudget | None = None  # what the last automatic residency had to spend
         # Decode-time settings, changeable between requests:
-        self.dual_batch = True  # two or more sequences decode as two interleaved micro-batches
+        self.dual_batch = True  # with experts on the CPU, two or more sequences decode as two micro-batches
+        # Decode steps a program call runs; None: serving.engine.Engine's choice (several only when every routed
+        # expert is on the device, where launching a step costs the host more than running it costs the GPU).
+        self.decode_steps: int | None = None
         # Prompt tokens (batch x length) from which prefill streams the experts to the GPU instead of
         # running them on the CPU; None: decided by the cost model (stream_prefill.choose_prefill_path).
         self.stream_prefill_threshold: int | None = None
@@ -98,6 +101,12 @@ class Model:
     def residency(self) -> Residency:
         """The routed experts each MoE layer holds on the device (hybridjit.expert_residency)."""
         return expert_residency.current(self.weights)
+
+    @property
+    def experts_on_host(self) -> bool:
+        """Whether some routed experts are computed on the CPU: held in host memory and not resident on the device."""
+        resident = self.residency.layers
+        return any(len(resident.get(i, ())) < n for i, n in expert_residency.bank_moe_layers(self.weights).items())
 
     def probe(self, prompts, batch: int = 8) -> dict[int, np.ndarray]:
         """Layer -> activations per routed expert over `prompts` (texts or token-id lists, as generate takes),
@@ -252,19 +261,20 @@ class Model:
         prefilled = engine.prefill(seqs, rows)
         for slot in range(len(seqs)):
             engine.insert(prefilled, slot, slot, rows[slot])
-        current = (prefilled.tokens, prefilled.finite)
+        current = (prefilled.tokens[None], prefilled.finite[None])  # [steps, b], as a decode call's
         produced = []  # the tokens of each step so far, for the diagnosis of logits that are not finite
-        for step in range(max_new_tokens):
-            # Dispatch the next step before waiting on this one's tokens.
-            upcoming = engine.generate() if step + 1 < max_new_tokens else None
-            tokens, finite = np.asarray(current[0]), np.asarray(current[1])
+        while len(produced) < max_new_tokens:
+            # Dispatch the next call before waiting on this one's tokens.
+            upcoming = engine.generate() if len(produced) + len(current[0]) < max_new_tokens else None
+            rows, finite = np.asarray(current[0]), np.asarray(current[1])
             raise_gpu_errors()  # a CPU expert job that failed while the GPU waited: its step is garbage
-            if not finite.all():
-                row = int(np.argmin(finite))
-                sequence = seqs[row] + [int(t[row]) for t in produced]
-                raise self._non_finite(sequence, f"sequence {row}, new token {step + 1},")
-            produced.append(tokens)
-            yield tokens
+            for tokens, ok in zip(rows[: max_new_tokens - len(produced)], finite, strict=False):
+                if not ok.all():
+                    row = int(np.argmin(ok))
+                    sequence = seqs[row] + [int(t[row]) for t in produced]
+                    raise self._non_finite(sequence, f"sequence {row}, new token {len(produced) + 1},")
+                produced.append(tokens)
+                yield tokens
             if upcoming is not None:
                 current = (upcoming.tokens(), upcoming.finite())
 

@@ -58,8 +58,13 @@ def prompts(model, n, rng):
 
 
 def solo(model, prompt, max_tokens, **sampling):
-    """What generate gives the prompt alone, cut where the scheduler ends it (an end-of-sequence token is not sent)."""
-    out = model.generate(prompt, max_new_tokens=max_tokens, **sampling)
+    """What generate gives the prompt alone, one decode step a call, cut where the scheduler ends it (an
+    end-of-sequence token is not sent)."""
+    steps, model.decode_steps = model.decode_steps, None
+    try:
+        out = model.generate(prompt, max_new_tokens=max_tokens, **sampling)
+    finally:
+        model.decode_steps = steps
     for i, token in enumerate(out):
         if token in model.config.eos_token_ids:
             return out[:i], "stop"
@@ -98,8 +103,18 @@ def idle(scheduler) -> bool:
     return False
 
 
-@pytest.mark.parametrize("policy", ["slo", "chunked"])
-def test_concurrent_requests_get_what_they_get_alone(model, scheduler_of, policy):
+@pytest.fixture
+def decode_steps(model, request):
+    """Runs a test with the engine's calls of `request.param` decode steps each (None: its own choice, one step a
+    call on the CPU), as a whole-GPU model decodes."""
+    model.decode_steps = request.param
+    yield request.param
+    model.decode_steps = None
+
+
+@pytest.mark.parametrize(("policy", "decode_steps"), [("slo", None), ("chunked", None), ("slo", 3)],
+                         indirect=["decode_steps"])
+def test_concurrent_requests_get_what_they_get_alone(model, scheduler_of, policy, decode_steps):
     rng = np.random.default_rng(0)
     batch = prompts(model, 10, rng)
     lengths = [int(n) for n in rng.integers(1, 24, len(batch))]
@@ -113,7 +128,8 @@ def test_concurrent_requests_get_what_they_get_alone(model, scheduler_of, policy
     assert idle(scheduler)
 
 
-def test_sampled_requests_are_reproducible_whoever_shares_the_step(model, scheduler_of):
+@pytest.mark.parametrize("decode_steps", [None, 4], indirect=True)
+def test_sampled_requests_are_reproducible_whoever_shares_the_step(model, scheduler_of, decode_steps):
     rng = np.random.default_rng(1)
     batch = prompts(model, 6, rng)
     params = [SamplingParams(temperature=1.0, top_p=0.9, seed=s) for s in range(len(batch))]
@@ -124,7 +140,24 @@ def test_sampled_requests_are_reproducible_whoever_shares_the_step(model, schedu
         assert got.tokens == expected
 
 
-def test_a_shared_prefix_is_served_from_the_cache(model, scheduler_of):
+@pytest.mark.parametrize("decode_steps", [4], indirect=True)
+def test_requests_that_fill_their_slots_to_the_last_position(model, scheduler_of, decode_steps):
+    """Calls of several steps run past a request's last token and past the end of its slot's cache: those steps
+    are dropped, and the next request in the slot sees nothing of them."""
+    rng = np.random.default_rng(4)
+    cache_len = 40
+    batch = [p[: cache_len - n] for p, n in zip(prompts(model, 6, rng), (9, 10, 11, 3, 17, 1), strict=True)]
+    lengths = [cache_len - len(p) for p in batch]
+    scheduler = scheduler_of(slots=2, cache_len=cache_len)
+    finished, collectors = run_all(scheduler, [Request(p, n) for p, n in zip(batch, lengths, strict=True)])
+    for prompt, n, done, got in zip(batch, lengths, finished, collectors, strict=True):
+        expected, reason = solo(model, prompt, n)
+        assert (got.tokens, done.reason) == (expected, reason)
+    assert idle(scheduler)
+
+
+@pytest.mark.parametrize("decode_steps", [None, 3], indirect=True)
+def test_a_shared_prefix_is_served_from_the_cache(model, scheduler_of, decode_steps):
     scheduler = scheduler_of(slots=2, cache_len=512, prefix_block_tokens=16)
     first = prompts(model, 1, np.random.default_rng(2))[0][:70] or [5]
     (done,), (got,) = run_all(scheduler, [Request(first, 8)])

@@ -5,8 +5,9 @@ steps, in the JetStream / jax-llm-examples `serving` style.
   `extend` continues a prompt whose first part is already in such a cache (a chunk of a chunked prefill, or
   the rest after a prefix-cache hit);
 - `insert` copies a prefilled row into a free slot, with its position and sampling;
-- `generate` dispatches one decode step of every slot (free slots compute harmlessly) and returns before
-  the tokens exist, so the host's work on one step overlaps the device's on the next;
+- `generate` dispatches the next decode steps of every slot (free slots compute harmlessly) and returns
+  before the tokens exist, so the host's work on one call overlaps the device's on the next; a call runs
+  `steps` steps in one program where launching a step costs the host more than the device takes to run it;
 - `free` marks a slot free.
 
 Every slot has its own position, sampling parameters and PRNG key: a sequence samples the same tokens
@@ -27,6 +28,11 @@ from hybridjit.sampling import SamplingParams, sample
 from hybridjit.stream_prefill import choose_prefill_path, stream_prefill
 
 MIN_BUCKET = 8
+# Decode steps per program call when the whole model is on the device. Its steps are so short that launching
+# one costs the host more than the GPU takes to run it: XLA updates the step's CUDA graph for the new addresses of
+# each call's buffers, which takes ~10 ms for a 48-layer Qwen3-30B-A3B step whose kernels run in ~5 ms (1x H100,
+# bench/RESULTS.md). Looping on the device amortizes that over the steps of a call.
+DEVICE_ONLY_DECODE_STEPS = 8
 
 
 def bucket(n: int) -> int:
@@ -64,29 +70,54 @@ def _extend_program(cfg, weights, tokens, starts, lengths, cache, keys, temperat
 _sample_program = jax.jit(_sample_rows)
 
 
-@partial(jax.jit, static_argnums=(0, 1), donate_argnames="cache")
-def _decode_program(cfg, schedule, weights, tokens, positions, live, cache, keys, counts, temperature, top_k, top_p):
-    logits, cache = family_of(cfg).model.decode_step(cfg, weights, tokens, positions, cache, schedule, live)
-    return _sample_rows(logits, keys, counts, temperature, top_k, top_p), cache
+@partial(jax.jit, static_argnums=(0, 1, 2), donate_argnames="cache")
+def _decode_program(
+    cfg, schedule, steps, weights, tokens, positions, live, cache, keys, counts, temperature, top_k, top_p
+):
+    """`steps` decode steps of one micro-batch from the last row of tokens [n, b], each step's tokens fed to the
+    next: ((tokens, finite) [steps, b], the cache)."""
+
+    def step(i, tokens, cache):
+        logits, cache = family_of(cfg).model.decode_step(cfg, weights, tokens, positions + i, cache, schedule, live)
+        return _sample_rows(logits, keys, counts + i, temperature, top_k, top_p), cache
+
+    if steps == 1:  # no loop around the custom calls of a hybrid step
+        (new, finite), cache = step(0, tokens[-1], cache)
+        return (new[None], finite[None]), cache
+
+    def body(i, carry):
+        last, out, finite, cache = carry
+        (new, ok), cache = step(i, last, cache)
+        return new, out.at[i].set(new), finite.at[i].set(ok), cache
+
+    b = tokens.shape[1]
+    init = (tokens[-1], jnp.zeros((steps, b), tokens.dtype), jnp.zeros((steps, b), bool), cache)
+    _, out, finite, cache = jax.lax.fori_loop(0, steps, body, init)
+    return (out, finite), cache
 
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnames="caches")
 def _decode_dual_program(
     cfg, schedule, weights, tokens, positions, live, caches, keys, counts, temperature, top_k, top_p
 ):
-    logits, caches = family_of(cfg).model.decode_step_dual(cfg, weights, tokens, positions, caches, schedule, live)
-    per_batch = zip(logits, keys, counts, temperature, top_k, top_p, strict=True)
-    sampled = tuple(_sample_rows(*args) for args in per_batch)
-    return sampled, caches
+    last = tuple(t[-1] for t in tokens)
+    logits, caches = family_of(cfg).model.decode_step_dual(cfg, weights, last, positions, caches, schedule, live)
+    return _sampled_rows(logits, keys, counts, temperature, top_k, top_p), caches
 
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnames="caches")
 def _decode_grouped_program(
     cfg, schedule, weights, tokens, positions, live, caches, keys, counts, temperature, top_k, top_p
 ):
-    logits, caches = family_of(cfg).model.decode_step_grouped(cfg, weights, tokens, positions, caches, schedule, live)
+    last = tuple(t[-1] for t in tokens)
+    logits, caches = family_of(cfg).model.decode_step_grouped(cfg, weights, last, positions, caches, schedule, live)
+    return _sampled_rows(logits, keys, counts, temperature, top_k, top_p), caches
+
+
+def _sampled_rows(logits, keys, counts, temperature, top_k, top_p) -> tuple:
+    """Each micro-batch's logits sampled as one step: ((tokens, finite) [1, b_g], ...)."""
     per_batch = zip(logits, keys, counts, temperature, top_k, top_p, strict=True)
-    return tuple(_sample_rows(*args) for args in per_batch), caches
+    return tuple((tokens[None], finite[None]) for tokens, finite in (_sample_rows(*args) for args in per_batch))
 
 
 @partial(jax.jit, donate_argnames="cache")
@@ -131,16 +162,16 @@ class Prefilled:
 
 @dataclasses.dataclass
 class Step:
-    """One dispatched decode step: the new token of every slot [slots] and whether its logits were finite,
-    once the device has them (reading them waits)."""
+    """One dispatched call of decode steps: the new tokens of every slot [steps, slots] and whether their logits
+    were finite, once the device has them (reading them waits)."""
 
     _sampled: list
 
     def tokens(self) -> np.ndarray:
-        return np.concatenate([np.asarray(t) for t, _ in self._sampled])
+        return np.concatenate([np.asarray(t) for t, _ in self._sampled], axis=1)
 
     def finite(self) -> np.ndarray:
-        return np.concatenate([np.asarray(f) for _, f in self._sampled])
+        return np.concatenate([np.asarray(f) for _, f in self._sampled], axis=1)
 
 
 def sampling_arrays(params: list[SamplingParams]) -> tuple:
@@ -154,10 +185,16 @@ class Engine:
     """The decode state of `slots` sequences over `model` (a hybridjit.engine.Model), each with room for
     cache_len positions, in micro-batches of consecutive slots (each with a cache of its own):
 
-    - micro_batches=None (interactive): with model.dual_batch and two or more slots, two micro-batches that
-      decode interleaved, each with its own routed-expert calls (decode_step_dual); else one;
+    - micro_batches=None (interactive): with model.dual_batch, two or more slots and routed experts computed
+      on the CPU, two micro-batches that decode interleaved, each with its own routed-expert calls
+      (decode_step_dual), so that one's GPU work hides the other's CPU experts; else one;
     - micro_batches=n (offline throughput): n micro-batches whose attention runs one after the other and whose
       routed experts run as one call per layer over all of them (decode_step_grouped, module-based batching).
+
+    Each generate call runs `steps` decode steps: model.decode_steps if set (the interactive engine then decodes
+    one micro-batch), else DEVICE_ONLY_DECODE_STEPS when the whole model runs on a GPU (no routed expert on the
+    CPU), else 1. A slot's tokens past its stop, or from steps past the end of its cache, are garbage the caller
+    drops.
     """
 
     def __init__(self, model, slots: int, cache_len: int, micro_batches: int | None = None):
@@ -169,8 +206,17 @@ class Engine:
             raise ValueError(f"micro_batches must be in [1, slots = {slots}], got {micro_batches}")
         self.model, self.slots, self.cache_len = model, slots, cache_len
         self.coalesced = micro_batches is not None
+        on_host = model.experts_on_host
+        if model.decode_steps:
+            self.steps = model.decode_steps
+        elif micro_batches is None and not on_host and model.placement.device.platform == "gpu":
+            self.steps = DEVICE_ONLY_DECODE_STEPS
+        else:
+            self.steps = 1
         if micro_batches is None:
-            micro_batches = 2 if model.dual_batch and slots > 1 else 1
+            micro_batches = 2 if model.dual_batch and slots > 1 and on_host and self.steps == 1 else 1
+        if self.steps > 1 and micro_batches > 1:
+            raise ValueError(f"decode_steps = {self.steps} needs one micro-batch, got micro_batches = {micro_batches}")
         bounds = [slots * m // micro_batches for m in range(micro_batches + 1)]
         # The larger micro-batches first, as dual-batch has always split (its first half takes the odd slot).
         bounds = [slots - b for b in reversed(bounds)]
@@ -182,7 +228,8 @@ class Engine:
         m = self.model
         init = m.family.model.init_cache
         self.caches = [init(m.config, len(g), self.cache_len, m.dtype, m.placement.device) for g in self.groups]
-        self.tokens = [jnp.zeros(len(g), jnp.int32) for g in self.groups]
+        # Per micro-batch, the tokens [steps, b] of the last call, whose last row the next call decodes from:
+        self.tokens = [jnp.zeros((self.steps, len(g)), jnp.int32) for g in self.groups]
         self.positions = np.zeros(self.slots, np.int32)
         self.counts = np.zeros(self.slots, np.int32)  # tokens each slot's sequence has sampled
         greedy = SamplingParams()
@@ -253,7 +300,7 @@ class Engine:
             raise ValueError(f"a prefilled cache of {width} positions does not fit slots of {self.cache_len}")
         g, r = self._where(slot)
         self.caches[g] = _insert_program(self.caches[g], prefilled.cache, row, r)
-        self.tokens[g] = self.tokens[g].at[r].set(prefilled.tokens[row])
+        self.tokens[g] = self.tokens[g].at[-1, r].set(prefilled.tokens[row])
         self.positions[slot] = prefilled.lengths[row]
         self.counts[slot] = 1  # the first token, sampled by prefill
         self.keys[g] = self.keys[g].at[r].set(params.key())
@@ -289,11 +336,12 @@ class Engine:
     # ----------------------------------------------------------------------------------- decoding
 
     def generate(self) -> Step:
-        """Dispatches one decode step of every slot and advances the occupied slots' positions; returns at
-        once. Free slots compute garbage but run no routed experts. A slot whose next position would pass
-        cache_len must be freed before this call."""
-        if (self.positions[self.occupied] >= self.cache_len).any():
-            raise ValueError(f"a slot is at the end of its {self.cache_len} cache positions")
+        """Dispatches the next `steps` decode steps of every slot and advances the occupied slots' positions;
+        returns at once. Free slots compute garbage but run no routed experts. The call after the one that gives
+        a request its last token may run before that token is read (it is garbage for that slot): so a call may
+        start at most steps - 1 positions after the cache's last one, and a slot further on must be freed first."""
+        if (self.positions[self.occupied] >= self.cache_len + self.steps - 1).any():
+            raise ValueError(f"a slot is past the end of its {self.cache_len} cache positions")
         m, schedule = self.model, self.model.expert_schedule
         split = [
             # Copies: the host arrays change while the step may still be reading its arguments.
@@ -314,11 +362,11 @@ class Engine:
         else:
             (positions, live, counts, temperature, top_k, top_p), = split
             sampled, cache = _decode_program(
-                m.config, schedule, m.weights, self.tokens[0], positions, live, self.caches[0], self.keys[0], counts,
-                temperature, top_k, top_p,
+                m.config, schedule, self.steps, m.weights, self.tokens[0], positions, live, self.caches[0],
+                self.keys[0], counts, temperature, top_k, top_p,
             )
             sampled, self.caches = (sampled,), [cache]
         self.tokens = [tokens for tokens, _ in sampled]
-        self.positions[self.occupied] += 1
-        self.counts[self.occupied] += 1
+        self.positions[self.occupied] += self.steps
+        self.counts[self.occupied] += self.steps
         return Step(list(sampled))

@@ -326,7 +326,7 @@ class Scheduler:
         if self._active:
             try:
                 upcoming = (self.engine.generate(), dict(self._active))
-                self.steps += 1
+                self.steps += self.engine.steps
             except Exception as e:
                 self._fail_step(dict(self._active), e)
                 return
@@ -342,12 +342,13 @@ class Scheduler:
             self._fail_step(jobs, e)
             return
         for slot, job in jobs.items():
-            if job.finished:
-                continue
-            if not finite[slot]:
-                self._finish(job, "error", f"the logits of new token {job.generated + 1} are not finite")
-                continue
-            self._deliver(job, int(tokens[slot]))
+            for token, ok in zip(tokens[:, slot], finite[:, slot], strict=True):  # a call's steps, in order
+                if job.finished:
+                    break
+                if not ok:
+                    self._finish(job, "error", f"the logits of new token {job.generated + 1} are not finite")
+                    break
+                self._deliver(job, int(token))
 
     def _deliver(self, job: _Job, token: int):
         job.tokens.append(token)

@@ -114,9 +114,11 @@ class ThroughputRunner:
         tokens, finite = step.tokens(), step.finite()
         raise_gpu_errors()  # a CPU expert job that failed while the GPU waited: its step is garbage
         for slot, running in jobs.items():
-            if not running.finished:
-                self._check_finite(running, bool(finite[slot]))
-                self._deliver(running, int(tokens[slot]), done)
+            for token, ok in zip(tokens[:, slot], finite[:, slot], strict=True):  # a call's steps, in order
+                if running.finished:
+                    break
+                self._check_finite(running, bool(ok))
+                self._deliver(running, int(token), done)
         self._report_tokens()
 
     def _report_tokens(self):
