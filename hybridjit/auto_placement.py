@@ -117,8 +117,15 @@ def device_budget(cfg: ModelConfig, device: jax.Device, dtype, *, kv_tokens: int
 
 
 def device_weight_bytes(cfg: ModelConfig, dtype) -> int:
-    """Device bytes of every weight but the routed experts as loading places them, from the config alone: each
-    tensor of the family's checkpoint map in the compute dtype (FP8 ones are dequantized on loading)."""
-    layout = family_of(cfg).ckpt.checkpoint_layout(cfg)
-    itemsize = jnp.dtype(dtype).itemsize
-    return sum(int(np.prod(spec.shape)) * itemsize for spec in layout.values() if not spec.routed_expert)
+    """Device bytes of every weight but the routed experts as loading places them, from the config alone: the
+    family's weights pytree built from the checkpoint map's shapes, each tensor in the dtype loading gives it (the
+    compute dtype, FP8 ones dequantized; routers float32), a tied embedding counted once."""
+    family = family_of(cfg)
+    layout = family.ckpt.checkpoint_layout(cfg)
+
+    def tensor(name, tensor_dtype=None):
+        return jax.ShapeDtypeStruct(layout[name].shape, tensor_dtype or dtype)
+
+    shapes = family.ckpt.build_weights(cfg, tensor, lambda names, layer: (None, layer))
+    unique = {id(leaf): leaf for leaf in jax.tree.leaves(shapes)}.values()
+    return sum(int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize for leaf in unique)

@@ -261,7 +261,12 @@ def test_the_plan_before_loading_counts_the_weights_loading_places(embedded):
     """info --placement plans from the config alone: the other weights it counts are those a load puts on the
     device, and the free memory it plans with is the device's less them."""
     cfg = embedded.config
-    assert device_weight_bytes(cfg, embedded.dtype) == sum(a.nbytes for a in jax.tree.leaves(embedded.weights))
+    # The weights other than the resident experts' copies (all of them, by default on a GPU):
+    leaves = jax.tree.leaves(embedded.weights, is_leaf=lambda node: isinstance(node, ResidentExperts))
+    others = {id(a): a.nbytes for a in leaves if not isinstance(a, ResidentExperts)}  # a tied embedding once
+    assert device_weight_bytes(cfg, embedded.dtype) == sum(others.values())
+    with hybridjit.load(placement=Placement.default("bfloat16", jax.devices("cpu")[0])) as m:  # float32 routers
+        assert device_weight_bytes(cfg, m.dtype) == sum(a.nbytes for a in jax.tree.leaves(m.weights))
     device = _DeviceWithMemory(limit=40 * 2**30, in_use=2**30)
     weights = device_weight_bytes(cfg, jnp.bfloat16)
     plan = device_budget(cfg, device, jnp.bfloat16, kv_tokens=1024, weights_to_load=weights)
@@ -271,7 +276,10 @@ def test_the_plan_before_loading_counts_the_weights_loading_places(embedded):
 
 
 def test_info_shows_the_placement(monkeypatch, capsys):
-    assert cli.main(["info", "--placement"]) == 0
+    cpu = Placement.default(device=jax.devices("cpu")[0])
+    with monkeypatch.context() as patch:  # as on a machine without an accelerator, wherever the test runs
+        patch.setattr(cli.Placement, "default", classmethod(lambda cls, dtype=None: cpu))
+        assert cli.main(["info", "--placement"]) == 0
     assert "no accelerator; the routed experts stay in host memory" in capsys.readouterr().out
     # On a device with room for a few experts per layer: the numbers loading would use.
     cfg = registry.config_from_json(default_model_dir() / "config.json")
