@@ -139,7 +139,9 @@ def step_times(model: engine.Model, batch: int, context: int, steps: int, rng) -
     jobs take_gpu_handoff_stats then reports, the Engine: its micro-batches and steps per call)."""
     cfg = model.config
     most = model.decode_steps or DEVICE_ONLY_DECODE_STEPS  # decode steps a call may run
-    decoder = Engine(model, batch, context + (steps + 3) * most + 4)
+    # Room rounded up as serving's cache lengths are (buckets, the model's context): an odd length costs a padded
+    # copy of each layer's cache a step on the GPU.
+    decoder = Engine(model, batch, -(-(context + (steps + 3) * most + 4) // 256) * 256)
     calls = max(2, -(-steps // decoder.steps))  # at least two for a spread
     tokens = jnp.asarray(rng.integers(2, cfg.vocab_size, batch), jnp.int32)
     filled = Prefilled(random_cache(model, batch, context, rng), tokens, jnp.ones(batch, bool),

@@ -63,7 +63,7 @@ def decode_step_seconds(model, slots: int, micro_batches: int | None, context: i
     depends on how much cache it reads, not on what is in it."""
     cfg = model.config
     most = model.decode_steps or DEVICE_ONLY_DECODE_STEPS  # decode steps a call may run
-    engine = Engine(model, slots, context + (steps + 2) * most + 4, micro_batches)
+    engine = Engine(model, slots, -(-(context + (steps + 2) * most + 4) // 256) * 256, micro_batches)  # as decode.py
     calls = -(-steps // engine.steps)
     one = model.family.model.init_cache(cfg, 1, context, model.dtype, model.placement.device)
     token = jnp.asarray(rng.integers(2, cfg.vocab_size, 1), jnp.int32)
