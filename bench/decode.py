@@ -229,18 +229,22 @@ def place(model: engine.Model, share: str, counts: dict | None) -> tuple[int, fl
 
 
 def skew_routing(model: engine.Model, exponent: float, rng) -> dict:
-    """Zipf-like expert popularity: each MoE layer's selection bias (noaux_tc's correction bias) set to
-    -exponent * log(rank), the ranks a random permutation per layer; then the activations per expert of random
-    prompts (Model.probe), whose skew the routing actually has (the bias adds to sigmoid scores in [0, 1])."""
+    """Zipf-like expert popularity: each MoE layer gets -exponent * log(rank) (the ranks a random permutation per
+    layer) added to its selection bias (noaux_tc's correction bias: the scores it selects by are sigmoids in
+    [0, 1]) or, for a router without one (softmax routers: Qwen3, Mixtral, gpt-oss), to its logits (its
+    probabilities scaled by rank ** -exponent, the weights too); then the activations per expert of random prompts
+    (Model.probe), whose skew the routing actually has."""
     layers = []
     for layer in model.weights.layers:
         if isinstance(layer.mlp, dsv3.MoE):
-            if layer.mlp.correction_bias is None:
-                raise SystemExit(f"--zipf needs a router with a selection bias (DeepSeek-V3, GLM-4.5, MiniMax-M2); "
-                                 f"{model.config.model_type} has none")
-            rank = rng.permutation(model.config.n_routed_experts) + 1
-            bias = model.placement.put(-exponent * np.log(rank), layer.mlp.correction_bias.dtype)
-            layer = dataclasses.replace(layer, mlp=dataclasses.replace(layer.mlp, correction_bias=bias))
+            moe = layer.mlp
+            skew = -exponent * np.log(rng.permutation(model.config.n_routed_experts) + 1)
+            if moe.correction_bias is not None:
+                moe = dataclasses.replace(moe, correction_bias=moe.correction_bias + skew.astype(np.float32))
+            else:
+                before = 0.0 if moe.router_bias is None else moe.router_bias
+                moe = dataclasses.replace(moe, router_bias=before + model.placement.put(skew, jnp.float32))
+            layer = dataclasses.replace(layer, mlp=moe)
         layers.append(layer)
     model.weights = dataclasses.replace(model.weights, layers=layers)
     prompts = rng.integers(2, model.config.vocab_size, (32, 64)).tolist()
@@ -295,8 +299,9 @@ def main(argv=None):
                         help="routed experts resident on the GPU per MoE layer, as a share of its experts (0 to 1) "
                              "or 'auto' (as many as the device's memory allows: Model.place_experts)")
     parser.add_argument("--zipf", type=float, default=0.0,
-                        help="skew expert popularity by this exponent (selection-bias routers only; 0.05 makes an "
-                             "eighth of GLM-4.5-Air's experts take a third of the pairs): resident experts are then "
+                        help="skew expert popularity by this exponent (a selection bias, or a softmax router's "
+                             "logits; 0.05 makes an eighth of GLM-4.5-Air's experts take a third of the pairs): "
+                             "resident experts are then "
                              "the most activated ones over random prompts, and each case reports the share of the "
                              "activations they cover (default 0: uniform routing)")
     parser.add_argument("--decode-steps", type=int, nargs="+", default=[None],

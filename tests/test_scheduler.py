@@ -156,6 +156,12 @@ def test_requests_that_fill_their_slots_to_the_last_position(model, scheduler_of
     assert idle(scheduler)
 
 
+@pytest.mark.parametrize("decode_steps", [0, -2, 2.5], indirect=True)
+def test_a_bad_number_of_decode_steps_is_refused_by_name(model, decode_steps):
+    with pytest.raises(ValueError, match="decode_steps must be an integer >= 1"):
+        model.generate([5, 6, 7], max_new_tokens=2)
+
+
 @pytest.mark.parametrize("decode_steps", [None, 3], indirect=True)
 def test_a_shared_prefix_is_served_from_the_cache(model, scheduler_of, decode_steps):
     scheduler = scheduler_of(slots=2, cache_len=512, prefix_block_tokens=16)

@@ -207,6 +207,8 @@ class Engine:
         self.model, self.slots, self.cache_len = model, slots, cache_len
         self.coalesced = micro_batches is not None
         on_host = model.experts_on_host
+        if model.decode_steps is not None and not (isinstance(model.decode_steps, int) and model.decode_steps >= 1):
+            raise ValueError(f"decode_steps must be an integer >= 1 or None, got {model.decode_steps!r}")
         if model.decode_steps:
             self.steps = model.decode_steps
         elif micro_batches is None and not on_host and model.placement.device.platform == "gpu":
