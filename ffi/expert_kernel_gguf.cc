@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "expert_kernels.h"
@@ -143,11 +144,11 @@ HJ_AVX512_VNNI void DecodeQ4KBlock(const uint8_t* b, bool five, uint8_t* q, floa
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 64 * c), lo);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 64 * c + 32), hi);
   }
+  uint8_t sm[16];
+  KScalesMins(b + 4, sm);
   for (int j = 0; j < 8; ++j) {
-    int sc, m;
-    KScaleMin(b + 4, j, &sc, &m);
-    _mm256_storeu_ps(lane_scale + 8 * j, _mm256_set1_ps(d * static_cast<float>(sc)));
-    sub_min[2 * j] = sub_min[2 * j + 1] = dmin * static_cast<float>(m);
+    _mm256_storeu_ps(lane_scale + 8 * j, _mm256_set1_ps(d * static_cast<float>(sm[j])));
+    sub_min[2 * j] = sub_min[2 * j + 1] = dmin * static_cast<float>(sm[8 + j]);
   }
 }
 
@@ -236,6 +237,126 @@ HJ_AVX512_VNNI float DotAvx512(const DecodedRow& w, const char* token, const Tok
   return _mm512_reduce_add_ps(acc) - _mm512_reduce_add_ps(mins);
 }
 
+// --- Few tokens: K-quant blocks decoded in registers ---------------------------------------------------
+// A decoded row pays for itself over many tokens; with a few, writing it out and reading it back costs more than
+// the dot products. These split each super-block into natural-order bytes in registers and multiply them with
+// every token's activations there (the Q4_K x Q8_K / Q6_K x Q8_K dot products of seed 000 §3.5.2, on our
+// activation layout): per 64 elements one vpdpbusd, one convert and one multiply-add per token.
+constexpr int64_t kFusedMaxTokens = 4;
+
+struct TokenView {  // one token's packed activations (TokenLayout)
+  const int8_t* q;
+  const float* lane_dx;
+  const float* sub_sum;
+};
+
+// acc[t] += lane sums of 64 elements at `col` (weights wq, their scale per lane ws) times token t's; N tokens.
+template <int N>
+HJ_AVX512_VNNI inline void Chunk(__m512i wq, __m512 ws, int64_t col, const TokenView* tok, __m512* acc) {
+  for (int t = 0; t < N; ++t) {
+    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, _mm512_loadu_si512(tok[t].q + col));
+    const __m512 scale = _mm512_mul_ps(ws, _mm512_loadu_ps(tok[t].lane_dx + col / 4));
+    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[t]);
+  }
+}
+
+// mins[t] += a block's 16 min terms (one per 16 elements from `col`) times token t's sums over them.
+template <int N>
+HJ_AVX512_VNNI inline void BlockMins(__m512 block_mins, int64_t col, const TokenView* tok, __m512* mins) {
+  for (int t = 0; t < N; ++t) mins[t] = _mm512_fmadd_ps(block_mins, _mm512_loadu_ps(tok[t].sub_sum + col / 16), mins[t]);
+}
+
+HJ_AVX512_VNNI inline float HalfAt(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return _cvtsh_ss(h);  // exact, as LoadHalf
+}
+
+template <int N, bool kFive>
+HJ_AVX512_VNNI inline void Q4KBlockDot(const uint8_t* b, int64_t col, const TokenView* tok, __m512* acc, __m512* mins) {
+  uint8_t sm[16];
+  KScalesMins(b + 4, sm);
+  const __m512 both = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm))));
+  // lanes 0-7: d * scale j, 8-15: dmin * min j
+  const __m512 scaled = _mm512_mul_ps(both, _mm512_insertf32x8(_mm512_set1_ps(HalfAt(b)), _mm256_set1_ps(HalfAt(b + 2)), 1));
+  const uint8_t* qs = kFive ? b + 48 : b + 16;
+  const __m256i low4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+  const __m256i qh = kFive ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)) : _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) {  // bytes 32c.. hold elements 64c.. (low nibbles) and 64c + 32.. (high nibbles)
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+    __m256i lo = _mm256_and_si256(v, low4);
+    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    if (kFive) {  // as DecodeQ4KBlock
+      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4));
+      hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4));
+    }
+    const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    const __m512i which = _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1);
+    Chunk<N>(wq, _mm512_permutexvar_ps(which, scaled), col + 64 * c, tok, acc);
+  }
+  // min j for the 16-element halves 2j and 2j + 1 of its sub-block
+  const __m512i pairs = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+  BlockMins<N>(_mm512_permutexvar_ps(pairs, scaled), col, tok, mins);
+}
+
+template <int N>
+HJ_AVX512_VNNI inline void Q6KBlockDot(const uint8_t* b, int64_t col, const TokenView* tok, __m512* acc, __m512* mins) {
+  const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));  // int8, one per 16 elements
+  const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(HalfAt(b + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(scales)));
+  const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);  // lane -> its 16
+  const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(3);
+  for (int half = 0; half < 2; ++half) {  // as DecodeQ6KBlock: 32 elements 128 half + 32 s.. from low[s], qh
+    const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half));
+    const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half + 32));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
+    const __m256i low[4] = {_mm256_and_si256(ql0, low4), _mm256_and_si256(ql1, low4),
+                            _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                            _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4)};
+    __m256i v[4];
+    for (int s = 0; s < 4; ++s) {
+      v[s] = _mm256_or_si256(low[s], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), low2), 4));
+    }
+    for (int pair = 0; pair < 2; ++pair) {
+      const int chunk = 2 * half + pair;  // elements 64 chunk.., sub-blocks 4 chunk..
+      const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(v[2 * pair]), v[2 * pair + 1], 1);
+      const __m512 ws = _mm512_permutexvar_ps(_mm512_add_epi32(quarter, _mm512_set1_epi32(4 * chunk)), scale);
+      Chunk<N>(wq, ws, col + 64 * chunk, tok, acc);
+    }
+  }
+  BlockMins<N>(_mm512_mul_ps(scale, _mm512_set1_ps(32.0f)), col, tok, mins);
+}
+
+template <int N>
+HJ_AVX512_VNNI void FusedRows(const LayerWeights& layer, const Projection& p, int64_t row0, int64_t rows,
+                              const void* packed, const TokenLayout& layout, float* out, int64_t out_stride) {
+  const WeightFormat format = layer.ProjectionFormat(p.which);
+  const int64_t bytes = GgufBlockBytes(format), ahead = WeightPrefetchBytes();
+  TokenView tok[N];
+  for (int t = 0; t < N; ++t) {
+    const char* token = static_cast<const char*>(packed) + t * layout.bytes;
+    tok[t] = {reinterpret_cast<const int8_t*>(token), reinterpret_cast<const float*>(token + layout.lane_dx),
+              reinterpret_cast<const float*>(token + layout.sub_sum)};
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* data = RowData(layer, p, row0 + r);
+    __m512 acc[N], mins[N];
+    for (int t = 0; t < N; ++t) acc[t] = mins[t] = _mm512_setzero_ps();
+    for (int64_t col = 0; col < p.cols; col += 256, data += bytes) {
+      if (ahead > 0) {
+        for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(data + ahead + line), _MM_HINT_T0);
+      }
+      if (format == WeightFormat::kQ6K) {
+        Q6KBlockDot<N>(data, col, tok, acc, mins);
+      } else if (format == WeightFormat::kQ5K) {
+        Q4KBlockDot<N, true>(data, col, tok, acc, mins);
+      } else {
+        Q4KBlockDot<N, false>(data, col, tok, acc, mins);
+      }
+    }
+    for (int t = 0; t < N; ++t) out[r * out_stride + t] = _mm512_reduce_add_ps(acc[t]) - _mm512_reduce_add_ps(mins[t]);
+  }
+}
+
 HJ_AVX512_VNNI void GgufGemmAvx512(const LayerWeights& layer, const Projection* w, int n_proj, int64_t row0,
                                    int64_t rows, const void* packed, int64_t tokens, float* const* out,
                                    int64_t out_stride) {
@@ -243,6 +364,13 @@ HJ_AVX512_VNNI void GgufGemmAvx512(const LayerWeights& layer, const Projection* 
   const TokenLayout layout(cols);
   DecodedRow& row = RowBuffer(cols);
   for (int p = 0; p < n_proj; ++p) {
+    if (tokens >= 1 && tokens <= kFusedMaxTokens && layer.ProjectionFormat(w[p].which) != WeightFormat::kQ8_0) {
+      constexpr void (*kFused[])(const LayerWeights&, const Projection&, int64_t, int64_t, const void*,
+                                 const TokenLayout&, float*, int64_t) = {FusedRows<1>, FusedRows<2>, FusedRows<3>,
+                                                                         FusedRows<4>};
+      kFused[tokens - 1](layer, w[p], row0, rows, packed, layout, out[p], out_stride);
+      continue;
+    }
     for (int64_t r = 0; r < rows; ++r) {
       DecodeRowAvx512(layer, w[p], row0 + r, row);
       for (int64_t t = 0; t < tokens; ++t) {

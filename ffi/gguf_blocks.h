@@ -74,15 +74,19 @@ inline float LoadHalf(const uint8_t* p) {
   return HalfToFloat(h);
 }
 
-// Q4_K's and Q5_K's 6-bit scale and min of sub-block j (0..7) from their 12 packed bytes.
-inline void KScaleMin(const uint8_t* s, int j, int* scale, int* min) {
-  if (j < 4) {
-    *scale = s[j] & 63;
-    *min = s[j + 4] & 63;
-  } else {
-    *scale = (s[j + 4] & 0xf) | ((s[j - 4] >> 6) << 4);
-    *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
+// Q4_K's and Q5_K's 6-bit scales and mins of their 8 sub-blocks from the 12 packed bytes s: out[j] the scale,
+// out[8 + j] the min of sub-block j. Sub-blocks 0-3 keep both in the low 6 bits of s[j] and s[4 + j]; 4-7 keep
+// their low 4 bits in the nibbles of s[8 + j - 4] and their top 2 in the top bits of s[j - 4] and s[j]: done four
+// bytes at a time (a top-2-bits field shifted down by 6 stays within its byte once masked).
+inline void KScalesMins(const uint8_t* s, uint8_t out[16]) {
+  uint32_t w[3], r[4];
+  std::memcpy(w, s, 12);
+  constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
+  r[0] = w[0] & kLow6;                                         // scales 0-3
+  r[1] = (w[2] & kLow4) | (((w[0] >> 6) & kLow2) << 4);        // scales 4-7
+  r[2] = w[1] & kLow6;                                         // mins 0-3
+  r[3] = ((w[2] >> 4) & kLow4) | (((w[1] >> 6) & kLow2) << 4);  // mins 4-7
+  std::memcpy(out, r, 16);
 }
 
 // One block decoded: q[n], lane_scale[n / 4], sub_min[n / 16] for the block's n elements.
@@ -108,11 +112,11 @@ inline void DecodeGgufBlock(WeightFormat f, const uint8_t* b, uint8_t* q, float*
         if (five) v |= ((qh[l] >> (i / 32)) & 1) << 4;
         q[i] = static_cast<uint8_t>(v);
       }
+      uint8_t sm[16];
+      KScalesMins(scales, sm);
       for (int j = 0; j < 8; ++j) {
-        int sc, m;
-        KScaleMin(scales, j, &sc, &m);
-        for (int l = 0; l < 8; ++l) lane_scale[j * 8 + l] = d * static_cast<float>(sc);
-        sub_min[2 * j] = sub_min[2 * j + 1] = dmin * static_cast<float>(m);
+        for (int l = 0; l < 8; ++l) lane_scale[j * 8 + l] = d * static_cast<float>(sm[j]);
+        sub_min[2 * j] = sub_min[2 * j + 1] = dmin * static_cast<float>(sm[8 + j]);
       }
       return;
     }
