@@ -237,7 +237,7 @@ HJ_AVX512_VNNI float DotAvx512(const DecodedRow& w, const char* token, const Tok
   return _mm512_reduce_add_ps(acc) - _mm512_reduce_add_ps(mins);
 }
 
-// --- Few tokens: K-quant blocks decoded in registers ---------------------------------------------------
+// --- Few tokens: blocks decoded in registers ------------------------------------------------------------
 // A decoded row pays for itself over many tokens; with a few, writing it out and reading it back costs more than
 // the dot products. These split each super-block into natural-order bytes in registers and multiply them with
 // every token's activations there (the Q4_K x Q8_K / Q6_K x Q8_K dot products of seed 000 §3.5.2, on our
@@ -251,11 +251,15 @@ struct TokenView {  // one token's packed activations (TokenLayout)
 };
 
 // acc[t] += lane sums of 64 elements at `col` (weights wq, their scale per lane ws) times token t's; N tokens.
+// A row's last 32 elements alone (Q8_0 rows are multiples of 32) pass `lanes` 0x00ff: the activations past the row
+// are not read (their padding is not written).
 template <int N>
-HJ_AVX512_VNNI inline void Chunk(__m512i wq, __m512 ws, int64_t col, const TokenView* tok, __m512* acc) {
+HJ_AVX512_VNNI inline void Chunk(__m512i wq, __m512 ws, int64_t col, const TokenView* tok, __m512* acc,
+                                 __mmask16 lanes = 0xffff) {
+  const __mmask64 bytes = lanes == 0xffff ? ~__mmask64{0} : __mmask64{0xffffffff};
   for (int t = 0; t < N; ++t) {
-    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, _mm512_loadu_si512(tok[t].q + col));
-    const __m512 scale = _mm512_mul_ps(ws, _mm512_loadu_ps(tok[t].lane_dx + col / 4));
+    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, _mm512_maskz_loadu_epi8(bytes, tok[t].q + col));
+    const __m512 scale = _mm512_mul_ps(ws, _mm512_maskz_loadu_ps(lanes, tok[t].lane_dx + col / 4));
     acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[t]);
   }
 }
@@ -326,6 +330,24 @@ HJ_AVX512_VNNI inline void Q6KBlockDot(const uint8_t* b, int64_t col, const Toke
   BlockMins<N>(_mm512_mul_ps(scale, _mm512_set1_ps(32.0f)), col, tok, mins);
 }
 
+// Q8_0: two 32-element blocks (or the row's last one alone) as one 64-element chunk, q + 128 unsigned; their
+// min terms (128 d per 16 elements) go to a 4-lane accumulator.
+template <int N>
+HJ_AVX512_VNNI inline void Q80PairDot(const uint8_t* b, int64_t col, bool pair, const TokenView* tok, __m512* acc,
+                                      __m128* mins) {
+  const __m256i flip = _mm256_set1_epi8(-128);
+  const __m256i lo = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), flip);
+  const __m256i hi = pair ? _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 36)), flip)
+                          : _mm256_setzero_si256();
+  const float d0 = HalfAt(b), d1 = pair ? HalfAt(b + 34) : 0.0f;
+  const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  Chunk<N>(wq, _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1), col, tok, acc, pair ? 0xffff : 0x00ff);
+  const __m128 block_mins = _mm_mul_ps(_mm_setr_ps(d0, d0, d1, d1), _mm_set1_ps(128.0f));
+  for (int t = 0; t < N; ++t) {
+    mins[t] = _mm_fmadd_ps(block_mins, _mm_maskz_loadu_ps(pair ? 0xf : 0x3, tok[t].sub_sum + col / 16), mins[t]);
+  }
+}
+
 template <int N>
 HJ_AVX512_VNNI void FusedRows(const LayerWeights& layer, const Projection& p, int64_t row0, int64_t rows,
                               const void* packed, const TokenLayout& layout, float* out, int64_t out_stride) {
@@ -340,20 +362,36 @@ HJ_AVX512_VNNI void FusedRows(const LayerWeights& layer, const Projection& p, in
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* data = RowData(layer, p, row0 + r);
     __m512 acc[N], mins[N];
-    for (int t = 0; t < N; ++t) acc[t] = mins[t] = _mm512_setzero_ps();
-    for (int64_t col = 0; col < p.cols; col += 256, data += bytes) {
+    __m128 q80_mins[N];
+    for (int t = 0; t < N; ++t) {
+      acc[t] = mins[t] = _mm512_setzero_ps();
+      q80_mins[t] = _mm_setzero_ps();
+    }
+    // A step covers one K-quant super-block, or two Q8_0 blocks.
+    const int64_t step = format == WeightFormat::kQ8_0 ? 64 : 256, step_bytes = step / GgufBlockElements(format) * bytes;
+    for (int64_t col = 0; col < p.cols; col += step, data += step_bytes) {
       if (ahead > 0) {
-        for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(data + ahead + line), _MM_HINT_T0);
+        for (int64_t line = 0; line < step_bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(data + ahead + line), _MM_HINT_T0);
       }
-      if (format == WeightFormat::kQ6K) {
-        Q6KBlockDot<N>(data, col, tok, acc, mins);
-      } else if (format == WeightFormat::kQ5K) {
-        Q4KBlockDot<N, true>(data, col, tok, acc, mins);
-      } else {
-        Q4KBlockDot<N, false>(data, col, tok, acc, mins);
+      switch (format) {
+        case WeightFormat::kQ8_0:
+          Q80PairDot<N>(data, col, col + 64 <= p.cols, tok, acc, q80_mins);
+          break;
+        case WeightFormat::kQ6K:
+          Q6KBlockDot<N>(data, col, tok, acc, mins);
+          break;
+        case WeightFormat::kQ5K:
+          Q4KBlockDot<N, true>(data, col, tok, acc, mins);
+          break;
+        default:
+          Q4KBlockDot<N, false>(data, col, tok, acc, mins);
+          break;
       }
     }
-    for (int t = 0; t < N; ++t) out[r * out_stride + t] = _mm512_reduce_add_ps(acc[t]) - _mm512_reduce_add_ps(mins[t]);
+    for (int t = 0; t < N; ++t) {
+      const __m512 all_mins = _mm512_add_ps(mins[t], _mm512_zextps128_ps512(q80_mins[t]));
+      out[r * out_stride + t] = _mm512_reduce_add_ps(acc[t]) - _mm512_reduce_add_ps(all_mins);
+    }
   }
 }
 
@@ -364,7 +402,7 @@ HJ_AVX512_VNNI void GgufGemmAvx512(const LayerWeights& layer, const Projection* 
   const TokenLayout layout(cols);
   DecodedRow& row = RowBuffer(cols);
   for (int p = 0; p < n_proj; ++p) {
-    if (tokens >= 1 && tokens <= kFusedMaxTokens && layer.ProjectionFormat(w[p].which) != WeightFormat::kQ8_0) {
+    if (tokens >= 1 && tokens <= kFusedMaxTokens) {
       constexpr void (*kFused[])(const LayerWeights&, const Projection&, int64_t, int64_t, const void*,
                                  const TokenLayout&, float*, int64_t) = {FusedRows<1>, FusedRows<2>, FusedRows<3>,
                                                                          FusedRows<4>};
