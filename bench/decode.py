@@ -261,6 +261,14 @@ def hbm_read_gbps(device, gib: int = 4, repeats: int = 10) -> float:
     return (gib << 30) / (best * 1e6)
 
 
+def resident_read_bytes(model: engine.Model, batch: int, covered: float) -> float:
+    """Bytes of resident experts one MoE layer reads in a step: the distinct experts `batch` tokens route to
+    (uniform routing) times the share of the pairs the resident set covers."""
+    cfg = model.config
+    n, picks = cfg.n_routed_experts, batch * cfg.num_experts_per_tok
+    return n * (1 - (1 - 1 / n) ** picks) * covered * resident_expert_bytes(cfg, model.dtype)
+
+
 def hbm_bytes_per_step(model: engine.Model, batch: int, context: int, covered: float) -> int:
     """Device-memory bytes a decode step must read: every weight but the embedding table (one row per token) and
     the resident experts, of those the distinct ones the step's `batch` tokens route to (uniform routing) times
@@ -269,12 +277,8 @@ def hbm_bytes_per_step(model: engine.Model, batch: int, context: int, covered: f
     held = sum(a.nbytes for r in resident for a in jax.tree.leaves(r))
     w = model.weights
     everything = sum(a.nbytes for a in jax.tree.leaves(w)) - w.embed.nbytes + batch * w.embed.nbytes // w.embed.shape[0]
-    cfg = model.config
-    n, picks = cfg.n_routed_experts, batch * cfg.num_experts_per_tok
-    distinct = n * (1 - (1 - 1 / n) ** picks)
-    per_expert = resident_expert_bytes(cfg, model.dtype)
-    kv = batch * context * kv_bytes_per_token(cfg, model.dtype)
-    return int(everything - held + len(resident) * distinct * covered * per_expert + kv)
+    kv = batch * context * kv_bytes_per_token(model.config, model.dtype)
+    return int(everything - held + len(resident) * resident_read_bytes(model, batch, covered) + kv)
 
 
 def main(argv=None):
@@ -393,6 +397,11 @@ def main(argv=None):
             bound = layer_floor + handoffs_ms
             r["layer_ratio"] = round(layer_ms / bound, 3) if bound else None
             r["moe_cpu_busy"] = round(r["expert_ms"] / (r["window_step_ms"] - base_step), 3)
+            # The issue's model of a split layer: the slower of its CPU share (at the read floor, plus hand-offs)
+            # and its GPU share (the resident experts the step uses, at the HBM rate), over the base step.
+            gpu_ms = resident_read_bytes(model, batch, r["covered_share"]) / (hbm * 1e6) if hbm else 0.0
+            r["predicted_step_ms"] = round(base_step + r["moe_layers"] * max(bound, gpu_ms), 3)
+            r["measured_vs_predicted"] = round(r["median_step_ms"] / r["predicted_step_ms"], 3)
         dual = str(r["dual_batch"])
         line = (f"{r['threads']:3d} {batch:5d} {context:6d} {dual:>5} {deferred:5d} {r['median_step_ms']:8.2f} "
                 f"{r['tok_s']:8.2f} {r['expert_ms']:8.2f} {r['expert_alone_ms']:8.2f} "
@@ -402,7 +411,8 @@ def main(argv=None):
         if hbm:
             line += f" hbm floor {r['hbm_floor_ms']:.3f} ms ({r['ratio_to_hbm_floor']:.2f})"
         if base_ms:
-            line += f" {r['moe_layer_ms']:8.3f} {r['layer_ratio'] or 0:6.2f} {r['moe_cpu_busy']:6.0%}"
+            line += (f" {r['moe_layer_ms']:8.3f} {r['layer_ratio'] or 0:6.2f} {r['moe_cpu_busy']:6.0%}"
+                     f"  predicted {r['predicted_step_ms']:.2f} ms (x{r['measured_vs_predicted']:.2f})")
         if depth < full_layers:
             # Projection: the whole measured step (dense layers and LM head included) counted per MoE layer and
             # scaled to the full model's MoE layers, so the estimate errs on the slow side.
