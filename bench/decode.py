@@ -182,9 +182,7 @@ def bench_case(model: engine.Model, batch: int, context: int, steps: int, rng) -
         handoff = handoff_us(cfg, batch, model.dtype)
     else:
         expert_ms, window_step_ms, handoff = alone_ms, step, 0.0
-    # Uniform routing over the step's batch*k choices: expected distinct experts per layer.
-    n, picks = cfg.n_routed_experts, batch * cfg.num_experts_per_tok
-    distinct = n * (1 - (1 - 1 / n) ** picks) if batch > 1 else cfg.num_experts_per_tok
+    distinct = distinct_experts(cfg, batch)
     return {
         "batch": batch,
         "context": context,
@@ -261,12 +259,17 @@ def hbm_read_gbps(device, gib: int = 4, repeats: int = 10) -> float:
     return (gib << 30) / (best * 1e6)
 
 
-def resident_read_bytes(model: engine.Model, batch: int, covered: float) -> float:
-    """Bytes of resident experts one MoE layer reads in a step: the distinct experts `batch` tokens route to
-    (uniform routing) times the share of the pairs the resident set covers."""
-    cfg = model.config
+def distinct_experts(cfg, batch: int) -> float:
+    """The expected distinct experts of one MoE layer that `batch` tokens route to, routing uniform over the
+    batch * k choices (one token's k are distinct)."""
     n, picks = cfg.n_routed_experts, batch * cfg.num_experts_per_tok
-    return n * (1 - (1 - 1 / n) ** picks) * covered * resident_expert_bytes(cfg, model.dtype)
+    return n * (1 - (1 - 1 / n) ** picks) if batch > 1 else cfg.num_experts_per_tok
+
+
+def resident_read_bytes(model: engine.Model, batch: int, covered: float) -> float:
+    """Bytes of resident experts one MoE layer reads in a step: its distinct experts times the share of the pairs
+    the resident set covers."""
+    return distinct_experts(model.config, batch) * covered * resident_expert_bytes(model.config, model.dtype)
 
 
 def hbm_bytes_per_step(model: engine.Model, batch: int, context: int, covered: float) -> int:

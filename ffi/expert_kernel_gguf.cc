@@ -125,22 +125,38 @@ void GgufGemmGeneric(const LayerWeights& layer, const Projection* w, int n_proj,
 
 #define HJ_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 
+// Q4_K's (Q5_K's with `five`) elements 64c.. of block b as bytes in natural order: lo the first 32, hi the next.
+HJ_AVX512_VNNI inline void Q4KChunk(const uint8_t* b, bool five, int c, __m256i* lo, __m256i* hi) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>((five ? b + 48 : b + 16) + 32 * c));
+  *lo = _mm256_and_si256(v, low4);
+  *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+  if (five) {  // bit 2c of qh[l] is the fifth bit of element 64c + l, bit 2c + 1 that of 64c + 32 + l
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    *lo = _mm256_or_si256(*lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4));
+    *hi = _mm256_or_si256(*hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4));
+  }
+}
+
+// Q6_K's elements 128 half + 32 s.. of block b as bytes in natural order, v[s] for s = 0..3.
+HJ_AVX512_VNNI inline void Q6KHalf(const uint8_t* b, int half, __m256i v[4]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(3);
+  const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half));
+  const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half + 32));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
+  const __m256i low[4] = {_mm256_and_si256(ql0, low4), _mm256_and_si256(ql1, low4),
+                          _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                          _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4)};
+  for (int s = 0; s < 4; ++s) {
+    v[s] = _mm256_or_si256(low[s], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), low2), 4));
+  }
+}
+
 HJ_AVX512_VNNI void DecodeQ4KBlock(const uint8_t* b, bool five, uint8_t* q, float* lane_scale, float* sub_min) {
   const float d = LoadHalf(b), dmin = LoadHalf(b + 2);
-  const uint8_t* qs = five ? b + 48 : b + 16;
-  const __m256i low4 = _mm256_set1_epi8(0x0f);
-  const __m256i qh = five ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)) : _mm256_setzero_si256();
-  const __m256i one = _mm256_set1_epi8(1);
   for (int c = 0; c < 4; ++c) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
-    __m256i lo = _mm256_and_si256(v, low4);
-    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-    if (five) {  // bit 2c of qh[l] is the fifth bit of element 64c + l, bit 2c + 1 that of 64c + 32 + l
-      const __m256i bit_lo = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one);
-      const __m256i bit_hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one);
-      lo = _mm256_or_si256(lo, _mm256_slli_epi16(bit_lo, 4));
-      hi = _mm256_or_si256(hi, _mm256_slli_epi16(bit_hi, 4));
-    }
+    __m256i lo, hi;
+    Q4KChunk(b, five, c, &lo, &hi);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 64 * c), lo);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 64 * c + 32), hi);
   }
@@ -153,19 +169,10 @@ HJ_AVX512_VNNI void DecodeQ4KBlock(const uint8_t* b, bool five, uint8_t* q, floa
 }
 
 HJ_AVX512_VNNI void DecodeQ6KBlock(const uint8_t* b, uint8_t* q, float* lane_scale, float* sub_min) {
-  const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(3);
   for (int half = 0; half < 2; ++half) {
-    const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half));
-    const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half + 32));
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
-    const __m256i low[4] = {_mm256_and_si256(ql0, low4), _mm256_and_si256(ql1, low4),
-                            _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
-                            _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4)};
-    for (int s = 0; s < 4; ++s) {
-      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), low2);
-      const __m256i v = _mm256_or_si256(low[s], _mm256_slli_epi16(high, 4));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 128 * half + 32 * s), v);
-    }
+    __m256i v[4];
+    Q6KHalf(b, half, v);
+    for (int s = 0; s < 4; ++s) _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 128 * half + 32 * s), v[s]);
   }
   const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
   const float d = LoadHalf(b + 208);
@@ -283,17 +290,9 @@ HJ_AVX512_VNNI inline void Q4KBlockDot(const uint8_t* b, int64_t col, const Toke
   const __m512 both = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm))));
   // lanes 0-7: d * scale j, 8-15: dmin * min j
   const __m512 scaled = _mm512_mul_ps(both, _mm512_insertf32x8(_mm512_set1_ps(HalfAt(b)), _mm256_set1_ps(HalfAt(b + 2)), 1));
-  const uint8_t* qs = kFive ? b + 48 : b + 16;
-  const __m256i low4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
-  const __m256i qh = kFive ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)) : _mm256_setzero_si256();
-  for (int c = 0; c < 4; ++c) {  // bytes 32c.. hold elements 64c.. (low nibbles) and 64c + 32.. (high nibbles)
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
-    __m256i lo = _mm256_and_si256(v, low4);
-    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-    if (kFive) {  // as DecodeQ4KBlock
-      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4));
-      hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4));
-    }
+  for (int c = 0; c < 4; ++c) {
+    __m256i lo, hi;
+    Q4KChunk(b, kFive, c, &lo, &hi);
     const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
     const __m512i which = _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1);
     Chunk<N>(wq, _mm512_permutexvar_ps(which, scaled), col + 64 * c, tok, acc);
@@ -308,18 +307,9 @@ HJ_AVX512_VNNI inline void Q6KBlockDot(const uint8_t* b, int64_t col, const Toke
   const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));  // int8, one per 16 elements
   const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(HalfAt(b + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(scales)));
   const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);  // lane -> its 16
-  const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(3);
-  for (int half = 0; half < 2; ++half) {  // as DecodeQ6KBlock: 32 elements 128 half + 32 s.. from low[s], qh
-    const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half));
-    const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half + 32));
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
-    const __m256i low[4] = {_mm256_and_si256(ql0, low4), _mm256_and_si256(ql1, low4),
-                            _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
-                            _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4)};
+  for (int half = 0; half < 2; ++half) {
     __m256i v[4];
-    for (int s = 0; s < 4; ++s) {
-      v[s] = _mm256_or_si256(low[s], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), low2), 4));
-    }
+    Q6KHalf(b, half, v);
     for (int pair = 0; pair < 2; ++pair) {
       const int chunk = 2 * half + pair;  // elements 64 chunk.., sub-blocks 4 chunk..
       const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(v[2 * pair]), v[2 * pair + 1], 1);
