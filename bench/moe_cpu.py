@@ -23,9 +23,10 @@ Formats: fp8 (E4M3FN, 128x128 block scales), bf16, int8 and int4 (one float32 sc
 a row), int8_row (one scale per row: AMX keeps int8 tiles), mxfp4 (as gpt-oss releases its experts: e2m1 with
 an e8m0 scale per 32, gate and up interleaved in one matrix, expert biases and the clamped SwiGLU); named only,
 the GGUF block formats q8_0, q4_k, q5_k, q6_k and q4_k_m (Q4_K gate/up, Q6_K down), e.g. `--formats q4_k_m q6_k
-q8_0 --hidden 4096 --inter 1536` for Qwen3-235B's experts (llama.cpp's MUL_MAT_ID as a peer is not built here
-yet). Baselines in the same process: NumPy (float32 weights, matmul per expert) and PyTorch CPU (bfloat16
-weights, if torch is installed). --crossover times AVX-512 against AMX by tokens per expert (the basis of
+q8_0 --hidden 4096 --inter 1536` for Qwen3-235B's experts; --ggml-peer runs llama.cpp's own MoE layer (MUL_MAT_ID,
+bench/ggml_moe_peer.c built against ggml's sources on this host) on the same blocks beside them. Baselines in
+the same process: NumPy (float32 weights, matmul per expert) and PyTorch CPU (bfloat16 weights, if torch is
+installed). --crossover times AVX-512 against AMX by tokens per expert (the basis of
 HYBRIDJIT_AMX_MIN_TOKENS). Ends with one JSON line.
 
 Prefill cases of issue #27 (tokens over a number of experts, each format, kt-kernel alongside):
@@ -555,6 +556,70 @@ def bench_kt_kernel(args, rng, floor, results):
     flush_c_stdout()
 
 
+def load_ggml_peer(path: str):
+    """bench/ggml_moe_peer.c built against ggml (its header says how), through ctypes."""
+    import ctypes
+
+    lib = ctypes.CDLL(path)
+    lib.peer_layer_new.restype = ctypes.c_void_p
+    lib.peer_layer_new.argtypes = [ctypes.c_int] * 7 + [ctypes.c_void_p] * 3
+    lib.peer_layer_run.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 4
+    lib.peer_layer_free.argtypes = [ctypes.c_void_p]
+    return lib
+
+
+def bench_ggml_peer(args, rng, floor, results):
+    """llama.cpp's MoE layer (MUL_MAT_ID; bench/ggml_moe_peer.c) on the GGUF cases, over the same blocks as ours,
+    with the same threads, routing and timing. Each layer's first call is checked against ours on the same
+    input (both quantize the activations: to Q8_K / Q8_0 there, int8 per 32 here), so that the two compute the
+    same layer."""
+    formats = [f for f in args.formats if f in GGUF_FORMATS]
+    if not formats:
+        return
+    lib = load_ggml_peer(args.ggml_peer)
+    hidden, inter, top_k, threads = args.hidden, args.inter, args.top_k, kernel_info()["threads"]
+    print(f"llama.cpp (ggml) MoE layer, {threads} threads", flush=True)
+    for fmt in formats:
+        gate_up, down_type = GGUF_FORMATS[fmt]
+        per_expert = expert_bytes(fmt, hidden, inter)
+        runs = [("decode", decode_experts(per_expert, args.quick, top_k), args.decode)] if args.decode else []
+        runs += [("prefill", experts, tokens_list) for experts, tokens_list in prefill_groups(args)]
+        for phase, n_experts, tokens_list in runs:
+            gate, up = (make_gguf_projection(rng, gate_up, n_experts, inter, hidden) for _ in range(2))
+            down = make_gguf_projection(rng, down_type, n_experts, hidden, inter)
+            types = (int(gguf.GGMLQuantizationType[gate_up]), int(gguf.GGMLQuantizationType[down_type]))
+            peer = lib.peer_layer_new(*types, hidden, inter, n_experts, top_k, threads,
+                                      *(contiguous_pointer(m) for m in (gate, up, down)))
+            if not peer:
+                raise SystemExit(f"ggml peer: {fmt} at hidden {hidden}, inter {inter} is not a shape ggml multiplies")
+            ours = register_gguf_layer(gate, up, down, gguf_type=gate_up, down_type=down_type, hidden=hidden,
+                                       inter=inter)
+            try:
+                for tokens in tokens_list:
+                    calls = args.repeats if phase == "decode" else max(3, args.repeats // 6)
+                    routes = routings(rng, calls + 2, tokens, top_k, n_experts)
+                    x = rng.standard_normal((tokens, hidden)).astype(ml_dtypes.bfloat16)
+                    x32, out = x.astype(np.float32), np.empty((tokens, hidden), np.float32)
+
+                    def run(ids, weights, peer=peer, x32=x32, out=out):
+                        if lib.peer_layer_run(peer, x32.shape[0], x32.ctypes.data, ids.ctypes.data,
+                                              weights.ctypes.data, out.ctypes.data):
+                            raise SystemExit("ggml peer: graph compute failed")
+
+                    ids, weights = routes[0]
+                    run(ids, weights)
+                    mine = np.asarray(routed_experts_host(ours, x, ids, weights), np.float32)
+                    agreement = float(np.sqrt(np.mean((out - mine) ** 2) / np.mean(mine**2)))
+                    ms = median_ms(run, routes, floor)
+                    case = {"impl": "llama.cpp", "format": fmt, "phase": phase, "tokens": tokens, "top_k": top_k,
+                            "experts": n_experts, "kernel": "MUL_MAT_ID", "rel_rms_vs_ours": round(agreement, 5)}
+                    results.append(figures(case, ms, routes, per_expert, hidden, inter, floor))
+                    print(row(results[-1]) + f"  (rel RMS to ours {agreement:.1e})", flush=True)
+            finally:
+                lib.peer_layer_free(peer)
+                ours.close()
+
+
 def row(r) -> str:
     ratio = f"{r['ratio_to_floor']:>6.1%} of {r['floor_gbps']:5.1f}" if "ratio_to_floor" in r else " " * 15
     ceilings = (f"  ({r['of_peak']:.0%} of {r['tiles']} peak {r['peak_tflops']:.1f}, "
@@ -582,6 +647,9 @@ def main():
                              "--prefill-experts")
     parser.add_argument("--no-peer", dest="peer", action="store_false",
                         help="skip kt-kernel on the prefill cases even where it is installed")
+    parser.add_argument("--ggml-peer", default=None, metavar="SO",
+                        help="llama.cpp's MoE layer as a peer on the GGUF formats: bench/ggml_moe_peer.c built as a "
+                             "shared library against ggml (its header says how)")
     parser.add_argument("--amx-ceilings", type=str, default=None, metavar="JSON",
                         help="bench/amx_tiles.cc's JSON line (a file): its ceilings beside each AMX prefill figure")
     parser.add_argument("--repeats", type=int, default=30, help="timed calls per decode case (prefill: a sixth)")
@@ -624,6 +692,8 @@ def main():
         bench_hybridjit(args, rng, floor, results)
         if args.peer:
             bench_kt_kernel(args, rng, floor, results)
+        if args.ggml_peer:
+            bench_ggml_peer(args, rng, floor, results)
     if args.baselines:
         bench_numpy(args, rng, floor, results)
         bench_torch(args, rng, floor, results)

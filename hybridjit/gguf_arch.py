@@ -6,7 +6,8 @@ The config goes through the same `config_from_hf` as a config.json, so every fam
 llama.cpp's conversions that matter here:
 - `deepseek2` is DeepSeek V2, V3, R1 and Kimi-K2; `llama` with experts is Mixtral; `qwen3moe`, `glm4moe`,
   `minimax-m2` are the others.
-- GLM-4.5's block_count counts its MTP (nextn) layers, which come after the decoder layers.
+- GLM-4.5's block_count counts its MTP (nextn) layers, which come after the decoder layers; its
+  post_attention_layernorm is `blk.L.post_attention_norm` (glm4moe's tensor list has no ffn_norm).
 - The routed experts of a layer are one stacked tensor per projection (`blk.L.ffn_gate_exps.weight` ...).
 - DeepSeek's YaRN keeps one mscale (`yarn_log_multiplier` = 0.1 * mscale_all_dim): llama.cpp reads
   mscale = mscale_all_dim, which every released DeepSeek config has.
@@ -37,6 +38,10 @@ _LAYER_TENSORS = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+# Where an architecture's tensor list in llama.cpp (gguf-py constants.py MODEL_TENSORS) lacks the usual tensor, its
+# converter maps the Hugging Face name elsewhere: GLM-4.5's post_attention_layernorm (the norm before its MLP) is
+# ATTN_POST_NORM, "blk.L.post_attention_norm", as glm4moe has no FFN_NORM.
+_ARCH_LAYER_TENSORS = {"glm4moe": {"post_attention_layernorm": "post_attention_norm"}}
 # Inside a MoE block ("mlp" or Mixtral's and MiniMax's "block_sparse_moe").
 _MOE_TENSORS = {
     "gate.weight": "ffn_gate_inp.weight",
@@ -64,9 +69,9 @@ _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\
 _MOE = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(.+)$")
 
 
-def gguf_name(hf_name: str) -> tuple[str, int | None] | None:
-    """The GGUF tensor holding `hf_name`, and the expert's index in it for a routed expert's matrix; None for a
-    name llama.cpp has no tensor for."""
+def gguf_name(hf_name: str, architecture: str = "") -> tuple[str, int | None] | None:
+    """The GGUF tensor holding `hf_name` in a file of llama.cpp's `architecture`, and the expert's index in it for a
+    routed expert's matrix; None for a name llama.cpp has no tensor for."""
     if hf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[hf_name], None
     if m := _EXPERT.match(hf_name):
@@ -75,7 +80,8 @@ def gguf_name(hf_name: str) -> tuple[str, int | None] | None:
     if (m := _MOE.match(hf_name)) and m[2] in _MOE_TENSORS:
         return f"blk.{m[1]}.{_MOE_TENSORS[m[2]]}", None
     if (m := _LAYER.match(hf_name)) and m[2] in _LAYER_TENSORS:
-        return f"blk.{m[1]}.{_LAYER_TENSORS[m[2]]}.{m[3]}", None
+        base = _ARCH_LAYER_TENSORS.get(architecture, {}).get(m[2], _LAYER_TENSORS[m[2]])
+        return f"blk.{m[1]}.{base}.{m[3]}", None
     return None
 
 

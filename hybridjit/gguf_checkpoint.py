@@ -91,7 +91,7 @@ class GGUFCheckpoint:
         return kv_b != name and kv_b in self.file.tensors
 
     def _info(self, name: str, spec: TensorSpec, used: set[str]) -> GGUFTensorInfo | None:
-        source = gguf_name(name)
+        source = gguf_name(name, self.file.architecture)
         if source is None:
             return None
         gname, expert = source
@@ -152,7 +152,7 @@ class GGUFCheckpoint:
         try:
             return self.tensors[name]
         except KeyError:
-            source = gguf_name(name)
+            source = gguf_name(name, self.file.architecture)
             where = f" (GGUF tensor {source[0]})" if source else ""
             raise GGUFError(f"{self.directory}: tensor {name}{where} is missing") from None
 

@@ -2,8 +2,10 @@
 
 Written from its own statement of llama.cpp's conventions (not the loader's tables): tensor names, stacked
 routed experts, numpy shapes (ggml's reversed), Llama-arch Q/K rows permuted for RoPE, DeepSeek's kv_b kept or
-split into k_b (transposed per head) and v_b, the metadata keys of each architecture, and K-quant blocks from
-a simple quantiser of its own (checked against gguf.quants.dequantize by the tests).
+split into k_b (transposed per head) and v_b (split: MLA's one KV head), GLM's MTP layer (its own tensors as
+blk.L.nextn.*, the rest named as any layer's) and its MLP norm (post_attention_norm), the metadata keys of each
+architecture, and K-quant blocks from a simple quantiser of its own (checked against gguf.quants.dequantize by the
+tests).
 """
 
 import re
@@ -44,6 +46,12 @@ _PER_LAYER = {
     "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
 }
+# Where an architecture's tensor list (gguf-py's MODEL_TENSORS) lacks the usual tensor, the converter's map sends the
+# name elsewhere: glm4moe has no FFN_NORM, so GLM-4.5's post_attention_layernorm is ATTN_POST_NORM.
+_ARCH_PER_LAYER = {"glm4moe": {"post_attention_layernorm.weight": "post_attention_norm.weight"}}
+# The MTP layer's own tensors (NEXTN_*); its decoder-layer tensors keep the per-layer names.
+_NEXTN = {"eh_proj.weight", "enorm.weight", "hnorm.weight", "embed_tokens.weight", "shared_head.head.weight",
+          "shared_head.norm.weight"}  # fmt: skip
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 _PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
@@ -112,7 +120,9 @@ def _metadata(w: gguf.GGUFWriter, arch: str, cfg: dict, kv_b_split: bool) -> Non
     w.add_uint32(f"{a}.embedding_length", cfg["hidden_size"])
     w.add_uint32(f"{a}.feed_forward_length", cfg["intermediate_size"])
     w.add_uint32(f"{a}.attention.head_count", heads)
-    w.add_uint32(f"{a}.attention.head_count_kv", cfg.get("num_key_value_heads", heads))
+    # DeepSeek's MLA as llama.cpp runs it (split kv_b): multi-query attention over the latent cache, one KV head
+    mla = arch == "deepseek2" and kv_b_split
+    w.add_uint32(f"{a}.attention.head_count_kv", 1 if mla else cfg.get("num_key_value_heads", heads))
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
     w.add_float32(f"{a}.rope.freq_base", cfg.get("rope_theta", 10000.0))
     experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts")
@@ -174,7 +184,7 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 def gguf_tensors(cfg: dict, tensors: dict[str, np.ndarray], kv_b: str = "kv_b") -> dict[str, np.ndarray]:
     """float32 HF tensors -> float32 GGUF tensors (numpy order). kv_b: "kv_b", "split" (k_b + v_b) or "both"."""
     out, experts = {}, {}
-    layers = cfg["num_hidden_layers"]
+    per_layer = {**_PER_LAYER, **_ARCH_PER_LAYER.get(ARCH[cfg["model_type"]], {})}
     for name, t in tensors.items():
         t = t.astype(np.float32)
         if m := _EXPERT.match(name):
@@ -185,8 +195,8 @@ def gguf_tensors(cfg: dict, tensors: dict[str, np.ndarray], kv_b: str = "kv_b") 
                  "lm_head.weight": "output.weight"}[name]] = t  # fmt: skip
             continue
         layer, rest = re.match(r"model\.layers\.(\d+)\.(.+)", name).groups()
-        if int(layer) >= layers:  # the MTP layer: llama.cpp keeps it as blk.L.nextn.* (the model skips it)
-            out[f"blk.{layer}.nextn.{rest.replace('.', '_')}"] = t
+        if rest in _NEXTN:  # the MTP layer's own: blk.L.nextn.* (the rest of that layer is named as any layer's)
+            out[f"blk.{layer}.nextn.{rest.removesuffix('.weight').replace('.', '_')}.weight"] = t
             continue
         if cfg["model_type"] == "mixtral" and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
             heads = cfg["num_attention_heads"] if "q_proj" in rest else cfg["num_key_value_heads"]
@@ -198,7 +208,7 @@ def gguf_tensors(cfg: dict, tensors: dict[str, np.ndarray], kv_b: str = "kv_b") 
             out[f"blk.{layer}.attn_v_b.weight"] = per_head[:, nope:].copy()
             if kv_b == "split":
                 continue
-        out[f"blk.{layer}.{_PER_LAYER[rest]}"] = t
+        out[f"blk.{layer}.{per_layer[rest]}"] = t
     for (layer, proj), by_expert in experts.items():
         out[f"blk.{layer}.ffn_{proj}_exps.weight"] = np.stack([by_expert[e] for e in sorted(by_expert)])
     return out

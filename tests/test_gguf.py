@@ -7,6 +7,7 @@ import json
 import shutil
 
 import gguf
+import jax
 import numpy as np
 import pytest
 from checkpoint_factory import build_case, checkpoint_as_float32, read_tensors, tiny_config, write_checkpoint
@@ -189,9 +190,11 @@ def test_quantised_gguf_within_its_quantisation(tmp_path):
     save_file({k: np.ascontiguousarray(v, np.float32) for k, v in dequantised.items()}, str(ref_dir / "m.safetensors"))
     assert rel_rms(logits(path), logits(ref_dir)) < 3e-2
     assert rel_rms(logits(path), logits(src)) > 1e-4  # the quantisation is there
-    # A placement that pins routed experts (a GPU's default) keeps GGUF blocks in the file's mapping instead.
-    pinning = dataclasses.replace(Placement.default("float32"), pinned_experts=True)
-    assert np.array_equal(logits(path, placement=pinning), logits(path))
+    # A placement that pins routed experts (a GPU's default) keeps GGUF blocks in the file's mapping instead; both
+    # on the CPU (on a GPU host the default placement would also make experts resident on the GPU).
+    on_cpu = Placement.default("float32", jax.devices("cpu")[0])
+    pinning = dataclasses.replace(on_cpu, pinned_experts=True)
+    assert np.array_equal(logits(path, placement=pinning), logits(path, placement=on_cpu))
 
 
 def test_embedded_model_as_gguf_generates_with_its_own_tokenizer(tmp_path):
