@@ -46,7 +46,12 @@ import hybridjit_ffi as _ffi
 from bench_model import add_model_arguments, load_model
 from floors import ReadFloor, floors_line, machine, memory_floors, vmstat
 from hybridjit import engine
-from hybridjit.auto_placement import kv_bytes_per_token, resident_expert_bytes
+from hybridjit.auto_placement import (
+    device_budget,
+    device_weight_bytes,
+    kv_bytes_per_token,
+    resident_expert_bytes,
+)
 from hybridjit.expert_residency import Residency
 from hybridjit.models import deepseek_v3 as dsv3
 from hybridjit.models.registry import ModelConfig
@@ -211,15 +216,24 @@ def bench_case(model: engine.Model, batch: int, context: int, steps: int, rng) -
     }
 
 
-def place(model: engine.Model, share: str, counts: dict | None) -> tuple[int, float]:
+def full_depth_auto(model: engine.Model, full: ModelConfig) -> int:
+    """The resident experts per MoE layer that the automatic placement gives the untruncated model on this device:
+    its budget with the full model's other weights (those of the truncated one are loaded already) and all its MoE
+    layers sharing the memory, so that a truncated run measures the share a full load would hold."""
+    still_to_load = device_weight_bytes(full, model.dtype) - device_weight_bytes(model.config, model.dtype)
+    return device_budget(full, model.placement.device, model.dtype, weights_to_load=still_to_load).resident_per_layer
+
+
+def place(model: engine.Model, share: str, counts: dict | None, full: ModelConfig | None = None) -> tuple[int, float]:
     """Holds `share` ("auto", or a share of each MoE layer's experts) of the routed experts on the GPU: the most
-    activated in `counts` (layer -> activations per expert), or with uniform routing (None) the first ones.
+    activated in `counts` (layer -> activations per expert), or with uniform routing (None) the first ones; "auto"
+    of a truncated model (`full` its untruncated config) holds as many per layer as the full model's would.
     Returns (the number per layer, the share of the activations they cover)."""
     e = model.config.n_routed_experts
-    if share == "auto":
+    if share == "auto" and (full is None or full.num_hidden_layers == model.config.num_hidden_layers):
         residency = model.place_experts("auto", counts=counts)
     else:
-        n = round(float(share) * e)
+        n = full_depth_auto(model, full) if share == "auto" else round(float(share) * e)
         residency = Residency.most_used(counts or {layer: np.zeros(e) for layer in model._loader.expert_names}, n)
         model.place_experts(residency)
     n = min((len(ids) for ids in residency.layers.values()), default=0)
@@ -304,7 +318,8 @@ def main(argv=None):
                              "(HYBRIDJIT_POOL_SPIN_US; default: as configured)")
     parser.add_argument("--resident", nargs="+", default=["0"],
                         help="routed experts resident on the GPU per MoE layer, as a share of its experts (0 to 1) "
-                             "or 'auto' (as many as the device's memory allows: Model.place_experts)")
+                             "or 'auto' (as many as the device's memory allows: Model.place_experts; with --layers, "
+                             "as many as the full model would hold)")
     parser.add_argument("--zipf", type=float, default=0.0,
                         help="skew expert popularity by this exponent (a selection bias, or a softmax router's "
                              "logits; 0.05 makes an eighth of GLM-4.5-Air's experts take a third of the pairs): "
@@ -357,7 +372,7 @@ def main(argv=None):
             for share in args.resident for per_call in args.decode_steps for c in cases]
     counts = skew_routing(model, args.zipf, rng) if args.zipf else None
     for threads, spin, share, per_call, (context, batch, overlap, deferred) in runs:
-        resident, covered = place(model, share, counts)
+        resident, covered = place(model, share, counts, full)
         if (threads, spin) != (kernel_info()["threads"], kernel_info()["pool_spin_us"]):
             os.environ["HYBRIDJIT_POOL_SPIN_US"] = str(spin)  # read when the pool is made
             configure_threads(threads)
