@@ -13,6 +13,7 @@ from hybrid_placement import hybrid
 import hybridjit
 from hybridjit.placement import Placement
 from hybridjit.sampling import SamplingParams
+from hybridjit.serving import engine as serving_engine
 from hybridjit.serving.scheduler import Finished, QueueFull, Request, Scheduler, Token
 
 WAIT_S = 120  # a generous bound on any one request: a hang fails the test instead of stalling the suite
@@ -112,9 +113,17 @@ def decode_steps(model, request):
     model.decode_steps = None
 
 
-@pytest.mark.parametrize(("policy", "decode_steps"), [("slo", None), ("chunked", None), ("slo", 3)],
-                         indirect=["decode_steps"])
-def test_concurrent_requests_get_what_they_get_alone(model, scheduler_of, policy, decode_steps):
+@pytest.mark.parametrize(
+    ("policy", "decode_steps", "min_span"),
+    [("slo", None, None), ("chunked", None, None), ("slo", 3, None), ("slo", None, 16), ("slo", 3, 16)],
+    indirect=["decode_steps"],
+)
+def test_concurrent_requests_get_what_they_get_alone(model, scheduler_of, policy, decode_steps, min_span,
+                                                     monkeypatch):
+    """min_span 16: decode calls attend over 16, 32, ... of the 256 cache positions as the slots fill (a server's
+    1024 of a 32K-position cache), the span growing between calls."""
+    if min_span:
+        monkeypatch.setattr(serving_engine, "MIN_SPAN", min_span)
     rng = np.random.default_rng(0)
     batch = prompts(model, 10, rng)
     lengths = [int(n) for n in rng.integers(1, 24, len(batch))]

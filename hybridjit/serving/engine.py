@@ -28,6 +28,8 @@ from hybridjit.sampling import SamplingParams, sample
 from hybridjit.stream_prefill import choose_prefill_path, stream_prefill
 
 MIN_BUCKET = 8
+# The fewest cache positions a decode call attends over (span_of).
+MIN_SPAN = 1024
 # Decode steps per program call when the whole model is on the device. Its steps are so short that launching
 # one costs the host more than the GPU takes to run it: XLA updates the step's CUDA graph for the new addresses of
 # each call's buffers, which takes ~10 ms for a 48-layer Qwen3-30B-A3B step whose kernels run in ~5 ms (1x H100,
@@ -70,13 +72,35 @@ def _extend_program(cfg, weights, tokens, starts, lengths, cache, keys, temperat
 _sample_program = jax.jit(_sample_rows)
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2), donate_argnames="cache")
+def span_of(cache_len: int, last_position: int) -> int:
+    """The cache positions a decode call attends over when no slot goes past `last_position`: a power of two from
+    MIN_SPAN up (few compiled programs), at most cache_len."""
+    return min(cache_len, max(MIN_SPAN, 1 << last_position.bit_length()))
+
+
+def _within_span(span: int, caches, run):
+    """run(caches) -> (out, caches) over only the first `span` positions of each cache leaf [b, L, ...]: attention
+    then reads span positions, not L (a server's cache holds the whole context, a few of whose positions are in
+    use); the span is written back in place (the caches are donated)."""
+    if all(leaf.shape[1] == span for leaf in jax.tree.leaves(caches)):
+        return run(caches)
+    out, views = run(jax.tree.map(lambda a: a[:, :span], caches))
+    return out, jax.tree.map(lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v, 0, axis=1), caches, views)
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnames="cache")
 def _decode_program(
-    cfg, schedule, steps, weights, tokens, positions, live, cache, keys, counts, temperature, top_k, top_p
+    cfg, schedule, steps, span, weights, tokens, positions, live, cache, keys, counts, temperature, top_k, top_p
 ):
     """`steps` decode steps of one micro-batch from the last row of tokens [n, b], each step's tokens fed to the
-    next: ((tokens, finite) [steps, b], the cache)."""
+    next, attending over the cache's first `span` positions: ((tokens, finite) [steps, b], the cache)."""
+    return _within_span(span, cache, lambda cache: _decode_steps(
+        cfg, schedule, steps, weights, tokens, positions, live, cache, keys, counts, temperature, top_k, top_p
+    ))
 
+
+def _decode_steps(cfg, schedule, steps, weights, tokens, positions, live, cache, keys, counts, temperature, top_k,
+                  top_p):
     def step(i, tokens, cache):
         logits, cache = family_of(cfg).model.decode_step(cfg, weights, tokens, positions + i, cache, schedule, live)
         return _sample_rows(logits, keys, counts + i, temperature, top_k, top_p), cache
@@ -96,22 +120,30 @@ def _decode_program(
     return (out, finite), cache
 
 
-@partial(jax.jit, static_argnums=(0, 1), donate_argnames="caches")
+@partial(jax.jit, static_argnums=(0, 1, 2), donate_argnames="caches")
 def _decode_dual_program(
-    cfg, schedule, weights, tokens, positions, live, caches, keys, counts, temperature, top_k, top_p
+    cfg, schedule, span, weights, tokens, positions, live, caches, keys, counts, temperature, top_k, top_p
 ):
-    last = tuple(t[-1] for t in tokens)
-    logits, caches = family_of(cfg).model.decode_step_dual(cfg, weights, last, positions, caches, schedule, live)
-    return _sampled_rows(logits, keys, counts, temperature, top_k, top_p), caches
+    def run(caches):
+        last = tuple(t[-1] for t in tokens)
+        logits, caches = family_of(cfg).model.decode_step_dual(cfg, weights, last, positions, caches, schedule, live)
+        return _sampled_rows(logits, keys, counts, temperature, top_k, top_p), caches
+
+    return _within_span(span, caches, run)
 
 
-@partial(jax.jit, static_argnums=(0, 1), donate_argnames="caches")
+@partial(jax.jit, static_argnums=(0, 1, 2), donate_argnames="caches")
 def _decode_grouped_program(
-    cfg, schedule, weights, tokens, positions, live, caches, keys, counts, temperature, top_k, top_p
+    cfg, schedule, span, weights, tokens, positions, live, caches, keys, counts, temperature, top_k, top_p
 ):
-    last = tuple(t[-1] for t in tokens)
-    logits, caches = family_of(cfg).model.decode_step_grouped(cfg, weights, last, positions, caches, schedule, live)
-    return _sampled_rows(logits, keys, counts, temperature, top_k, top_p), caches
+    def run(caches):
+        last = tuple(t[-1] for t in tokens)
+        logits, caches = family_of(cfg).model.decode_step_grouped(
+            cfg, weights, last, positions, caches, schedule, live
+        )
+        return _sampled_rows(logits, keys, counts, temperature, top_k, top_p), caches
+
+    return _within_span(span, caches, run)
 
 
 def _sampled_rows(logits, keys, counts, temperature, top_k, top_p) -> tuple:
@@ -345,6 +377,8 @@ class Engine:
         if (self.positions[self.occupied] >= self.cache_len + self.steps - 1).any():
             raise ValueError(f"a slot is past the end of its {self.cache_len} cache positions")
         m, schedule = self.model, self.model.expert_schedule
+        last = int(self.positions[self.occupied].max(initial=0)) + self.steps - 1
+        span = span_of(self.cache_len, last)
         split = [
             # Copies: the host arrays change while the step may still be reading its arguments.
             tuple(
@@ -357,14 +391,14 @@ class Engine:
             positions, live, counts, temperature, top_k, top_p = zip(*split, strict=True)
             program = _decode_grouped_program if self.coalesced else _decode_dual_program
             sampled, caches = program(
-                m.config, schedule, m.weights, tuple(self.tokens), positions, live, tuple(self.caches),
+                m.config, schedule, span, m.weights, tuple(self.tokens), positions, live, tuple(self.caches),
                 tuple(self.keys), counts, temperature, top_k, top_p,
             )
             self.caches = list(caches)
         else:
             (positions, live, counts, temperature, top_k, top_p), = split
             sampled, cache = _decode_program(
-                m.config, schedule, self.steps, m.weights, self.tokens[0], positions, live, self.caches[0],
+                m.config, schedule, self.steps, span, m.weights, self.tokens[0], positions, live, self.caches[0],
                 self.keys[0], counts, temperature, top_k, top_p,
             )
             sampled, self.caches = (sampled,), [cache]
