@@ -5,10 +5,10 @@
 // (packed once per expert call) take the B operand's pair/quad-interleaved layout. The weights are
 // copied tile by tile into an L2-resident strip laid out as whole tiles, zero-padded at the matrix
 // edges; fp8, mxfp4, and int8/int4 with several scale groups per row, are dequantized to bfloat16 on that
-// copy (w * scale rounded to nearest even), so there is no second copy of the weights in memory, and
-// the copy costs a few instructions per weight against hundreds of multiply-adds per weight at
-// prefill sizes. int8 with one scale per row keeps int8 tiles (tdpbssd on int8 activations) and scales
-// once at the end.
+// copy (w * scale rounded to nearest even), and so are the GGUF block formats (their blocks decoded per row,
+// GgufStrip), so there is no second copy of the weights in memory, and the copy costs a few instructions
+// per weight against hundreds of multiply-adds per weight at prefill sizes. int8 with one scale per row
+// keeps int8 tiles (tdpbssd on int8 activations) and scales once at the end.
 //
 // Blocking: per 128 rows and 512 input elements, the strips of every projection (gate and up share
 // the activations) are converted once and then swept by 32-token x 32-row blocks of 2x2 C tiles
@@ -26,6 +26,7 @@
 #include "expert_kernels.h"
 #include "fp8_bf16.h"
 #include "gguf_blocks.h"
+#include "gguf_blocks_avx512.h"
 #include "numeric_formats.h"
 
 #define HJ_AMX                                                                                                   \
@@ -192,6 +193,12 @@ HJ_AMX __m512i Fp8ToBf16(__m256i raw) {
 
 HJ_AMX __m512 Bf16HalfToFloat(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
 
+// 32 signed bytes as float32, in two halves.
+HJ_AMX void Int8ToFloats(__m256i q, __m512* lo, __m512* hi) {
+  *lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+  *hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+}
+
 // 32 weights of a row from element c (n valid) as float32 (unscaled), in two halves.
 HJ_AMX void LoadRowFloats(const LayerWeights& layer, const unsigned char* row, int64_t c, int64_t n, __m512* lo,
                           __m512* hi) {
@@ -203,9 +210,7 @@ HJ_AMX void LoadRowFloats(const LayerWeights& layer, const unsigned char* row, i
       return;
     }
     case WeightFormat::kInt8: {
-      const __m256i q = _mm256_maskz_loadu_epi8(FirstLanes32(n), row + c);
-      *lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
-      *hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+      Int8ToFloats(_mm256_maskz_loadu_epi8(FirstLanes32(n), row + c), lo, hi);
       return;
     }
     case WeightFormat::kInt4: {
@@ -241,14 +246,128 @@ HJ_AMX void LoadRowFloats(const LayerWeights& layer, const unsigned char* row, i
     }
     case WeightFormat::kF32:
     case WeightFormat::kBf16:
-    default:  // GGUF formats never reach AMX (AmxKernel)
+    default:  // GGUF formats decode whole blocks per row instead (GgufStrip)
       break;
   }
   *lo = *hi = _mm512_setzero_ps();
 }
 
+// ---- GGUF blocks ---------------------------------------------------------------------------------------------
+// A strip's 512 elements of a row are whole blocks (two K-quant super-blocks, or 16 Q8_0 blocks: strips start at
+// multiples of 512 and GGUF rows are whole blocks, so every k-step is full). Each block is split in registers
+// (gguf_blocks_avx512.h, the helpers of the few-token VNNI kernel) and written out as its k-steps' tile rows:
+// w in float32 as gguf_blocks.h defines it, rounded once to bfloat16 (nearest even).
+
+// 32 K-quant elements w = q * s - m (q unsigned, below 32), by table: the 32 values q * s - m (one FMA each: one
+// rounding, where gguf's dequantisation rounds q * s first) to bfloat16, looked up per element by its q with one
+// word permute. A Q4_K or Q5_K sub-block is one k-step with one s and one m, so a table serves 32 elements.
+HJ_AMX __m512i KQuantBf16(__m256i q, __m512 s, __m512 m) {
+  const __m512 iota_lo = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 iota_hi = _mm512_add_ps(iota_lo, _mm512_set1_ps(16.0f));
+  const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmsub_ps(iota_hi, s, m), _mm512_fmsub_ps(iota_lo, s, m));
+  return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q), table);
+}
+
+// 32 elements w = q * s (q signed bytes; s_lo for the first 16, s_hi for the others) to bfloat16: Q8_0's d * q and
+// Q6_K's d * scale * (q - 32), one rounding each as in gguf's dequantisation (Q6_K's 64 values per sub-block of 16
+// would take more to tabulate than to multiply).
+HJ_AMX __m512i SignedBf16(__m256i q, __m512 s_lo, __m512 s_hi) {
+  __m512 lo, hi;
+  Int8ToFloats(q, &lo, &hi);
+  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s_hi), _mm512_mul_ps(lo, s_lo));
+}
+
+// One row's n_ksteps k-steps from its blocks at `b`, k-step ks to dst + ks KiB (its row of that k-step's tile).
+template <bool kFive>
+HJ_AMX void KQuantRow(const uint8_t* b, int64_t n_ksteps, char* dst) {
+  for (int64_t ks = 0; ks < n_ksteps; ks += 8, b += kFive ? 176 : 144) {
+    alignas(64) float mult[16];  // d * scale j, then dmin * min j: broadcast from memory, sparing the shuffle port
+    _mm512_store_ps(mult, Q4KMultipliers(b));
+    for (int c = 0; c < 4; ++c) {  // sub-blocks 2c and 2c + 1
+      __m256i lo, hi;
+      Q4KChunk(b, kFive, c, &lo, &hi);
+      char* out = dst + (ks + 2 * c) * kTileBytes;
+      _mm512_storeu_si512(out, KQuantBf16(lo, _mm512_set1_ps(mult[2 * c]), _mm512_set1_ps(mult[8 + 2 * c])));
+      _mm512_storeu_si512(out + kTileBytes,
+                          KQuantBf16(hi, _mm512_set1_ps(mult[2 * c + 1]), _mm512_set1_ps(mult[9 + 2 * c])));
+    }
+  }
+}
+
+HJ_AMX void Q6KRow(const uint8_t* b, int64_t n_ksteps, char* dst) {
+  for (int64_t ks = 0; ks < n_ksteps; ks += 8, b += 210) {
+    alignas(64) float scale[16];  // d * scale of each sub-block of 16
+    _mm512_store_ps(scale, Q6KScales(b));
+    for (int half = 0; half < 2; ++half) {
+      __m256i v[4];
+      Q6KHalf(b, half, v);
+      for (int s = 0; s < 4; ++s) {  // k-step 4 half + s: sub-blocks 8 half + 2 s and the next
+        const int sub = 8 * half + 2 * s;
+        _mm512_storeu_si512(dst + (ks + 4 * half + s) * kTileBytes,
+                            SignedBf16(_mm256_sub_epi8(v[s], _mm256_set1_epi8(32)), _mm512_set1_ps(scale[sub]),
+                                       _mm512_set1_ps(scale[sub + 1])));
+      }
+    }
+  }
+}
+
+HJ_AMX void Q80Row(const uint8_t* b, int64_t n_ksteps, char* dst) {
+  for (int64_t ks = 0; ks < n_ksteps; ++ks, b += 34) {
+    const __m512 d = _mm512_set1_ps(HalfAt(b));
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+    _mm512_storeu_si512(dst + ks * kTileBytes, SignedBf16(q, d, d));
+  }
+}
+
+// Rows this far ahead of the one being split are prefetched: a strip's row segment (288 to 544 bytes) sits a
+// whole row (KiBs) from the previous one, a stride the hardware prefetchers do not follow, and splitting a row
+// takes less time than the memory latency.
+constexpr int64_t kGgufRowsAhead = 8;
+
+HJ_AMX void GgufStrip(const LayerWeights& layer, const Projection& w, int64_t r0, int64_t k0, int64_t n_ksteps,
+                      char* strip) {
+  const WeightFormat format = layer.ProjectionFormat(w.which);
+  const int64_t block = GgufBlockElements(format), block_bytes = GgufBlockBytes(format);
+  const int64_t row_bytes = layer.RowBytes(w.cols, w.which);
+  const int64_t segment = n_ksteps * 32 / block * block_bytes;  // bytes of the strip's blocks in a row
+  const auto* first = static_cast<const uint8_t*>(w.data) + k0 * 32 / block * block_bytes;
+  for (int64_t rt = 0; rt < kRowBlock / kTileRows; ++rt) {
+    for (int64_t m = 0; m < kTileRows; ++m) {
+      const int64_t r = r0 + rt * kTileRows + m;
+      char* dst = strip + rt * n_ksteps * kTileBytes + m * 64;
+      if (r >= w.rows) {
+        for (int64_t ks = 0; ks < n_ksteps; ++ks) _mm512_storeu_si512(dst + ks * kTileBytes, _mm512_setzero_si512());
+        continue;
+      }
+      const uint8_t* blocks = first + r * row_bytes;
+      if (r + kGgufRowsAhead < std::min(w.rows, r0 + kRowBlock)) {
+        const char* ahead = reinterpret_cast<const char*>(blocks + kGgufRowsAhead * row_bytes);
+        for (int64_t at = 0; at < segment + 63; at += 64) _mm_prefetch(ahead + std::min(at, segment - 1), _MM_HINT_T0);
+      }
+      switch (format) {
+        case WeightFormat::kQ8_0:
+          Q80Row(blocks, n_ksteps, dst);
+          break;
+        case WeightFormat::kQ4K:
+          KQuantRow<false>(blocks, n_ksteps, dst);
+          break;
+        case WeightFormat::kQ5K:
+          KQuantRow<true>(blocks, n_ksteps, dst);
+          break;
+        default:  // Q6_K
+          Q6KRow(blocks, n_ksteps, dst);
+          break;
+      }
+    }
+  }
+}
+
 HJ_AMX void Bf16Strip(const LayerWeights& layer, const Projection& w, int64_t r0, int64_t k0, int64_t n_ksteps,
                       char* strip) {
+  if (IsGgufFormat(layer.ProjectionFormat(w.which))) {
+    GgufStrip(layer, w, r0, k0, n_ksteps, strip);
+    return;
+  }
   const int64_t cols = w.cols;
   const int64_t row_bytes = layer.RowBytes(cols);
   const int64_t n_scale_cols = layer.scaled() ? Blocks(cols, layer.block_cols) : 0;
@@ -672,9 +791,10 @@ constexpr GemmKernel kIntGroupTiles{"amx_int8g", 32, GroupPackedBytes, GroupPack
 
 const GemmKernel* AmxKernel(const LayerWeights& layer) {
   if (layer.format == WeightFormat::kF32) return nullptr;  // float32 weights: no lossless AMX type
-  if (IsGgufFormat(layer.format)) return nullptr;  // GGUF blocks: the AVX-512 VNNI kernel at every token count
   if (IntTiles(layer)) return &kInt8Tiles;
   if (layer.format == WeightFormat::kInt8 || layer.format == WeightFormat::kInt4) return &kIntGroupTiles;
+  // bf16, fp8, mxfp4, and the GGUF formats (whose blocks of 32 hold one or two multipliers each: too fine for
+  // int8 tiles, which rescale per 64-element k-step at best) as bfloat16 tiles.
   return &kBf16Tiles;
 }
 

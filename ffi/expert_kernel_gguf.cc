@@ -4,8 +4,9 @@
 // (as every int8 kernel does, expert_kernels.h), each weight row is decoded once per call into unsigned
 // bytes plus float multipliers (gguf_blocks.h), and the products are integer dot products: in plain C++
 // here, with AVX-512 VNNI (vpdpbusd, unsigned weight bytes x signed activation bytes) in the avx512 family.
-// A row's decoded form (a few KiB) stays in L1 for all the tokens of the call. No AMX kernel yet: with
-// many tokens the VNNI kernel serves (its integer dot products are one instruction per 64 weights).
+// A row's decoded form (a few KiB) stays in L1 for all the tokens of the call. With the amx family, experts with
+// enough tokens (AmxMinTokens) run on AMX instead: expert_kernel_amx.cc splits the blocks with the same helpers
+// (gguf_blocks_avx512.h) into bfloat16 tiles.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 
 #include "expert_kernels.h"
 #include "gguf_blocks.h"
+#include "gguf_blocks_avx512.h"
 #include "numeric_formats.h"
 #include "weight_prefetch.h"
 
@@ -121,36 +123,7 @@ void GgufGemmGeneric(const LayerWeights& layer, const Projection* w, int n_proj,
   }
 }
 
-// --- AVX-512 VNNI ------------------------------------------------------------------------------------
-
-#define HJ_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
-
-// Q4_K's (Q5_K's with `five`) elements 64c.. of block b as bytes in natural order: lo the first 32, hi the next.
-HJ_AVX512_VNNI inline void Q4KChunk(const uint8_t* b, bool five, int c, __m256i* lo, __m256i* hi) {
-  const __m256i low4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>((five ? b + 48 : b + 16) + 32 * c));
-  *lo = _mm256_and_si256(v, low4);
-  *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-  if (five) {  // bit 2c of qh[l] is the fifth bit of element 64c + l, bit 2c + 1 that of 64c + 32 + l
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
-    *lo = _mm256_or_si256(*lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4));
-    *hi = _mm256_or_si256(*hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4));
-  }
-}
-
-// Q6_K's elements 128 half + 32 s.. of block b as bytes in natural order, v[s] for s = 0..3.
-HJ_AVX512_VNNI inline void Q6KHalf(const uint8_t* b, int half, __m256i v[4]) {
-  const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(3);
-  const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half));
-  const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half + 32));
-  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
-  const __m256i low[4] = {_mm256_and_si256(ql0, low4), _mm256_and_si256(ql1, low4),
-                          _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
-                          _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4)};
-  for (int s = 0; s < 4; ++s) {
-    v[s] = _mm256_or_si256(low[s], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), low2), 4));
-  }
-}
+// --- AVX-512 VNNI (with gguf_blocks_avx512.h's helpers) --------------------------------------------------
 
 HJ_AVX512_VNNI void DecodeQ4KBlock(const uint8_t* b, bool five, uint8_t* q, float* lane_scale, float* sub_min) {
   const float d = LoadHalf(b), dmin = LoadHalf(b + 2);
@@ -277,19 +250,9 @@ HJ_AVX512_VNNI inline void BlockMins(__m512 block_mins, int64_t col, const Token
   for (int t = 0; t < N; ++t) mins[t] = _mm512_fmadd_ps(block_mins, _mm512_loadu_ps(tok[t].sub_sum + col / 16), mins[t]);
 }
 
-HJ_AVX512_VNNI inline float HalfAt(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, sizeof h);
-  return _cvtsh_ss(h);  // exact, as LoadHalf
-}
-
 template <int N, bool kFive>
 HJ_AVX512_VNNI inline void Q4KBlockDot(const uint8_t* b, int64_t col, const TokenView* tok, __m512* acc, __m512* mins) {
-  uint8_t sm[16];
-  KScalesMins(b + 4, sm);
-  const __m512 both = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm))));
-  // lanes 0-7: d * scale j, 8-15: dmin * min j
-  const __m512 scaled = _mm512_mul_ps(both, _mm512_insertf32x8(_mm512_set1_ps(HalfAt(b)), _mm256_set1_ps(HalfAt(b + 2)), 1));
+  const __m512 scaled = Q4KMultipliers(b);  // lanes 0-7: d * scale j, 8-15: dmin * min j
   for (int c = 0; c < 4; ++c) {
     __m256i lo, hi;
     Q4KChunk(b, kFive, c, &lo, &hi);
@@ -304,8 +267,7 @@ HJ_AVX512_VNNI inline void Q4KBlockDot(const uint8_t* b, int64_t col, const Toke
 
 template <int N>
 HJ_AVX512_VNNI inline void Q6KBlockDot(const uint8_t* b, int64_t col, const TokenView* tok, __m512* acc, __m512* mins) {
-  const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));  // int8, one per 16 elements
-  const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(HalfAt(b + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(scales)));
+  const __m512 scale = Q6KScales(b);
   const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);  // lane -> its 16
   for (int half = 0; half < 2; ++half) {
     __m256i v[4];

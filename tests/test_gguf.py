@@ -8,10 +8,12 @@ import shutil
 
 import gguf
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 from checkpoint_factory import build_case, checkpoint_as_float32, read_tensors, tiny_config, write_checkpoint
 from gguf_factory import quantize, write_gguf
+from kernel_choice import kernel_family
 from safetensors.numpy import save_file
 
 import hybridjit
@@ -20,7 +22,7 @@ from hybridjit.gguf_checkpoint import GGUFCheckpoint
 from hybridjit.gguf_file import GGUFFile
 from hybridjit.gguf_tokenizer import gguf_tokenizer
 from hybridjit.ops.gguf_experts import register_gguf_layer
-from hybridjit.ops.routed_experts import kernel_info, routed_experts_host, set_cpu_kernel
+from hybridjit.ops.routed_experts import kernel_info, layer_kernel, routed_experts_host, set_cpu_kernel
 from hybridjit.placement import Placement
 from hybridjit.resolve import default_model_dir
 from hybridjit.serving.chat import ChatTemplate
@@ -28,6 +30,12 @@ from hybridjit.tokenizer import Tokenizer
 
 Q = gguf.GGMLQuantizationType
 KERNELS = [k for k in ("generic", "avx2", "avx512", "amx") if k in kernel_info()["supported"]]
+# (family, amx_min_tokens) for the kernel tests: every family; with amx, AMX forced at every token count (the GGUF
+# blocks dequantised into bfloat16 tiles) and the per-layer crossover (a call's experts on AVX-512 below it, AMX from
+# it), which mixes both in one call.
+FAMILY_CHOICES = [pytest.param(k, 1, id=k) for k in KERNELS]
+if "amx" in KERNELS:
+    FAMILY_CHOICES.append(pytest.param("amx", 0, id="amx-crossover"))
 FAMILY_CASES = ["v3_bf16", "v2_lite_greedy_bf16", "qwen3_moe_bf16", "mixtral_bf16", "glm4_moe_bf16", "minimax_m2_fp8"]
 PROMPT = [[3, 5, 7, 11, 13, 2, 9, 4]]
 
@@ -55,6 +63,11 @@ def quantized_activations(x: np.ndarray) -> np.ndarray:
     return (q * (amax / np.float32(127))).astype(np.float64).reshape(x.shape)
 
 
+def bf16_rounded(x: np.ndarray) -> np.ndarray:
+    """x (float32 first) rounded to bfloat16, to nearest even: AMX's activations and dequantised weights."""
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
 def random_blocks(qtype: Q, rows: int, cols: int, rng) -> np.ndarray:
     """Blocks of random bytes with finite, small fp16 scales: every code and sign (negative Q6_K scales, Q4_K
     mins) appears; a few blocks get zero scales."""
@@ -68,23 +81,60 @@ def random_blocks(qtype: Q, rows: int, cols: int, rng) -> np.ndarray:
     return b.reshape(rows, -1)
 
 
-def reference_moe(gate, up, down, types, x, ids, weights) -> np.ndarray:
-    """float64 on gguf.quants.dequantize'd weights and activations quantised as the kernels do."""
+def reference_moe(gate, up, down, types, x, ids, weights, bf16_experts=frozenset()) -> np.ndarray:
+    """float64 on gguf.quants.dequantize'd weights and activations quantised as the kernels do: int8 per 32 (the
+    AVX-512 and generic kernels), or for the experts in `bf16_experts` (run on AMX) weights and activations rounded
+    to bfloat16."""
 
-    def w(blocks, qtype):
-        return gguf.quants.dequantize(blocks, qtype).astype(np.float64)
+    def w(blocks, qtype, bf16):
+        dense = gguf.quants.dequantize(blocks, qtype)  # float32, as the kernels compute the weights
+        return bf16_rounded(dense) if bf16 else dense.astype(np.float64)
 
+    dense = {}
     y = np.zeros(x.shape)
     for t in range(len(x)):
-        xq = quantized_activations(x[t])
         for e, p in zip(ids[t], weights[t], strict=True):
-            g, u = w(gate[e], types[0]) @ xq, w(up[e], types[0]) @ xq
-            act = (g / (1 + np.exp(-g)) * u).astype(np.float32)
-            y[t] += p * (w(down[e], types[1]) @ quantized_activations(act))
+            bf16 = int(e) in bf16_experts
+            if e not in dense:
+                dense[e] = (w(gate[e], types[0], bf16), w(up[e], types[0], bf16), w(down[e], types[1], bf16))
+            g_w, u_w, d_w = dense[e]
+            prepare = bf16_rounded if bf16 else quantized_activations
+            xq = prepare(x[t])
+            g, u = g_w @ xq, u_w @ xq
+            with np.errstate(over="ignore"):  # exp(-g) is inf for g < -709: silu(g) is then -0, as it should be
+                act = (g / (1 + np.exp(-g)) * u).astype(np.float32)
+            y[t] += p * (d_w @ prepare(act))
     return y
 
 
-@pytest.mark.parametrize("cpu_kernel", KERNELS)
+def check_gguf_layer(types, hidden, inter, tokens, seed, int8_tolerance=2e-5, n_experts=4, top_k=2):
+    """Random GGUF experts run on `tokens` tokens under the current kernel selection, against reference_moe with
+    each expert's arithmetic: the kernel that ran it by its token count (layer_kernel)."""
+    rng = np.random.default_rng(seed)
+    gate = [random_blocks(types[0], inter, hidden, rng) for _ in range(n_experts)]
+    up = [random_blocks(types[0], inter, hidden, rng) for _ in range(n_experts)]
+    down = [random_blocks(types[1], hidden, inter, rng) for _ in range(n_experts)]
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    ids = rng.integers(0, n_experts, size=(tokens, top_k)).astype(np.int32)
+    weights = rng.random((tokens, top_k)).astype(np.float32)
+    counts = np.bincount(ids.ravel(), minlength=n_experts)
+    with register_gguf_layer(
+        gate, up, down, gguf_type=types[0].name, down_type=types[1].name, hidden=hidden, inter=inter
+    ) as layer:
+        kernels = {e: layer_kernel(layer, int(c)) for e, c in enumerate(counts) if c > 0}
+        y = routed_experts_host(layer, x, ids, weights)
+    amx = frozenset(e for e, k in kernels.items() if k.startswith("amx"))
+    # int8 activations: float32 sums of exact integer dot products, ~1e-6 of the output's scale. AMX's bfloat16:
+    # float32 sums (~1e-7), plus the occasional silu(g) * u that float32 and float64 round to neighbouring bfloat16
+    # values (up to ~5e-4 each), as tests/test_cpu_kernels.py's bf16 tolerance. A wrong scale, min or offset is
+    # order 1.
+    tolerance = 1e-3 if amx else int8_tolerance
+    error = rel_rms(y, reference_moe(gate, up, down, types, x, ids, weights, amx))
+    assert error < tolerance, f"{sorted(set(kernels.values()))}: relative RMS error {error:.3g} >= {tolerance:.3g}"
+    return kernels
+
+
+@pytest.mark.parametrize("cpu_kernel, amx_min_tokens", FAMILY_CHOICES)
 @pytest.mark.parametrize(
     "types, hidden, inter",
     [
@@ -96,22 +146,41 @@ def reference_moe(gate, up, down, types, x, ids, weights) -> np.ndarray:
     ],
 )
 @pytest.mark.parametrize("tokens", [1, 5, 40])  # 1-4 per expert: blocks decoded in registers; more: rows decoded once
-def test_kernels_match_float64_on_gguf_dequantisation(kernel, cpu_kernel, types, hidden, inter, tokens):
-    kernel(cpu_kernel)
-    rng = np.random.default_rng(hash(types) % 2**32)
-    n_experts = 4
-    gate = [random_blocks(types[0], inter, hidden, rng) for _ in range(n_experts)]
-    up = [random_blocks(types[0], inter, hidden, rng) for _ in range(n_experts)]
-    down = [random_blocks(types[1], hidden, inter, rng) for _ in range(n_experts)]
-    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
-    ids = rng.integers(0, n_experts, size=(tokens, 2)).astype(np.int32)
-    weights = rng.random((tokens, 2)).astype(np.float32)
-    with register_gguf_layer(
-        gate, up, down, gguf_type=types[0].name, down_type=types[1].name, hidden=hidden, inter=inter
-    ) as layer:
-        y = routed_experts_host(layer, x, ids, weights)
-    # float32 sums of exact integer dot products: ~1e-6 of the output's scale
-    assert rel_rms(y, reference_moe(gate, up, down, types, x, ids, weights)) < 2e-5
+def test_kernels_match_float64_on_gguf_dequantisation(cpu_kernel, amx_min_tokens, types, hidden, inter, tokens):
+    with kernel_family(cpu_kernel, amx_min_tokens):
+        kernels = check_gguf_layer(types, hidden, inter, tokens, hash(types) % 2**32)
+    if cpu_kernel == "amx" and amx_min_tokens == 1:
+        assert set(kernels.values()) == {"amx_bf16"}
+
+
+# AMX at sizes that take its blocking apart: rows in several 128-row strips with a partial last one (Q8_0's 352 and
+# 1120: multiples of 32 only), rows of several 512-element strips with a partial last one (1120 = 2 x 512 + 96, 352,
+# 768 = 512 + one super-block), and more tokens per expert than one 32-token block.
+@pytest.mark.parametrize("cpu_kernel, amx_min_tokens", [c for c in FAMILY_CHOICES if c.id in ("avx512", "amx")])
+@pytest.mark.parametrize(
+    "types, hidden, inter",
+    [((Q.Q8_0, Q.Q8_0), 1120, 352), ((Q.Q4_K, Q.Q6_K), 768, 512), ((Q.Q5_K, Q.Q5_K), 256, 768)],
+)
+def test_gguf_kernels_at_blocking_sizes(cpu_kernel, amx_min_tokens, types, hidden, inter):
+    with kernel_family(cpu_kernel, amx_min_tokens):
+        # int8: at these sizes some silu(g) * u lands on the other side of an int8 rounding boundary than in float64
+        # (one costs ~3e-5 here), as tests/test_cpu_kernels.py's int8 tolerance allows for
+        kernels = check_gguf_layer(types, hidden, inter, 150, hash((types, hidden)) % 2**32, int8_tolerance=2e-4)
+    assert set(kernels.values()) == {"amx_bf16" if cpu_kernel == "amx" else "avx512"}
+
+
+@pytest.mark.skipif("amx" not in KERNELS, reason="this host has no AMX; the switch runs on the AMX machine")
+def test_gguf_experts_move_to_amx_past_the_few_token_kernel():
+    """With the measured crossover, 1-4 tokens per expert stay on the VNNI kernel that splits blocks in registers,
+    and AMX takes over from 5, where that kernel would decode whole rows (ffi/moe_operator.cc)."""
+    rng = np.random.default_rng(3)
+    for types in [(Q.Q8_0, Q.Q8_0), (Q.Q4_K, Q.Q6_K), (Q.Q5_K, Q.Q5_K)]:
+        blocks = [random_blocks(types[i], 256, 256, rng) for i in (0, 0, 1)]
+        with register_gguf_layer(
+            *([b] for b in blocks), gguf_type=types[0].name, down_type=types[1].name, hidden=256, inter=256
+        ) as layer:
+            with kernel_family("amx", amx_min_tokens=0):
+                assert [layer_kernel(layer, t) for t in (1, 4, 5, 512)] == ["avx512", "avx512", "amx_bf16", "amx_bf16"]
 
 
 def test_kernel_rejects_rows_that_are_not_whole_blocks():
@@ -167,10 +236,23 @@ def test_bf16_experts_stay_in_place_and_split_files_load(tmp_path):
     assert rel_rms(logits(path), logits(src)) <= 1e-5  # the same bf16 experts, the same kernels
 
 
-def test_quantised_gguf_within_its_quantisation(tmp_path):
+@pytest.mark.parametrize(
+    "arithmetic", ["int8", pytest.param("bf16", marks=pytest.mark.skipif("amx" not in KERNELS, reason="no AMX"))]
+)
+def test_quantised_gguf_within_its_quantisation(tmp_path, arithmetic):
     """Q4_K gate/up and Q6_K down (Q4_K_M's experts), Q8_0 attention: the logits of the same weights dequantised
-    (by the gguf package) into safetensors, up to the kernels' int8 activations per 32 elements (0.4% per matrix
-    input, compounded over 3 MoE layers: measured 1.1e-2; bound 3e-2)."""
+    (by the gguf package) into safetensors, up to the kernels' rounding of what they multiply: int8 activations per
+    32 elements (0.4% per matrix input, compounded over 3 MoE layers: measured 1.1e-2), or on AMX bfloat16 weights
+    and activations (measured 3.9e-3); bound 3e-2. One arithmetic for every expert: mixed, as the default crossover
+    mixes them (AMX from 5 tokens per expert, the VNNI kernel below), the last token's logits moved by 0.45 (0.15
+    overall) and the other seven's by 1e-2 as with either arithmetic alone: a routing decision of this tiny random
+    model tipped over."""
+    family, min_tokens = ("amx", 1) if arithmetic == "bf16" else (kernel_info()["kernel"], 2**40)
+    with kernel_family(family, amx_min_tokens=min_tokens):
+        check_quantised_gguf(tmp_path)
+
+
+def check_quantised_gguf(tmp_path):
     cfg = tiny_config("v3", hidden_size=256, moe_intermediate_size=256)
     src = write_checkpoint(tmp_path / "hf", cfg, seed=7, weight_format="f32")
     tensors = checkpoint_as_float32(src)

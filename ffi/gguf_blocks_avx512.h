@@ -1,0 +1,66 @@
+// GGUF blocks (gguf_blocks.h) split in AVX-512 registers: each block's elements as bytes in natural order, and its
+// multipliers as float32 vectors. Shared by the GGUF kernels (expert_kernel_gguf.cc: rows decoded for the VNNI dot
+// products, blocks multiplied in registers for a few tokens) and the AMX kernels (expert_kernel_amx.cc: blocks
+// dequantised into bfloat16 tiles for prefill). DecodeGgufBlock is their scalar reference.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "gguf_blocks.h"
+
+#define HJ_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+
+namespace hybridjit {
+
+// Q4_K's (Q5_K's with `five`) elements 64c.. of block b as bytes in natural order: lo the first 32, hi the next.
+HJ_AVX512_VNNI inline void Q4KChunk(const uint8_t* b, bool five, int c, __m256i* lo, __m256i* hi) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>((five ? b + 48 : b + 16) + 32 * c));
+  *lo = _mm256_and_si256(v, low4);
+  *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+  if (five) {  // bit 2c of qh[l] is the fifth bit of element 64c + l, bit 2c + 1 that of 64c + 32 + l
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    *lo = _mm256_or_si256(*lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4));
+    *hi = _mm256_or_si256(*hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4));
+  }
+}
+
+// Q6_K's elements 128 half + 32 s.. of block b as bytes in natural order, v[s] for s = 0..3.
+HJ_AVX512_VNNI inline void Q6KHalf(const uint8_t* b, int half, __m256i v[4]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(3);
+  const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half));
+  const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half + 32));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
+  const __m256i low[4] = {_mm256_and_si256(ql0, low4), _mm256_and_si256(ql1, low4),
+                          _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                          _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4)};
+  for (int s = 0; s < 4; ++s) {
+    v[s] = _mm256_or_si256(low[s], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), low2), 4));
+  }
+}
+
+HJ_AVX512_VNNI inline float HalfAt(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return _cvtsh_ss(h);  // exact, as LoadHalf
+}
+
+// Q4_K's (and Q5_K's) multipliers of block b: lanes 0-7 d * scale j, lanes 8-15 dmin * min j (sub-block j's
+// elements are d * scale j * q - dmin * min j), each one float32 product as DecodeGgufBlock computes it.
+HJ_AVX512_VNNI inline __m512 Q4KMultipliers(const uint8_t* b) {
+  uint8_t sm[16];
+  KScalesMins(b + 4, sm);
+  const __m512 both = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm))));
+  return _mm512_mul_ps(both, _mm512_insertf32x8(_mm512_set1_ps(HalfAt(b)), _mm256_set1_ps(HalfAt(b + 2)), 1));
+}
+
+// Q6_K's scales of block b, d * scale s for its 16 sub-blocks of 16 (their elements are d * scale s * (q - 32)).
+HJ_AVX512_VNNI inline __m512 Q6KScales(const uint8_t* b) {
+  const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));  // int8
+  return _mm512_mul_ps(_mm512_set1_ps(HalfAt(b + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(scales)));
+}
+
+}  // namespace hybridjit
