@@ -12,6 +12,7 @@ import hybridjit
 from hybridjit.ops.async_experts import GpuExpertJobError
 from hybridjit.ops.routed_experts import register_layer, routed_experts, routed_experts_host
 from hybridjit.placement import Placement
+from hybridjit.serving.engine import SINGLE_SLOT_HYBRID_DECODE_STEPS, Engine
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 
@@ -49,6 +50,9 @@ def test_hybrid_matches_cpu_only_in_float32(checkpoint, cpu_model):
         for i, p in enumerate(PROMPTS):
             assert rel_rms(logits[i, : len(p)], reference[i, : len(p)]) < FLOAT32_RTOL
         assert gpu.generate(PROMPTS, max_new_tokens=8) == cpu_model.generate(PROMPTS, max_new_tokens=8)
+        # One sequence alone decodes several steps a call around the hand-off (3 calls, the last cut short).
+        assert Engine(gpu, 1, 64).steps == SINGLE_SLOT_HYBRID_DECODE_STEPS > 1
+        assert gpu.generate(PROMPTS[0], max_new_tokens=10) == cpu_model.generate(PROMPTS[0], max_new_tokens=10)
     finally:
         gpu.close()
 

@@ -35,6 +35,11 @@ MIN_SPAN = 1024
 # each call's buffers, which takes ~10 ms for a 48-layer Qwen3-30B-A3B step whose kernels run in ~5 ms (1x H100,
 # bench/RESULTS.md). Looping on the device amortizes that over the steps of a call.
 DEVICE_ONLY_DECODE_STEPS = 8
+# Decode steps per call of a one-slot engine (a lone `generate`) whose routed experts run on the CPU behind the GPU
+# hand-off: the per-call launch cost is a smaller share of such a step, but still ~0.18 ms a layer (Qwen3-235B-A22B
+# FP8, 1x H100: 8.00 -> 7.31 ms a 4-layer step at 4 steps a call, bench/RESULTS.md). With more slots the engine keeps
+# one step a call: dual-batch hides more, and a request arriving waits for the running call.
+SINGLE_SLOT_HYBRID_DECODE_STEPS = 4
 
 
 def bucket(n: int) -> int:
@@ -225,8 +230,8 @@ class Engine:
 
     Each generate call runs `steps` decode steps: model.decode_steps if set (the interactive engine then decodes
     one micro-batch), else DEVICE_ONLY_DECODE_STEPS when the whole model runs on a GPU (no routed expert on the
-    CPU), else 1. A slot's tokens past its stop, or from steps past the end of its cache, are garbage the caller
-    drops.
+    CPU), SINGLE_SLOT_HYBRID_DECODE_STEPS for one slot on a GPU with experts on the CPU, else 1. A slot's tokens
+    past its stop, or from steps past the end of its cache, are garbage the caller drops.
     """
 
     def __init__(self, model, slots: int, cache_len: int, micro_batches: int | None = None):
@@ -243,8 +248,10 @@ class Engine:
             raise ValueError(f"decode_steps must be an integer >= 1 or None, got {model.decode_steps!r}")
         if model.decode_steps:
             self.steps = model.decode_steps
-        elif micro_batches is None and not on_host and model.placement.device.platform == "gpu":
+        elif micro_batches is None and model.placement.device.platform == "gpu" and not on_host:
             self.steps = DEVICE_ONLY_DECODE_STEPS
+        elif micro_batches is None and model.placement.device.platform == "gpu" and slots == 1:
+            self.steps = SINGLE_SLOT_HYBRID_DECODE_STEPS
         else:
             self.steps = 1
         if micro_batches is None:
