@@ -301,13 +301,17 @@ def prefill_groups(args) -> list[tuple[int, list[int]]]:
     return list(groups.items())
 
 
+def phase_runs(args, bytes_per_expert) -> list[tuple[str, int, list[int]]]:
+    """[(phase, experts in the layer, [tokens, ...])]: the decode cases, then the prefill cases by expert count."""
+    runs = [("decode", decode_experts(bytes_per_expert, args.quick, args.top_k), args.decode)] if args.decode else []
+    return runs + [("prefill", experts, tokens_list) for experts, tokens_list in prefill_groups(args)]
+
+
 def bench_hybridjit(args, rng, floor, results):
     hidden, inter, top_k = args.hidden, args.inter, args.top_k
     for fmt in args.formats:
         per_expert = expert_bytes(fmt, hidden, inter)
-        runs = [("decode", decode_experts(per_expert, args.quick, top_k), args.decode)] if args.decode else []
-        runs += [("prefill", experts, tokens_list) for experts, tokens_list in prefill_groups(args)]
-        for phase, n_experts, tokens_list in runs:
+        for phase, n_experts, tokens_list in phase_runs(args, per_expert):
             for memory in args.memory:
                 with make_layer(rng, fmt, n_experts, hidden, inter, memory) as layer:
                     distances = args.prefetch if phase == "decode" and args.prefetch else [None]
@@ -582,9 +586,7 @@ def bench_ggml_peer(args, rng, floor, results):
     for fmt in formats:
         gate_up, down_type = GGUF_FORMATS[fmt]
         per_expert = expert_bytes(fmt, hidden, inter)
-        runs = [("decode", decode_experts(per_expert, args.quick, top_k), args.decode)] if args.decode else []
-        runs += [("prefill", experts, tokens_list) for experts, tokens_list in prefill_groups(args)]
-        for phase, n_experts, tokens_list in runs:
+        for phase, n_experts, tokens_list in phase_runs(args, per_expert):
             gate, up = (make_gguf_projection(rng, gate_up, n_experts, inter, hidden) for _ in range(2))
             down = make_gguf_projection(rng, down_type, n_experts, hidden, inter)
             types = (int(gguf.GGMLQuantizationType[gate_up]), int(gguf.GGMLQuantizationType[down_type]))

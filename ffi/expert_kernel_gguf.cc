@@ -222,7 +222,6 @@ HJ_AVX512_VNNI float DotAvx512(const DecodedRow& w, const char* token, const Tok
 // the dot products. These split each super-block into natural-order bytes in registers and multiply them with
 // every token's activations there (the Q4_K x Q8_K / Q6_K x Q8_K dot products of seed 000 §3.5.2, on our
 // activation layout): per 64 elements one vpdpbusd, one convert and one multiply-add per token.
-constexpr int64_t kFusedMaxTokens = 4;
 
 struct TokenView {  // one token's packed activations (TokenLayout)
   const int8_t* q;
@@ -354,7 +353,7 @@ HJ_AVX512_VNNI void GgufGemmAvx512(const LayerWeights& layer, const Projection* 
   const TokenLayout layout(cols);
   DecodedRow& row = RowBuffer(cols);
   for (int p = 0; p < n_proj; ++p) {
-    if (tokens >= 1 && tokens <= kFusedMaxTokens) {
+    if (tokens >= 1 && tokens <= kGgufFusedMaxTokens) {
       constexpr void (*kFused[])(const LayerWeights&, const Projection&, int64_t, int64_t, const void*,
                                  const TokenLayout&, float*, int64_t) = {FusedRows<1>, FusedRows<2>, FusedRows<3>,
                                                                          FusedRows<4>};

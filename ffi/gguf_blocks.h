@@ -22,6 +22,10 @@
 
 namespace hybridjit {
 
+// Up to this many tokens an expert's GGUF blocks are multiplied split in registers (expert_kernel_gguf.cc); with more,
+// each row is decoded once for all of them, or the experts run on AMX (AmxMinTokens).
+constexpr int64_t kGgufFusedMaxTokens = 4;
+
 inline bool IsGgufFormat(WeightFormat f) {
   return f == WeightFormat::kQ8_0 || f == WeightFormat::kQ4K || f == WeightFormat::kQ5K || f == WeightFormat::kQ6K;
 }

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "expert_kernels.h"
+#include "gguf_blocks.h"
 #include "numeric_formats.h"
 #include "thread_pool.h"
 
@@ -42,7 +43,7 @@ int64_t AmxMinTokens(const LayerWeights& layer) {
     case WeightFormat::kQ4K:
     case WeightFormat::kQ5K:
     case WeightFormat::kQ6K:
-      return 5;
+      return kGgufFusedMaxTokens + 1;
     default:  // grouped int8/int4, mxfp4
       return 64;
   }

@@ -99,13 +99,12 @@ def _decode_program(
 ):
     """`steps` decode steps of one micro-batch from the last row of tokens [n, b], each step's tokens fed to the
     next, attending over the cache's first `span` positions: ((tokens, finite) [steps, b], the cache)."""
-    return _within_span(span, cache, lambda cache: _decode_steps(
-        cfg, schedule, steps, weights, tokens, positions, live, cache, keys, counts, temperature, top_k, top_p
-    ))
+    return _within_span(span, cache, partial(_decode_steps, cfg, schedule, steps, weights, tokens, positions, live,
+                                             keys, counts, temperature, top_k, top_p))
 
 
-def _decode_steps(cfg, schedule, steps, weights, tokens, positions, live, cache, keys, counts, temperature, top_k,
-                  top_p):
+def _decode_steps(cfg, schedule, steps, weights, tokens, positions, live, keys, counts, temperature, top_k, top_p,
+                  cache):
     def step(i, tokens, cache):
         logits, cache = family_of(cfg).model.decode_step(cfg, weights, tokens, positions + i, cache, schedule, live)
         return _sample_rows(logits, keys, counts + i, temperature, top_k, top_p), cache
@@ -244,13 +243,14 @@ class Engine:
         self.model, self.slots, self.cache_len = model, slots, cache_len
         self.coalesced = micro_batches is not None
         on_host = model.experts_on_host
+        interactive_on_gpu = micro_batches is None and model.placement.device.platform == "gpu"
         if model.decode_steps is not None and not (isinstance(model.decode_steps, int) and model.decode_steps >= 1):
             raise ValueError(f"decode_steps must be an integer >= 1 or None, got {model.decode_steps!r}")
         if model.decode_steps:
             self.steps = model.decode_steps
-        elif micro_batches is None and model.placement.device.platform == "gpu" and not on_host:
+        elif interactive_on_gpu and not on_host:
             self.steps = DEVICE_ONLY_DECODE_STEPS
-        elif micro_batches is None and model.placement.device.platform == "gpu" and slots == 1:
+        elif interactive_on_gpu and slots == 1:
             self.steps = SINGLE_SLOT_HYBRID_DECODE_STEPS
         else:
             self.steps = 1
