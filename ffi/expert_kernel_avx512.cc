@@ -427,14 +427,17 @@ HJ_AVX512 void IntGemm(const LayerWeights& layer, const Projection* w, int n_pro
 }
 
 // ---- mxfp4 ----------------------------------------------------------------------------------------------
-// A step reads 64 elements of a row: 32 bytes, two scale groups. The bytes widen to 16-bit lanes, whose low
-// nibbles (the step's even elements) and high nibbles (its odd ones) become bfloat16 through a 16-entry table
-// (vpermw; every e2m1 value is exact in bfloat16, and normal, so vdpbf16ps's denormal flushing loses nothing).
-// vdpbf16ps sums lane pairs, so lanes 0-7 of a step's sums hold the first group's products and lanes 8-15 the
-// second's: one multiply-add by the vector of the two groups' scales per step. Packed activations: per token
-// bfloat16[RoundUp(cols, 64)], each step's 32 even elements then its 32 odd ones, zero beyond cols.
+// A step reads 128 elements of a row: 64 bytes, four scale groups. Each 16-bit lane holds four nibbles (elements
+// 4i..4i+3 of the step); shifted by 0, 4, 8 and 12 bits it indexes a bfloat16 table directly (vpermw reads the low
+// 5 bits of each index: the table's two halves are the same 16 entries, so the next nibble's low bit does not
+// matter). Every e2m1 value is exact in bfloat16, and normal, so vdpbf16ps's denormal flushing loses nothing.
+// vdpbf16ps sums lane pairs, so lane j of each of the four products holds elements 8j..8j+7 of the step, in group
+// j / 4: the four sum into one vector, multiplied once by its lanes' scales. The scales are made 16 groups at a
+// time (their e8m0 bytes shifted into float exponents) and permuted per step. Packed activations: per token
+// bfloat16[RoundUp(cols, 128)], each step's elements 4i + s at 32 s + i, zero beyond cols.
 
-constexpr int64_t kMxfp4Step = 64;
+constexpr int64_t kMxfp4Step = 128;
+constexpr int64_t kMxfp4Scales = 16 * kMxfp4Block;  // elements of one scale vector
 
 int64_t Mxfp4TokenElements(int64_t cols) { return RoundUp(cols, kMxfp4Step); }
 
@@ -452,14 +455,25 @@ HJ_AVX512 void Mxfp4Pack(const LayerWeights&, const ActivationRows& rows, int64_
       const uint16_t bits = rows.bf16 ? static_cast<const uint16_t*>(src)[c]
                                       : FloatToBf16Bits(static_cast<const float*>(src)[c]);
       const int64_t e = c % kMxfp4Step;
-      out[c - e + e % 2 * (kMxfp4Step / 2) + e / 2] = bits;
+      out[c - e + e % 4 * (kMxfp4Step / 4) + e / 4] = bits;
     }
   }
 }
 
-// bfloat16 of each e2m1 nibble (vpermw reads a 32-entry table: the upper half is never indexed).
+// bfloat16 of each e2m1 nibble, twice (vpermw reads a 32-entry table).
 alignas(64) constexpr uint16_t kE2m1Bf16[32] = {0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
+                                                0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0,
+                                                0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
                                                 0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0};
+
+// 16 e8m0 scale bytes as float32, as E8m0Table: 2^(e - 127) is e in the exponent field for e = 1..254; the table's
+// own values for 0 (a denormal) and 255 (NaN).
+HJ_AVX512 inline __m512 E8m0Vector(__m128i bytes, const std::array<float, 256>& e8m0) {
+  const __m512i e = _mm512_cvtepu8_epi32(bytes);
+  __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+  scale = _mm512_mask_mov_ps(scale, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), _mm512_set1_ps(e8m0[0]));
+  return _mm512_mask_mov_ps(scale, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)), _mm512_set1_ps(e8m0[255]));
+}
 
 template <int R, int TC>
 HJ_AVX512 void Mxfp4Tile(const LayerWeights& layer, const Projection& w, int64_t row, const uint16_t* x,
@@ -474,37 +488,47 @@ HJ_AVX512 void Mxfp4Tile(const LayerWeights& layer, const Projection& w, int64_t
     scales[r] = static_cast<const uint8_t*>(w.scale) + (row + r) * groups;
   }
   const __m512i table = _mm512_load_si512(kE2m1Bf16);
-  const __m512i low_nibble = _mm512_set1_epi16(0x0f);
+  const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   __m512 total[R][TC];
   for (int r = 0; r < R; ++r) {
     for (int t = 0; t < TC; ++t) total[r][t] = _mm512_setzero_ps();
   }
-  ForSteps<kMxfp4Step>(0, cols, [&](int64_t c, int64_t n) HJ_AVX512 __attribute__((always_inline)) {
-    if (n == kMxfp4Step && c % (2 * kMxfp4Step) == 0) prefetch.Rows(rows, c / 2);  // a line per two steps
-    const int64_t g = c / kMxfp4Block;
-    __m512i even[R], odd[R];
-    __m512 scale[R];
+  // Step `k` of a scale vector's four, n (<= 128) elements from c; a partial one reads zeros past the row.
+  const auto step = [&](int64_t c, int64_t n, const __m512 (&scale)[R], int k)
+                        HJ_AVX512 __attribute__((always_inline)) {
+    if (n == kMxfp4Step) prefetch.Rows(rows, c / 2);
+    const __m512i pick = _mm512_add_epi32(quarter, _mm512_set1_epi32(4 * k));
     for (int r = 0; r < R; ++r) {
       const unsigned char* at = rows[r] + c / 2;
-      const __m256i packed = n == kMxfp4Step ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))
-                                             : _mm256_maskz_loadu_epi8(FirstLanes32(n / 2), at);
-      const __m512i bytes = _mm512_cvtepu8_epi16(packed);
-      even[r] = _mm512_permutexvar_epi16(_mm512_and_si512(bytes, low_nibble), table);
-      odd[r] = _mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
-      // A partial step (n = 32) has no second group: its weights are zero, its scale must not be read.
-      const float second = n > kMxfp4Block ? e8m0[scales[r][g + 1]] : 0.0f;
-      scale[r] = _mm512_insertf32x8(_mm512_set1_ps(e8m0[scales[r][g]]), _mm256_set1_ps(second), 1);
-    }
-    for (int t = 0; t < TC; ++t) {
-      const uint16_t* xt = x + (t0 + t) * x_stride + c;
-      const __m512i x_even = _mm512_loadu_si512(xt), x_odd = _mm512_loadu_si512(xt + kMxfp4Step / 2);
-      for (int r = 0; r < R; ++r) {
-        __m512 sums = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)even[r], (__m512bh)x_even);
-        sums = _mm512_dpbf16_ps(sums, (__m512bh)odd[r], (__m512bh)x_odd);
-        total[r][t] = _mm512_fmadd_ps(sums, scale[r], total[r][t]);
+      const __m512i v = n == kMxfp4Step ? _mm512_loadu_si512(at) : _mm512_maskz_loadu_epi8(FirstLanes64(n / 2), at);
+      const __m512i w0 = _mm512_permutexvar_epi16(v, table);
+      const __m512i w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
+      const __m512i w2 = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), table);
+      const __m512i w3 = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), table);
+      const __m512 s = _mm512_permutexvar_ps(pick, scale[r]);
+      for (int t = 0; t < TC; ++t) {
+        const uint16_t* xt = x + (t0 + t) * x_stride + c;
+        __m512 sums = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w0, (__m512bh)_mm512_loadu_si512(xt));
+        sums = _mm512_dpbf16_ps(sums, (__m512bh)w1, (__m512bh)_mm512_loadu_si512(xt + 32));
+        sums = _mm512_dpbf16_ps(sums, (__m512bh)w2, (__m512bh)_mm512_loadu_si512(xt + 64));
+        sums = _mm512_dpbf16_ps(sums, (__m512bh)w3, (__m512bh)_mm512_loadu_si512(xt + 96));
+        total[r][t] = _mm512_fmadd_ps(sums, s, total[r][t]);
       }
     }
-  });
+  };
+  __m512 scale[R];
+  int64_t c = 0;
+  for (; c + kMxfp4Scales <= cols; c += kMxfp4Scales) {
+    for (int r = 0; r < R; ++r) {
+      scale[r] = E8m0Vector(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales[r] + c / kMxfp4Block)), e8m0);
+    }
+    for (int k = 0; k < 4; ++k) step(c + k * kMxfp4Step, kMxfp4Step, scale, k);
+  }
+  if (c < cols) {  // the row's last groups: their scales alone are read
+    const __mmask16 left = FirstLanes16((cols - c) / kMxfp4Block);
+    for (int r = 0; r < R; ++r) scale[r] = E8m0Vector(_mm_maskz_loadu_epi8(left, scales[r] + c / kMxfp4Block), e8m0);
+    for (int k = 0; c < cols; ++k, c += kMxfp4Step) step(c, std::min(kMxfp4Step, cols - c), scale, k);
+  }
   for (int r = 0; r < R; ++r) {
     for (int t = 0; t < TC; ++t) out[r * out_stride + t0 + t] = _mm512_reduce_add_ps(total[r][t]);
   }

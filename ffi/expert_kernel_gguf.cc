@@ -219,130 +219,256 @@ HJ_AVX512_VNNI float DotAvx512(const DecodedRow& w, const char* token, const Tok
 
 // --- Few tokens: blocks decoded in registers ------------------------------------------------------------
 // A decoded row pays for itself over many tokens; with a few, writing it out and reading it back costs more than
-// the dot products. These split each super-block into natural-order bytes in registers and multiply them with
-// every token's activations there (the Q4_K x Q8_K / Q6_K x Q8_K dot products of seed 000 §3.5.2, on our
-// activation layout): per 64 elements one vpdpbusd, one convert and one multiply-add per token.
+// the dot products. These split each super-block into bytes in registers and multiply them with every token's
+// activations there (the Q4_K x Q8_K / Q6_K x Q8_K dot products of seed 000 §3.5.2, on our activation
+// quantisation): per 64 elements one vpdpbusd, one convert, one permute and one multiply-add per token.
+//
+// Their activations have a layout of their own (FusedLayout), per 256 elements: the int8 q in the order that 64
+// bytes of 4-bit weights split into without shuffles (of each 128 elements, the first and third 32, then the second
+// and fourth: a 64-byte load of Q4_K's nibbles holds elements 0-31 and 64-95 of 128 in its low nibbles, 32-63 and
+// 96-127 in its high ones), then the float multipliers of its 32-groups and 16-element halves. A block's weight
+// multipliers times the token's, one vector product per block and token, then give every lane's scale through one
+// permute, and the min terms in the same product.
 
-struct TokenView {  // one token's packed activations (TokenLayout)
-  const int8_t* q;
-  const float* lane_dx;
-  const float* sub_sum;
+struct FusedLayout {
+  static constexpr int64_t kBlock = 256, kBytes = 256 + 3 * 64;
+  // Offsets in a block's record: float x32[16] (scale of each 32-group, then scale * sum of q over it), float
+  // x16[16] (scale of each 16 elements' group), float s16[16] (scale * sum of q over each 16 elements).
+  static constexpr int64_t kX32 = 256, kX16 = kX32 + 64, kS16 = kX16 + 64;
+  int64_t blocks, bytes;
+  explicit FusedLayout(int64_t cols) : blocks((cols + kBlock - 1) / kBlock), bytes(blocks * kBytes) {}
 };
 
-// acc[t] += lane sums of 64 elements at `col` (weights wq, their scale per lane ws) times token t's; N tokens.
-// A row's last 32 elements alone (Q8_0 rows are multiples of 32) pass `lanes` 0x00ff: the activations past the row
-// are not read (their padding is not written).
-template <int N>
-HJ_AVX512_VNNI inline void Chunk(__m512i wq, __m512 ws, int64_t col, const TokenView* tok, __m512* acc,
-                                 __mmask16 lanes = 0xffff) {
-  const __mmask64 bytes = lanes == 0xffff ? ~__mmask64{0} : __mmask64{0xffffffff};
-  for (int t = 0; t < N; ++t) {
-    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, _mm512_maskz_loadu_epi8(bytes, tok[t].q + col));
-    const __m512 scale = _mm512_mul_ps(ws, _mm512_maskz_loadu_ps(lanes, tok[t].lane_dx + col / 4));
-    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[t]);
+// Where the 32-group g (0-7) of a 256-element block sits among its q: quarters 1 and 2 of each 128 swapped.
+constexpr int64_t FusedGroupOffset(int64_t g) { return g / 4 * 128 + (g % 4 == 1 ? 64 : g % 4 == 2 ? 32 : g % 4 * 32); }
+
+void GgufPackFused(const ActivationRows& rows, int64_t cols, void* packed) {
+  const FusedLayout layout(cols);
+  std::vector<float> x(cols);
+  std::memset(packed, 0, rows.count * layout.bytes);  // a Q8_0 row's last block: zero past cols
+  for (int64_t t = 0; t < rows.count; ++t) {
+    const void* src = rows.Row(t);
+    if (rows.bf16) {
+      for (int64_t c = 0; c < cols; ++c) x[c] = Bf16BitsToFloat(static_cast<const uint16_t*>(src)[c]);
+    } else {
+      std::copy_n(static_cast<const float*>(src), cols, x.data());
+    }
+    char* token = static_cast<char*>(packed) + t * layout.bytes;
+    for (int64_t c = 0; c < cols; c += kActBlock) {
+      char* block = token + c / FusedLayout::kBlock * FusedLayout::kBytes;
+      const int64_t g = c % FusedLayout::kBlock / kActBlock;
+      auto* q = reinterpret_cast<int8_t*>(block + FusedGroupOffset(g));
+      auto* x32 = reinterpret_cast<float*>(block + FusedLayout::kX32);
+      auto* x16 = reinterpret_cast<float*>(block + FusedLayout::kX16);
+      auto* s16 = reinterpret_cast<float*>(block + FusedLayout::kS16);
+      const float scale = QuantizeInt8(x.data() + c, kActBlock, q);
+      int sums[2] = {0, 0};
+      for (int i = 0; i < kActBlock; ++i) sums[i / 16] += q[i];
+      x32[g] = x16[2 * g] = x16[2 * g + 1] = scale;
+      x32[8 + g] = scale * static_cast<float>(sums[0] + sums[1]);
+      s16[2 * g] = scale * static_cast<float>(sums[0]);
+      s16[2 * g + 1] = scale * static_cast<float>(sums[1]);
+    }
   }
 }
 
-// mins[t] += a block's 16 min terms (one per 16 elements from `col`) times token t's sums over them.
+// The natural-order groups of each of a block's four 64-byte q vectors, per lane: 32-groups (Q4_K, Q8_0), and
+// 16-element halves (Q6_K).
+HJ_AVX512_VNNI inline void FusedLanes32(__m512i lanes[4]) {
+  for (int k = 0; k < 4; ++k) {
+    const int g = k / 2 * 4 + k % 2;
+    lanes[k] = _mm512_inserti64x4(_mm512_set1_epi32(g), _mm256_set1_epi32(g + 2), 1);
+  }
+}
+HJ_AVX512_VNNI inline void FusedLanes16(__m512i lanes[4]) {
+  const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 4, 4, 4, 4, 5, 5, 5, 5);
+  for (int k = 0; k < 4; ++k) lanes[k] = _mm512_add_epi32(quarter, _mm512_set1_epi32(k / 2 * 8 + k % 2 * 2));
+}
+
+// Accumulators of one row: per token, kAcc chains of dot products (one would be a chain of multiply-add latencies
+// with one or two tokens), and the min terms.
 template <int N>
-HJ_AVX512_VNNI inline void BlockMins(__m512 block_mins, int64_t col, const TokenView* tok, __m512* mins) {
-  for (int t = 0; t < N; ++t) mins[t] = _mm512_fmadd_ps(block_mins, _mm512_loadu_ps(tok[t].sub_sum + col / 16), mins[t]);
+struct FusedAcc {
+  static constexpr int kAcc = N == 1 ? 4 : N <= 3 ? 2 : 1;
+  __m512 dots[N][kAcc], mins[N];
+};
+
+// The block at `block` (of each token's record) against weights wq[4] (FusedLayout order), lane scales the
+// permutes of p[t] by lanes[k].
+template <int N>
+HJ_AVX512_VNNI inline void FusedDots(const __m512i wq[4], const __m512 p[N], const __m512i lanes[4],
+                                     const char* const tok[N], int64_t block, FusedAcc<N>& acc) {
+  for (int k = 0; k < 4; ++k) {
+    for (int t = 0; t < N; ++t) {
+      const __m512i x = _mm512_loadu_si512(tok[t] + block + 64 * k);
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[k], x);
+      __m512& d = acc.dots[t][k % FusedAcc<N>::kAcc];
+      d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(lanes[k], p[t]), d);
+    }
+  }
+}
+
+// Multipliers [weight scale of 32-group j, weight min of j] x the token's [scale of j, scale * sum over j]: the
+// lanes of the dot products, and the min terms in lanes 8-15.
+template <int N>
+HJ_AVX512_VNNI inline void FusedScales32(__m512 w, const char* const tok[N], int64_t block, __m512 p[N],
+                                         FusedAcc<N>& acc) {
+  for (int t = 0; t < N; ++t) {
+    p[t] = _mm512_mul_ps(w, _mm512_loadu_ps(tok[t] + block + FusedLayout::kX32));
+    acc.mins[t] = _mm512_mask_add_ps(acc.mins[t], 0xff00, acc.mins[t], p[t]);
+  }
 }
 
 template <int N, bool kFive>
-HJ_AVX512_VNNI inline void Q4KBlockDot(const uint8_t* b, int64_t col, const TokenView* tok, __m512* acc, __m512* mins) {
-  const __m512 scaled = Q4KMultipliers(b);  // lanes 0-7: d * scale j, 8-15: dmin * min j
-  for (int c = 0; c < 4; ++c) {
-    __m256i lo, hi;
-    Q4KChunk(b, kFive, c, &lo, &hi);
-    const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-    const __m512i which = _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1);
-    Chunk<N>(wq, _mm512_permutexvar_ps(which, scaled), col + 64 * c, tok, acc);
+HJ_AVX512_VNNI inline void Q4KFused(const uint8_t* b, const char* const tok[N], int64_t block, const __m512i lanes[4],
+                                    FusedAcc<N>& acc) {
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  __m512i wq[4];
+  for (int h = 0; h < 2; ++h) {
+    const __m512i v = _mm512_loadu_si512((kFive ? b + 48 : b + 16) + 64 * h);
+    wq[2 * h] = _mm512_and_si512(v, low4);
+    wq[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
   }
-  // min j for the 16-element halves 2j and 2j + 1 of its sub-block
-  const __m512i pairs = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
-  BlockMins<N>(_mm512_permutexvar_ps(pairs, scaled), col, tok, mins);
+  if constexpr (kFive) {
+    // Bit 2c of qh[l] is the fifth bit of element 64c + l, bit 2c + 1 that of 64c + 32 + l: with qh >> 2 in the
+    // upper half, bits 4h and 4h + 1 land in the lanes of wq[2h] and wq[2h + 1].
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
+    const __m512i both = _mm512_mask_srli_epi16(qh, 0xffff0000, qh, 2);
+    const __m512i bit4 = _mm512_set1_epi8(0x10);
+    wq[0] = _mm512_ternarylogic_epi32(wq[0], _mm512_slli_epi16(both, 4), bit4, 0xf8);  // a | (b & c)
+    wq[1] = _mm512_ternarylogic_epi32(wq[1], _mm512_slli_epi16(both, 3), bit4, 0xf8);
+    wq[2] = _mm512_ternarylogic_epi32(wq[2], both, bit4, 0xf8);
+    wq[3] = _mm512_ternarylogic_epi32(wq[3], _mm512_srli_epi16(both, 1), bit4, 0xf8);
+  }
+  __m512 p[N];
+  FusedScales32<N>(Q4KMultipliers(b), tok, block, p, acc);
+  FusedDots<N>(wq, p, lanes, tok, block, acc);
 }
 
 template <int N>
-HJ_AVX512_VNNI inline void Q6KBlockDot(const uint8_t* b, int64_t col, const TokenView* tok, __m512* acc, __m512* mins) {
-  const __m512 scale = Q6KScales(b);
-  const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);  // lane -> its 16
-  for (int half = 0; half < 2; ++half) {
-    __m256i v[4];
-    Q6KHalf(b, half, v);
-    for (int pair = 0; pair < 2; ++pair) {
-      const int chunk = 2 * half + pair;  // elements 64 chunk.., sub-blocks 4 chunk..
-      const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(v[2 * pair]), v[2 * pair + 1], 1);
-      const __m512 ws = _mm512_permutexvar_ps(_mm512_add_epi32(quarter, _mm512_set1_epi32(4 * chunk)), scale);
-      Chunk<N>(wq, ws, col + 64 * chunk, tok, acc);
+HJ_AVX512_VNNI inline void Q6KFused(const uint8_t* b, const char* const tok[N], int64_t block, const __m512i lanes[4],
+                                    FusedAcc<N>& acc) {
+  const __m512i low4 = _mm512_set1_epi8(0x0f), bits45 = _mm512_set1_epi8(0x30);
+  const auto half256 = [](const uint8_t* p) HJ_AVX512_VNNI {
+    return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  };
+  __m512i wq[4];
+  for (int h = 0; h < 2; ++h) {
+    // Element 128h + j: low 4 bits in ql[64h + j % 64] (high nibble from j = 64), top 2 at bit 2 (j / 32) of
+    // qh[32h + j % 32]. Each 32 bytes go to both halves of a vector, the upper half shifted by 4.
+    const __m512i qh = half256(b + 128 + 32 * h);
+    const __m512i top = _mm512_mask_srli_epi16(qh, 0xffff0000, qh, 4);  // bits 0-1: j < 32 and 64..95; 2-3: others
+    for (int s = 0; s < 2; ++s) {
+      const __m512i ql = half256(b + 64 * h + 32 * s);
+      const __m512i low = _mm512_and_si512(_mm512_mask_srli_epi16(ql, 0xffff0000, ql, 4), low4);
+      wq[2 * h + s] = _mm512_ternarylogic_epi32(low, _mm512_slli_epi16(top, 4 - 2 * s), bits45, 0xf8);
     }
   }
-  BlockMins<N>(_mm512_mul_ps(scale, _mm512_set1_ps(32.0f)), col, tok, mins);
+  const __m512 w = Q6KScales(b);  // per 16 elements; q - 32: the min term 32 * scale
+  const __m512 w32 = _mm512_mul_ps(w, _mm512_set1_ps(32.0f));
+  __m512 p[N];
+  for (int t = 0; t < N; ++t) {
+    p[t] = _mm512_mul_ps(w, _mm512_loadu_ps(tok[t] + block + FusedLayout::kX16));
+    acc.mins[t] = _mm512_fmadd_ps(w32, _mm512_loadu_ps(tok[t] + block + FusedLayout::kS16), acc.mins[t]);
+  }
+  FusedDots<N>(wq, p, lanes, tok, block, acc);
 }
 
-// Q8_0: two 32-element blocks (or the row's last one alone) as one 64-element chunk, q + 128 unsigned; their
-// min terms (128 d per 16 elements) go to a 4-lane accumulator.
-template <int N>
-HJ_AVX512_VNNI inline void Q80PairDot(const uint8_t* b, int64_t col, bool pair, const TokenView* tok, __m512* acc,
-                                      __m128* mins) {
+// Eight Q8_0 blocks (the first `blocks` of them that the row holds), q + 128 unsigned: block j is 32-group j.
+template <int N, bool kWhole>
+HJ_AVX512_VNNI inline void Q80Fused(const uint8_t* b, int blocks, const char* const tok[N], int64_t block,
+                                    const __m512i lanes[4], FusedAcc<N>& acc) {
   const __m256i flip = _mm256_set1_epi8(-128);
-  const __m256i lo = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), flip);
-  const __m256i hi = pair ? _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 36)), flip)
-                          : _mm256_setzero_si256();
-  const float d0 = HalfAt(b), d1 = pair ? HalfAt(b + 34) : 0.0f;
-  const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-  Chunk<N>(wq, _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1), col, tok, acc, pair ? 0xffff : 0x00ff);
-  const __m128 block_mins = _mm_mul_ps(_mm_setr_ps(d0, d0, d1, d1), _mm_set1_ps(128.0f));
-  for (int t = 0; t < N; ++t) {
-    mins[t] = _mm_fmadd_ps(block_mins, _mm_maskz_loadu_ps(pair ? 0xf : 0x3, tok[t].sub_sum + col / 16), mins[t]);
+  const auto load = [&](int j) HJ_AVX512_VNNI {
+    const void* at = b + 34 * j + 2;
+    // Past the row: 128, against zero activations.
+    return _mm256_xor_si256(kWhole ? _mm256_loadu_si256(static_cast<const __m256i*>(at))
+                                   : _mm256_maskz_loadu_epi8(j < blocks ? ~__mmask32{0} : 0, at),
+                            flip);
+  };
+  __m512i wq[4];
+  for (int k = 0; k < 4; ++k) {
+    const int j = k / 2 * 4 + k % 2;
+    wq[k] = _mm512_inserti64x4(_mm512_castsi256_si512(load(j)), load(j + 2), 1);
   }
+  // The blocks' d: 4 bytes gathered from each block's start (its d, then 2 bytes of its q).
+  const __m256i at = _mm256_setr_epi32(0, 34, 68, 102, 136, 170, 204, 238);
+  const __m256i d_bits =
+      kWhole ? _mm256_i32gather_epi32(reinterpret_cast<const int*>(b), at, 1)
+             : _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), (1u << blocks) - 1, at, b, 1);  // d = 0 past
+  const __m256 d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(d_bits));
+  const __m512 w = _mm512_insertf32x8(_mm512_castps256_ps512(d), _mm256_mul_ps(d, _mm256_set1_ps(128.0f)), 1);
+  __m512 p[N];
+  FusedScales32<N>(w, tok, block, p, acc);
+  FusedDots<N>(wq, p, lanes, tok, block, acc);
 }
 
 template <int N>
 HJ_AVX512_VNNI void FusedRows(const LayerWeights& layer, const Projection& p, int64_t row0, int64_t rows,
-                              const void* packed, const TokenLayout& layout, float* out, int64_t out_stride) {
+                              const void* packed, float* out, int64_t out_stride) {
   const WeightFormat format = layer.ProjectionFormat(p.which);
   const int64_t bytes = GgufBlockBytes(format), ahead = WeightPrefetchBytes();
-  TokenView tok[N];
-  for (int t = 0; t < N; ++t) {
-    const char* token = static_cast<const char*>(packed) + t * layout.bytes;
-    tok[t] = {reinterpret_cast<const int8_t*>(token), reinterpret_cast<const float*>(token + layout.lane_dx),
-              reinterpret_cast<const float*>(token + layout.sub_sum)};
+  const FusedLayout layout(p.cols);
+  const char* tok[N];
+  for (int t = 0; t < N; ++t) tok[t] = static_cast<const char*>(packed) + t * layout.bytes;
+  __m512i lanes[4];
+  if (format == WeightFormat::kQ6K) {
+    FusedLanes16(lanes);
+  } else {
+    FusedLanes32(lanes);
   }
+  // A step covers one K-quant super-block, or eight Q8_0 blocks.
+  const int64_t step_bytes = FusedLayout::kBlock / GgufBlockElements(format) * bytes;
+  const int64_t whole = p.cols / FusedLayout::kBlock;
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* data = RowData(layer, p, row0 + r);
-    __m512 acc[N], mins[N];
-    __m128 q80_mins[N];
+    FusedAcc<N> acc;
     for (int t = 0; t < N; ++t) {
-      acc[t] = mins[t] = _mm512_setzero_ps();
-      q80_mins[t] = _mm_setzero_ps();
+      for (auto& d : acc.dots[t]) d = _mm512_setzero_ps();
+      acc.mins[t] = _mm512_setzero_ps();
     }
-    // A step covers one K-quant super-block, or two Q8_0 blocks.
-    const int64_t step = format == WeightFormat::kQ8_0 ? 64 : 256, step_bytes = step / GgufBlockElements(format) * bytes;
-    for (int64_t col = 0; col < p.cols; col += step, data += step_bytes) {
+    for (int64_t s = 0; s < whole; ++s, data += step_bytes) {
       if (ahead > 0) {
         for (int64_t line = 0; line < step_bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(data + ahead + line), _MM_HINT_T0);
       }
+      const int64_t block = s * FusedLayout::kBytes;
       switch (format) {
         case WeightFormat::kQ8_0:
-          Q80PairDot<N>(data, col, col + 64 <= p.cols, tok, acc, q80_mins);
+          Q80Fused<N, true>(data, 8, tok, block, lanes, acc);
           break;
         case WeightFormat::kQ6K:
-          Q6KBlockDot<N>(data, col, tok, acc, mins);
+          Q6KFused<N>(data, tok, block, lanes, acc);
           break;
         case WeightFormat::kQ5K:
-          Q4KBlockDot<N, true>(data, col, tok, acc, mins);
+          Q4KFused<N, true>(data, tok, block, lanes, acc);
           break;
         default:
-          Q4KBlockDot<N, false>(data, col, tok, acc, mins);
+          Q4KFused<N, false>(data, tok, block, lanes, acc);
           break;
       }
     }
-    for (int t = 0; t < N; ++t) {
-      const __m512 all_mins = _mm512_add_ps(mins[t], _mm512_zextps128_ps512(q80_mins[t]));
-      out[r * out_stride + t] = _mm512_reduce_add_ps(acc[t]) - _mm512_reduce_add_ps(all_mins);
+    if (whole < layout.blocks) {  // Q8_0 rows are multiples of 32 elements only
+      Q80Fused<N, false>(data, static_cast<int>(p.cols % FusedLayout::kBlock / 32), tok, whole * FusedLayout::kBytes,
+                         lanes, acc);
     }
+    for (int t = 0; t < N; ++t) {
+      __m512 dots = acc.dots[t][0];
+      for (int a = 1; a < FusedAcc<N>::kAcc; ++a) dots = _mm512_add_ps(dots, acc.dots[t][a]);
+      out[r * out_stride + t] = _mm512_reduce_add_ps(dots) - _mm512_reduce_add_ps(acc.mins[t]);
+    }
+  }
+}
+
+// The few-token kernels' activations in their own layout; more tokens' in TokenLayout, as the generic kernel's.
+size_t GgufPackedBytesAvx512(const LayerWeights& layer, int64_t tokens, int64_t cols) {
+  return tokens <= kGgufFusedMaxTokens ? tokens * FusedLayout(cols).bytes : GgufPackedBytes(layer, tokens, cols);
+}
+
+void GgufPackAvx512(const LayerWeights& layer, const ActivationRows& rows, int64_t cols, void* packed) {
+  if (rows.count <= kGgufFusedMaxTokens) {
+    GgufPackFused(rows, cols, packed);
+  } else {
+    GgufPack(layer, rows, cols, packed);
   }
 }
 
@@ -354,10 +480,9 @@ HJ_AVX512_VNNI void GgufGemmAvx512(const LayerWeights& layer, const Projection* 
   DecodedRow& row = RowBuffer(cols);
   for (int p = 0; p < n_proj; ++p) {
     if (tokens >= 1 && tokens <= kGgufFusedMaxTokens) {
-      constexpr void (*kFused[])(const LayerWeights&, const Projection&, int64_t, int64_t, const void*,
-                                 const TokenLayout&, float*, int64_t) = {FusedRows<1>, FusedRows<2>, FusedRows<3>,
-                                                                         FusedRows<4>};
-      kFused[tokens - 1](layer, w[p], row0, rows, packed, layout, out[p], out_stride);
+      constexpr void (*kFused[])(const LayerWeights&, const Projection&, int64_t, int64_t, const void*, float*,
+                                 int64_t) = {FusedRows<1>, FusedRows<2>, FusedRows<3>, FusedRows<4>};
+      kFused[tokens - 1](layer, w[p], row0, rows, packed, out[p], out_stride);
       continue;
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -371,7 +496,7 @@ HJ_AVX512_VNNI void GgufGemmAvx512(const LayerWeights& layer, const Projection* 
 }
 
 constexpr GemmKernel kGgufGeneric{"generic", 1, GgufPackedBytes, GgufPack, GgufGemmGeneric};
-constexpr GemmKernel kGgufAvx512{"avx512", 1, GgufPackedBytes, GgufPack, GgufGemmAvx512};
+constexpr GemmKernel kGgufAvx512{"avx512", 1, GgufPackedBytesAvx512, GgufPackAvx512, GgufGemmAvx512};
 
 }  // namespace
 

@@ -691,9 +691,10 @@ def make_gpt_oss_layer(rng, fmt, n_experts, hidden, inter, interleaved, biased, 
 GPT_OSS_ACTIVATION = ("clamped_swiglu", 1.702, 1.5)  # a limit that clamps a good share of unit-order outputs
 
 
-# (hidden, inter): whole 64-element steps; 160 and 96 end in half a step (one scale group of the last two)
+# (hidden, inter): whole 64-element steps; 160 and 96 end in half a step (one scale group of the last two); 672 and
+# 544: a whole 512 elements (the AVX-512 kernel's scale vector of 16 groups), then 5 or 1 groups
 @pytest.mark.parametrize("tokens", [1, 5, 40])
-@pytest.mark.parametrize("hidden, inter", [(128, 64), (160, 96)])
+@pytest.mark.parametrize("hidden, inter", [(128, 64), (160, 96), (672, 544)])
 @pytest.mark.parametrize(
     "interleaved, biased, activation",
     [

@@ -139,6 +139,7 @@ def check_gguf_layer(types, hidden, inter, tokens, seed, int8_tolerance=2e-5, n_
     "types, hidden, inter",
     [
         ((Q.Q8_0, Q.Q8_0), 96, 160),  # Q8_0 rows need only multiples of 32 (96: a half 64-byte chunk)
+        ((Q.Q8_0, Q.Q8_0), 352, 288),  # whole 256-element steps of the few-token kernel, then 3 or 1 blocks
         ((Q.Q4_K, Q.Q4_K), 512, 256),  # K-quant rows are whole 256-element super-blocks
         ((Q.Q5_K, Q.Q5_K), 256, 512),
         ((Q.Q6_K, Q.Q6_K), 512, 256),
