@@ -122,7 +122,7 @@ def cmd_serve(args) -> int:
     serve(
         model, model_name=args.model or DEFAULT_MODEL_NAME, host=args.host, port=args.port, api_key=args.api_key,
         slots=args.slots, max_queue=args.max_queue, cache_len=args.cache_len,
-        prefix_cache_bytes=args.prefix_cache_mib << 20,
+        prefix_cache_bytes=args.prefix_cache_mib << 20, online_placement=False if args.fixed_placement else None,
     )  # fmt: skip
     return 0
 
@@ -292,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefix-cache-mib", type=non_negative, default=1024,
                      help="memory for the KV of earlier prompts' prefixes, reused by later ones (0: off)")
     srv.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: the backend's)")
+    srv.add_argument("--fixed-placement", action="store_true",
+                     help="keep the resident experts chosen at load (default: re-place them by the traffic's use "
+                          "while serving, when some but not all of them fit on the GPU)")
     srv.add_argument("--quiet", action="store_true", help="no loading progress")
     srv.set_defaults(run=cmd_serve)
     bat = sub.add_parser("batch", help="complete every request of a JSON-lines file, for throughput (resumable)",

@@ -19,6 +19,7 @@ from hybridjit.auto_placement import DeviceBudget, device_budget, resident_exper
 from hybridjit.expert_residency import Residency
 from hybridjit.model_files import open_checkpoint, open_tokenizer
 from hybridjit.models.common.moe import ExpertSchedule
+from hybridjit.models.common.resident_experts import ResidentExperts
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.ops.async_experts import raise_gpu_errors
 from hybridjit.pinned_experts import size_host_memory_pool
@@ -145,6 +146,27 @@ class Model:
             self.weights, residency, lambda layer, ids: loader.resident_experts(loader.expert_names[layer], ids)
         )
         return residency
+
+    def resident_copies(self, layer: int, ids) -> ResidentExperts | None:
+        """Device copies of experts `ids` of MoE layer `layer`, read from the checkpoint again (as place_experts
+        makes them): what swap_experts takes in."""
+        if self._loader is None or layer not in self._loader.expert_names:
+            raise ValueError(f"{self.path}: layer {layer} has no routed experts in host memory")
+        return self._loader.resident_experts(self._loader.expert_names[layer], ids)
+
+    def swap_experts(self, residency: Residency, copies: dict[int, ResidentExperts]) -> None:
+        """Holds `residency`, which keeps as many experts on the device in every layer as are there now, with
+        copies[layer] (resident_copies) holding the experts each changed layer takes in: re-placement while
+        serving (hybridjit.online_placement), between decode steps. The copies take the slots of the experts that
+        leave, so it needs no device memory beyond them and the compiled steps stay the same."""
+        before = self.residency.layers
+        for layer, ids in residency.layers.items():
+            incoming = tuple(sorted(set(ids) - set(before.get(layer, ()))))
+            if len(ids) != len(before.get(layer, ())) or (incoming and expert_residency.current_ids(
+                    copies.get(layer)) != incoming):
+                raise ValueError(f"layer {layer}: a swap keeps the number of resident experts and brings copies of "
+                                 f"exactly the experts it takes in ({incoming})")
+        self.weights = expert_residency.apply(self.weights, residency, lambda layer, ids: copies[layer])
 
     # ---------------------------------------------------------------------------------- inputs
 

@@ -102,12 +102,14 @@ def bank_moe_layers(weights) -> dict[int, int]:
             if isinstance(layer.mlp, MoE) and layer.mlp.expert_layer is not None}
 
 
+def current_ids(res: ResidentExperts | None) -> tuple[int, ...]:
+    """The ids of the experts a layer's resident copies hold (none for None)."""
+    return () if res is None else tuple(int(i) for i in np.flatnonzero(np.asarray(res.slot_of) >= 0))
+
+
 def current(weights) -> Residency:
     """The residency a weights pytree holds."""
-    def held(moe: MoE) -> tuple[int, ...]:
-        return tuple(np.flatnonzero(np.asarray(moe.resident.slot_of) >= 0)) if moe.resident is not None else ()
-
-    return Residency({i: held(layer.mlp) for i, layer in enumerate(weights.layers)
+    return Residency({i: current_ids(layer.mlp.resident) for i, layer in enumerate(weights.layers)
                       if isinstance(layer.mlp, MoE) and layer.mlp.resident is not None})
 
 

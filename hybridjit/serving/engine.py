@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hybridjit.models.common.moe import MoE
 from hybridjit.models.registry import family_of
 from hybridjit.sampling import SamplingParams, sample
 from hybridjit.stream_prefill import choose_prefill_path, stream_prefill
@@ -93,59 +94,74 @@ def _within_span(span: int, caches, run):
     return out, jax.tree.map(lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v, 0, axis=1), caches, views)
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnames="cache")
+@partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames="tally", donate_argnames="cache")
 def _decode_program(
-    cfg, schedule, steps, span, weights, tokens, positions, live, cache, keys, counts, temperature, top_k, top_p
+    cfg, schedule, steps, span, weights, tokens, positions, live, cache, keys, counts, temperature, top_k, top_p,
+    tally=False,
 ):
     """`steps` decode steps of one micro-batch from the last row of tokens [n, b], each step's tokens fed to the
-    next, attending over the cache's first `span` positions: ((tokens, finite) [steps, b], the cache)."""
-    return _within_span(span, cache, partial(_decode_steps, cfg, schedule, steps, weights, tokens, positions, live,
-                                             keys, counts, temperature, top_k, top_p))
+    next, attending over the cache's first `span` positions: (((tokens, finite) [steps, b], with `tally` the
+    activations per expert of every MoE layer over the steps [moe layers, e], else None), the cache)."""
+    return _within_span(span, cache, partial(_decode_steps, cfg, schedule, steps, tally, weights, tokens, positions,
+                                             live, keys, counts, temperature, top_k, top_p))
 
 
-def _decode_steps(cfg, schedule, steps, weights, tokens, positions, live, keys, counts, temperature, top_k, top_p,
-                  cache):
+def _decode_steps(cfg, schedule, steps, tally, weights, tokens, positions, live, keys, counts, temperature, top_k,
+                  top_p, cache):
     def step(i, tokens, cache):
-        logits, cache = family_of(cfg).model.decode_step(cfg, weights, tokens, positions + i, cache, schedule, live)
-        return _sample_rows(logits, keys, counts + i, temperature, top_k, top_p), cache
+        logits, cache, *tallied = family_of(cfg).model.decode_step(
+            cfg, weights, tokens, positions + i, cache, schedule, live, tally
+        )
+        return _sample_rows(logits, keys, counts + i, temperature, top_k, top_p), cache, _first(tallied)
 
     if steps == 1:  # no loop around the custom calls of a hybrid step
-        (new, finite), cache = step(0, tokens[-1], cache)
-        return (new[None], finite[None]), cache
+        (new, finite), cache, tallied = step(0, tokens[-1], cache)
+        return ((new[None], finite[None]), tallied), cache
 
     def body(i, carry):
-        last, out, finite, cache = carry
-        (new, ok), cache = step(i, last, cache)
-        return new, out.at[i].set(new), finite.at[i].set(ok), cache
+        last, out, finite, cache, total = carry
+        (new, ok), cache, tallied = step(i, last, cache)
+        return new, out.at[i].set(new), finite.at[i].set(ok), cache, None if total is None else total + tallied
 
     b = tokens.shape[1]
-    init = (tokens[-1], jnp.zeros((steps, b), tokens.dtype), jnp.zeros((steps, b), bool), cache)
-    _, out, finite, cache = jax.lax.fori_loop(0, steps, body, init)
-    return (out, finite), cache
+    moe_layers = sum(isinstance(layer.mlp, MoE) for layer in weights.layers)
+    total = jnp.zeros((moe_layers, cfg.n_routed_experts), jnp.int32) if tally else None
+    init = (tokens[-1], jnp.zeros((steps, b), tokens.dtype), jnp.zeros((steps, b), bool), cache, total)
+    _, out, finite, cache, total = jax.lax.fori_loop(0, steps, body, init)
+    return ((out, finite), total), cache
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2), donate_argnames="caches")
+def _first(tallied: list):
+    """The activations a decode step with `tally` returns after its logits and caches, or None without."""
+    return tallied[0] if tallied else None
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2), static_argnames="tally", donate_argnames="caches")
 def _decode_dual_program(
-    cfg, schedule, span, weights, tokens, positions, live, caches, keys, counts, temperature, top_k, top_p
+    cfg, schedule, span, weights, tokens, positions, live, caches, keys, counts, temperature, top_k, top_p,
+    tally=False,
 ):
     def run(caches):
         last = tuple(t[-1] for t in tokens)
-        logits, caches = family_of(cfg).model.decode_step_dual(cfg, weights, last, positions, caches, schedule, live)
-        return _sampled_rows(logits, keys, counts, temperature, top_k, top_p), caches
+        logits, caches, *tallied = family_of(cfg).model.decode_step_dual(
+            cfg, weights, last, positions, caches, schedule, live, tally
+        )
+        return (_sampled_rows(logits, keys, counts, temperature, top_k, top_p), _first(tallied)), caches
 
     return _within_span(span, caches, run)
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2), donate_argnames="caches")
+@partial(jax.jit, static_argnums=(0, 1, 2), static_argnames="tally", donate_argnames="caches")
 def _decode_grouped_program(
-    cfg, schedule, span, weights, tokens, positions, live, caches, keys, counts, temperature, top_k, top_p
+    cfg, schedule, span, weights, tokens, positions, live, caches, keys, counts, temperature, top_k, top_p,
+    tally=False,
 ):
     def run(caches):
         last = tuple(t[-1] for t in tokens)
-        logits, caches = family_of(cfg).model.decode_step_grouped(
-            cfg, weights, last, positions, caches, schedule, live
+        logits, caches, *tallied = family_of(cfg).model.decode_step_grouped(
+            cfg, weights, last, positions, caches, schedule, live, tally
         )
-        return _sampled_rows(logits, keys, counts, temperature, top_k, top_p), caches
+        return (_sampled_rows(logits, keys, counts, temperature, top_k, top_p), _first(tallied)), caches
 
     return _within_span(span, caches, run)
 
@@ -199,9 +215,15 @@ class Prefilled:
 @dataclasses.dataclass
 class Step:
     """One dispatched call of decode steps: the new tokens of every slot [steps, slots] and whether their logits
-    were finite, once the device has them (reading them waits)."""
+    were finite, once the device has them (reading them waits); with an engine that tallies, how often the occupied
+    slots' tokens chose each routed expert of each MoE layer."""
 
     _sampled: list
+    _activations: jax.Array | None = None
+
+    def activations(self) -> np.ndarray | None:
+        """Activations per routed expert over the call's steps, int [moe layers, e] (None: not tallied)."""
+        return None if self._activations is None else np.asarray(self._activations)
 
     def tokens(self) -> np.ndarray:
         return np.concatenate([np.asarray(t) for t, _ in self._sampled], axis=1)
@@ -233,7 +255,7 @@ class Engine:
     past its stop, or from steps past the end of its cache, are garbage the caller drops.
     """
 
-    def __init__(self, model, slots: int, cache_len: int, micro_batches: int | None = None):
+    def __init__(self, model, slots: int, cache_len: int, micro_batches: int | None = None, tally: bool = False):
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if not 1 <= cache_len <= model.config.max_position_embeddings:
@@ -241,6 +263,7 @@ class Engine:
         if micro_batches is not None and not 1 <= micro_batches <= slots:
             raise ValueError(f"micro_batches must be in [1, slots = {slots}], got {micro_batches}")
         self.model, self.slots, self.cache_len = model, slots, cache_len
+        self.tally = tally  # each Step also counts the routed experts its tokens chose (Step.activations)
         self.coalesced = micro_batches is not None
         on_host = model.experts_on_host
         interactive_on_gpu = micro_batches is None and model.placement.device.platform == "gpu"
@@ -397,19 +420,19 @@ class Engine:
         if len(self.groups) > 1:
             positions, live, counts, temperature, top_k, top_p = zip(*split, strict=True)
             program = _decode_grouped_program if self.coalesced else _decode_dual_program
-            sampled, caches = program(
+            (sampled, activations), caches = program(
                 m.config, schedule, span, m.weights, tuple(self.tokens), positions, live, tuple(self.caches),
-                tuple(self.keys), counts, temperature, top_k, top_p,
+                tuple(self.keys), counts, temperature, top_k, top_p, tally=self.tally,
             )
             self.caches = list(caches)
         else:
             (positions, live, counts, temperature, top_k, top_p), = split
-            sampled, cache = _decode_program(
+            (sampled, activations), cache = _decode_program(
                 m.config, schedule, self.steps, span, m.weights, self.tokens[0], positions, live, self.caches[0],
-                self.keys[0], counts, temperature, top_k, top_p,
+                self.keys[0], counts, temperature, top_k, top_p, tally=self.tally,
             )
             sampled, self.caches = (sampled,), [cache]
         self.tokens = [tokens for tokens, _ in sampled]
         self.positions[self.occupied] += self.steps
         self.counts[self.occupied] += self.steps
-        return Step(list(sampled))
+        return Step(list(sampled), activations)

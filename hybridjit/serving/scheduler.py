@@ -34,6 +34,7 @@ import numpy as np
 from hybridjit.ops.async_experts import raise_gpu_errors
 from hybridjit.sampling import SamplingParams
 from hybridjit.serving.engine import Engine, Prefilled, Step, bucket
+from hybridjit.serving.online_placement import OnlinePlacement
 from hybridjit.serving.prefix_cache import PrefixCache
 from hybridjit.stream_prefill import choose_prefill_path, stream_prefill
 
@@ -104,7 +105,9 @@ class _Job:
 class Scheduler:
     """Serves requests on `model` (hybridjit.engine.Model) with `slots` sequences decoding at once, each with
     room for `cache_len` positions (default: the model's context, at most 32768), and at most `max_queue`
-    requests waiting. `prefix_cache_bytes` bounds the prefix cache (0 turns it off)."""
+    requests waiting. `prefix_cache_bytes` bounds the prefix cache (0 turns it off). `online_placement` re-places
+    the model's resident experts by the traffic's use of them (serving.online_placement; default: when some of its
+    experts are resident on the device and some are not; `self.online`)."""
 
     def __init__(
         self,
@@ -117,6 +120,7 @@ class Scheduler:
         prefix_block_tokens: int = 64,
         chunk_tokens: int = 256,
         policy: str = "slo",
+        online_placement: bool | None = None,
     ):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -124,7 +128,11 @@ class Scheduler:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.model, self.max_queue, self.policy = model, max_queue, policy
         self.chunk_tokens = bucket(chunk_tokens)
-        self.engine = Engine(model, slots, cache_len or min(model.config.max_position_embeddings, 32768))
+        if online_placement is None:
+            online_placement = OnlinePlacement.wanted(model)
+        self.online = OnlinePlacement(model) if online_placement else None
+        self.engine = Engine(model, slots, cache_len or min(model.config.max_position_embeddings, 32768),
+                             tally=self.online is not None)
         budget = (1 << 30) if prefix_cache_bytes is None else prefix_cache_bytes
         self.prefix_cache = PrefixCache(prefix_block_tokens, budget) if budget > 0 else None
         self._queue: collections.deque[_Job] = collections.deque()
@@ -215,6 +223,8 @@ class Scheduler:
             raise
         finally:
             self._cancel_everything()
+            if self.online is not None:
+                self.online.close()
 
     def _end_cancelled_and_late(self):
         now = time.monotonic()
@@ -325,6 +335,8 @@ class Scheduler:
         upcoming = None
         if self._active:
             try:
+                if self.online is not None:
+                    self.online.between_steps()
                 upcoming = (self.engine.generate(), dict(self._active))
                 self.steps += self.engine.steps
             except Exception as e:
@@ -341,6 +353,8 @@ class Scheduler:
         except Exception as e:
             self._fail_step(jobs, e)
             return
+        if self.online is not None:
+            self.online.observe(step.activations(), len(tokens))
         for slot, job in jobs.items():
             for token, ok in zip(tokens[:, slot], finite[:, slot], strict=True):  # a call's steps, in order
                 if job.finished:

@@ -373,10 +373,12 @@ def serve(
     max_queue: int,
     cache_len: int | None = None,
     prefix_cache_bytes: int | None = None,
+    online_placement: bool | None = None,
 ):
     """Serves `model` until SIGINT or SIGTERM; then requests in flight get GRACEFUL_SHUTDOWN_SECONDS to end."""
     scheduler = sched.Scheduler(
-        model, slots=slots, max_queue=max_queue, cache_len=cache_len, prefix_cache_bytes=prefix_cache_bytes
+        model, slots=slots, max_queue=max_queue, cache_len=cache_len, prefix_cache_bytes=prefix_cache_bytes,
+        online_placement=online_placement,
     )
     app = create_app(scheduler, model_name=model_name, api_key=api_key)
     uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)

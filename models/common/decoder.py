@@ -115,11 +115,12 @@ def prefill(attention: Attention, cfg: ModelConfig, w: Weights, tokens: jax.Arra
 
 
 def _decode_feed_forward(cfg, layer: Layer, h, moe_layers: list[int], i: int, schedule, carried, live):
-    """Layer i's MLP or MoE block on normed h in a decode step: (output, the deferred experts to carry on).
-    Deferred experts alternate between two staging slots; the last MoE layer defers none."""
+    """Layer i's MLP or MoE block on normed h in a decode step: (output, the deferred experts to carry on, the
+    experts chosen per token [tokens, k] or None in a dense layer). Deferred experts alternate between two staging
+    slots; the last MoE layer defers none."""
     if not isinstance(layer.mlp, MoE):
-        return mlp(layer.mlp, h), carried
-    out, _, carried = moe(
+        return mlp(layer.mlp, h), carried, None
+    out, chosen, carried = moe(
         cfg,
         layer.mlp,
         h,
@@ -129,7 +130,18 @@ def _decode_feed_forward(cfg, layer: Layer, h, moe_layers: list[int], i: int, sc
         carried=carried,
         live=live,
     )
-    return out, carried
+    return out, carried, chosen
+
+
+def activations(cfg: ModelConfig, chosen: list[jax.Array], live: jax.Array | None) -> jax.Array:
+    """How often each MoE layer routed to each of its experts: int32 [len(chosen), n_routed_experts] from the
+    experts chosen per token (each [tokens, k]), counting only the `live` tokens ([tokens] bool; None: all). What a
+    decode step with `tally` returns, for re-placing resident experts while serving (online_placement)."""
+    counts = jnp.zeros((len(chosen), cfg.n_routed_experts), jnp.int32)
+    for n, ids in enumerate(chosen):
+        ones = jnp.ones(ids.shape, jnp.int32) if live is None else jnp.broadcast_to(live.reshape(-1, 1), ids.shape)
+        counts = counts.at[n, ids].add(ones.astype(jnp.int32))
+    return counts
 
 
 def extend(
@@ -141,9 +153,11 @@ def extend(
     cache: list,
     schedule: ExpertSchedule = NO_SCHEDULE,
     live: jax.Array | None = None,
+    tally: bool = False,
 ):
     """New tokens [b, t] at positions [b, t] against the cache, whose entries they add: float32 logits
-    [b, t, vocab] and the updated cache. One token per sequence is a decode step; several continue a prompt
+    [b, t, vocab] and the updated cache, and with `tally` (static) a third result, each MoE layer's activations
+    per expert of the live tokens (`activations`). One token per sequence is a decode step; several continue a prompt
     whose first part is already in the cache (chunked prefill, a prefix-cache hit). Positions past the cache's
     length write nothing, so a chunk may be right-padded.
 
@@ -154,7 +168,7 @@ def extend(
     schedule.check(cfg)
     moe_layers = [i for i, layer in enumerate(w.layers) if isinstance(layer.mlp, MoE)]
     x = w.embed[tokens]
-    new_cache, carried = [], None
+    new_cache, carried, chosen = [], None, []
     for i, layer in enumerate(w.layers):
         with jax.named_scope(f"layer{i}"):
             h, c = attention.decode(
@@ -164,8 +178,11 @@ def extend(
             x = x + h
             h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
             live_tokens = None if live is None else jnp.broadcast_to(live[:, None], tokens.shape)
-            out, carried = _decode_feed_forward(cfg, layer, h, moe_layers, i, schedule, carried, live_tokens)
+            out, carried, ids = _decode_feed_forward(cfg, layer, h, moe_layers, i, schedule, carried, live_tokens)
+            chosen += [] if ids is None else [ids]
             x = x + out
+    if tally:
+        return logits(cfg, w, x), new_cache, activations(cfg, chosen, live_tokens)
     return logits(cfg, w, x), new_cache
 
 
@@ -178,11 +195,12 @@ def decode_step(
     cache: list,
     schedule: ExpertSchedule = NO_SCHEDULE,
     live: jax.Array | None = None,
+    tally: bool = False,
 ):
-    """One new token per sequence, tokens [b] at positions [b]: float32 logits [b, vocab], updated cache.
-    `live` as in extend."""
-    logits, cache = extend(attention, cfg, w, tokens[:, None], positions[:, None], cache, schedule, live)
-    return logits[:, 0], cache
+    """One new token per sequence, tokens [b] at positions [b]: float32 logits [b, vocab], updated cache (and
+    with `tally` the activations per expert). `live` and `tally` as in extend."""
+    logits, *rest = extend(attention, cfg, w, tokens[:, None], positions[:, None], cache, schedule, live, tally)
+    return logits[:, 0], *rest
 
 
 def decode_step_dual(
@@ -194,6 +212,7 @@ def decode_step_dual(
     caches: tuple[list, list],
     schedule: ExpertSchedule = NO_SCHEDULE,
     live: tuple[jax.Array, jax.Array] | None = None,
+    tally: bool = False,
 ):
     """decode_step for two micro-batches A and B, interleaved so that each side's work hides the other's
     (OSDI '26 §3.3.1): while the CPU computes A's routed experts the GPU computes B's attention and shared
@@ -202,7 +221,7 @@ def decode_step_dual(
 
     The order is data: each micro-batch takes back its routed experts only after the other has handed its
     own to the CPU (the wait's pass-through operand is the other's hand-off output). Returns
-    ((logits A, logits B), (cache A, cache B)).
+    ((logits A, logits B), (cache A, cache B)), and with `tally` the activations per expert of both (extend's).
     """
     schedule.check(cfg)
     moe_layers = [i for i, layer in enumerate(w.layers) if isinstance(layer.mlp, MoE)]
@@ -210,6 +229,7 @@ def decode_step_dual(
     new_caches: tuple[list, list] = ([], [])
     in_flight: list[MoEInFlight | None] = [None, None]
     carried: list[Started | None] = [None, None]
+    chosen: tuple[list, list] = ([], [])
 
     def finish(m: int, other: jax.Array):
         out, _ = moe_finish(in_flight[m], other)
@@ -244,7 +264,7 @@ def decode_step_dual(
                     x[m] = x[m] + mlp(layer.mlp, h)
                     continue
                 n = moe_layers.index(i)
-                flight, tokens_out, _, carried[m] = moe_start(
+                flight, tokens_out, ids, carried[m] = moe_start(
                     cfg,
                     layer.mlp,
                     h,
@@ -255,6 +275,7 @@ def decode_step_dual(
                     carried=carried[m],
                     live=None if live is None else live[m],
                 )
+                chosen[m].append(ids)
                 other = 1 - m
                 if in_flight[other] is not None:  # its experts ran on the CPU during this attention
                     finish(other, flight.shared if flight.shared is not None else tokens_out)
@@ -264,7 +285,10 @@ def decode_step_dual(
     for m in (0, 1):
         if in_flight[m] is not None:
             finish(m, x[1 - m])
-    return tuple(logits(cfg, w, xm)[:, 0] for xm in x), new_caches
+    out = tuple(logits(cfg, w, xm)[:, 0] for xm in x), new_caches
+    if tally:
+        return *out, sum(activations(cfg, chosen[m], None if live is None else live[m]) for m in (0, 1))
+    return out
 
 
 def decode_step_grouped(
@@ -276,13 +300,15 @@ def decode_step_grouped(
     caches: tuple[list, ...],
     schedule: ExpertSchedule = NO_SCHEDULE,
     live: tuple[jax.Array, ...] | None = None,
+    tally: bool = False,
 ):
     """decode_step for micro-batches of their own caches, batched by module (MoE-Gen): each layer's attention runs
     micro-batch by micro-batch over its cache, then the layer's MoE block runs once over the tokens of all of them,
     so each routed expert gets one GEMM per layer per step over every token routed to it (CoX-MoE's coalesced
     execution; dual-batch overlap instead gives each micro-batch its own expert call). The micro-batches bound
     what one attention call holds: the unit a cache kept in host memory would be streamed in. Same math as
-    decode_step on the micro-batches concatenated. Returns (logits per micro-batch, caches per micro-batch).
+    decode_step on the micro-batches concatenated. Returns (logits per micro-batch, caches per micro-batch), and
+    with `tally` the activations per expert of all of them (extend's).
     """
     sizes = [t.shape[0] for t in tokens]
     bounds = [sum(sizes[:m]) for m in range(len(sizes) + 1)]
@@ -291,7 +317,7 @@ def decode_step_grouped(
     new_caches: tuple[list, ...] = tuple([] for _ in tokens)
     moe_layers = [i for i, layer in enumerate(w.layers) if isinstance(layer.mlp, MoE)]
     schedule.check(cfg)
-    carried = None
+    carried, chosen = None, []
     for i, layer in enumerate(w.layers):
         with jax.named_scope(f"layer{i}"):
             normed = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
@@ -305,10 +331,12 @@ def decode_step_grouped(
                 new_caches[m].append(c)
             x = x + jnp.concatenate(outs)
             h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-            out, carried = _decode_feed_forward(cfg, layer, h, moe_layers, i, schedule, carried, everyone)
+            out, carried, ids = _decode_feed_forward(cfg, layer, h, moe_layers, i, schedule, carried, everyone)
+            chosen += [] if ids is None else [ids]
             x = x + out
     out = logits(cfg, w, x)[:, 0]
-    return tuple(out[bounds[m] : bounds[m + 1]] for m in range(len(tokens))), new_caches
+    result = tuple(out[bounds[m] : bounds[m + 1]] for m in range(len(tokens))), new_caches
+    return (*result, activations(cfg, chosen, everyone)) if tally else result
 
 
 def prefill_attention_layer(
