@@ -9,6 +9,8 @@ the GPU. Three runs of the same workload (`--slots` requests decoding `--tokens`
 temperature 1 from random prompts, all submitted at once) through hybridjit.serving.scheduler:
 
 - fixed: each layer's first experts, as the automatic placement holds them without a probe, never moved;
+- tallied: the same, with the decode steps giving the experts they chose and the scheduler counting them, never
+  re-placing: what counting costs a step;
 - online: the same start, re-placed between steps by serving.online_placement (the default when serving);
 - probe: the most activated experts of a probe of random prompts (decode.py's choice), never moved: the bound.
 
@@ -49,12 +51,13 @@ class Timeline:
             self.times.append(time.perf_counter())
 
 
-def run(model, online: bool, args, rng) -> dict:
+def run(model, online: bool, replace: bool, args, rng) -> dict:
     """The workload through a scheduler: TPOT per window, the longest gap, the experts swapped."""
     scheduler = Scheduler(model, slots=args.slots, cache_len=args.prompt + args.tokens + 64, prefix_cache_bytes=0,
                           online_placement=online)
     if online:
-        scheduler.online.interval, scheduler.online.max_swaps = args.interval, args.max_swaps
+        scheduler.online.interval = args.interval if replace else 1 << 62
+        scheduler.online.max_swaps = args.max_swaps
     scheduler.start()
     timelines = [Timeline() for _ in range(args.slots)]
     try:
@@ -111,10 +114,12 @@ def main(argv=None):
           f"{n} of {e} experts resident per MoE layer, zipf {args.zipf}, {args.slots} requests x {args.tokens} tokens")
     print(floors_line(floors))
     results = []
-    for label, residency, online in (("fixed", first, False), ("online", first, True), ("probe", probe, False)):
+    cases = (("fixed", first, False, False), ("tallied", first, True, False), ("online", first, True, True),
+             ("probe", probe, False, False))
+    for label, residency, online, replace in cases:
         model.place_experts(residency)
-        r = {"placement": label, "covered_at_start": round(residency.covered_share(counts), 4), **run(model, online,
-                                                                                                   args, rng)}
+        r = {"placement": label, "covered_at_start": round(residency.covered_share(counts), 4),
+             **run(model, online, replace, args, rng)}
         r["covered_at_end"] = round(model.residency.covered_share(counts), 4)
         results.append(r)
         print(f"{label:>7}: covered {r['covered_at_start']:.3f} -> {r['covered_at_end']:.3f}, swapped "

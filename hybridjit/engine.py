@@ -154,18 +154,19 @@ class Model:
             raise ValueError(f"{self.path}: layer {layer} has no routed experts in host memory")
         return self._loader.resident_experts(self._loader.expert_names[layer], ids)
 
-    def swap_experts(self, residency: Residency, copies: dict[int, ResidentExperts]) -> None:
+    def swap_experts(self, residency: Residency, copies: dict[int, list[ResidentExperts]]) -> None:
         """Holds `residency`, which keeps as many experts on the device in every layer as are there now, with
         copies[layer] (resident_copies) holding the experts each changed layer takes in: re-placement while
-        serving (hybridjit.online_placement), between decode steps. The copies take the slots of the experts that
+        serving (serving/online_placement.py), between decode steps. The copies take the slots of the experts that
         leave, so it needs no device memory beyond them and the compiled steps stay the same."""
         before = self.residency.layers
         for layer, ids in residency.layers.items():
             incoming = tuple(sorted(set(ids) - set(before.get(layer, ()))))
-            if len(ids) != len(before.get(layer, ())) or (incoming and expert_residency.current_ids(
-                    copies.get(layer)) != incoming):
+            brought = tuple(sorted(i for copy in copies.get(layer, []) for i in expert_residency.current_ids(copy)))
+            if len(ids) != len(before.get(layer, ())) or brought != incoming:
                 raise ValueError(f"layer {layer}: a swap keeps the number of resident experts and brings copies of "
-                                 f"exactly the experts it takes in ({incoming})")
+                                 f"exactly the experts it takes in ({incoming}), got {len(ids)} experts and copies "
+                                 f"of {brought}")
         self.weights = expert_residency.apply(self.weights, residency, lambda layer, ids: copies[layer])
 
     # ---------------------------------------------------------------------------------- inputs

@@ -113,9 +113,11 @@ def current(weights) -> Residency:
                       if isinstance(layer.mlp, MoE) and layer.mlp.resident is not None})
 
 
-def apply(weights, residency: Residency, build: Callable[[int, tuple[int, ...]], ResidentExperts | None]):
+def apply(weights, residency: Residency,
+          build: Callable[[int, tuple[int, ...]], ResidentExperts | list[ResidentExperts] | None]):
     """`weights` with each bank MoE layer's resident experts as `residency` says (layers it leaves out hold
-    none); build(layer, ids) makes the device copies of experts `ids` of a layer.
+    none); build(layer, ids) makes the device copies of experts `ids` of a layer (for the experts a layer swaps in,
+    also a list of copies that together hold them).
 
     A layer that keeps its number of resident experts has only its changed experts copied, into the slots of
     those leaving, in place: a re-placement between steps copies what changed and needs no room for a second
@@ -131,7 +133,8 @@ def apply(weights, residency: Residency, build: Callable[[int, tuple[int, ...]],
             continue
         res = layer.mlp.resident
         if res is not None and ids and len(ids) == len(old):
-            res = _swapped(res, sorted(set(old) - set(ids)), build(i, tuple(sorted(set(ids) - set(old)))))
+            incoming = build(i, tuple(sorted(set(ids) - set(old))))
+            res = _swapped(res, sorted(set(old) - set(ids)), incoming if isinstance(incoming, list) else [incoming])
         else:
             res = build(i, ids)
         layers[i] = dataclasses.replace(layer, mlp=dataclasses.replace(layer.mlp, resident=res))
@@ -143,14 +146,19 @@ def _put_rows(stacks, slots, rows):
     return jax.tree.map(lambda stack, new: stack.at[slots].set(new), stacks, rows)
 
 
-def _swapped(res: ResidentExperts, leaving: list[int], incoming: ResidentExperts) -> ResidentExperts:
-    """`res` with the experts `leaving` replaced, slot for slot, by `incoming` (their copies, in id order)."""
+def _swapped(res: ResidentExperts, leaving: list[int], incoming: list[ResidentExperts]) -> ResidentExperts:
+    """`res` with the experts `leaving` replaced, slot for slot, by the experts the copies `incoming` hold (each
+    copy's in id order)."""
     slot_of = np.asarray(res.slot_of).copy()
-    slots = slot_of[leaving]
+    free = list(slot_of[leaving])
     slot_of[leaving] = -1
-    slot_of[np.flatnonzero(np.asarray(incoming.slot_of) >= 0)] = slots
     stacks = (res.experts, res.scales)
-    experts, scales = _put_rows(stacks, jnp.asarray(slots), (incoming.experts, incoming.scales))
+    for copy in incoming:
+        ids = current_ids(copy)
+        slots, free = free[: len(ids)], free[len(ids) :]
+        slot_of[list(ids)] = slots
+        stacks = _put_rows(stacks, jnp.asarray(slots, jnp.int32), (copy.experts, copy.scales))
+    experts, scales = stacks
     return dataclasses.replace(res, slot_of=jax.device_put(slot_of, res.slot_of.device), experts=experts,
                                scales=scales)
 

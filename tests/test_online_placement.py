@@ -44,9 +44,9 @@ def split():
         yield m
 
 
-def test_a_tallying_step_counts_the_experts_its_live_tokens_chose(split):
-    """Two of three slots occupied, 3 steps a call: the tally is the routing a prefill of the same tokens gives those
-    positions (the free slot counts nothing)."""
+def test_a_tallying_step_gives_the_experts_its_live_tokens_chose(split):
+    """Two of three slots occupied, 3 steps a call: the experts the steps chose are those a prefill of the same tokens
+    routes those positions to (the free slot chose none)."""
     rng = np.random.default_rng(1)
     two = prompts(split, 2, rng)
     steps, split.decode_steps = split.decode_steps, 3
@@ -58,12 +58,14 @@ def test_a_tallying_step_counts_the_experts_its_live_tokens_chose(split):
             engine.insert(prefilled, slot, slot, params)
         first = np.asarray(prefilled.tokens)
         step = engine.generate()
-        generated, tallied = step.tokens(), step.activations()
+        generated, routed = step.tokens(), step.routed_experts()
     finally:
         split.decode_steps = steps
     cfg = split.config
-    assert tallied.shape == (len(_moe_layers(cfg)), cfg.n_routed_experts)
-    assert int(tallied.sum()) == 2 * 3 * cfg.num_experts_per_tok * len(_moe_layers(cfg))
+    assert routed.shape == (3, len(_moe_layers(cfg)), 3, cfg.num_experts_per_tok)
+    assert (routed[:, :, 2] == -1).all() and (routed[:, :, :2] >= 0).all()  # the free slot chose nothing
+    tallied = np.stack([np.bincount(routed[:, n, :2].ravel(), minlength=cfg.n_routed_experts)
+                        for n in range(routed.shape[1])])
     # The call's inputs are each sequence's first token and the two it then generated.
     inputs = [[int(first[s]), *generated[:-1, s].tolist()] for s in range(2)]
     whole = count_activations(split, [p + t for p, t in zip(two, inputs, strict=True)])
@@ -126,8 +128,8 @@ def test_a_scheduler_that_re_places_between_steps_gives_what_each_request_gets_a
     assert after != before and all(len(after.layers[i]) == 4 for i in _moe_layers(cfg))
     # The plan took in experts the traffic used more than the ones they replaced.
     assert scheduler.online.recent.sum() > 0
-    split.swap_experts(before, {layer: split.resident_copies(layer, sorted(set(before.layers[layer])
-                                                                         - set(after.layers[layer])))
+    split.swap_experts(before, {layer: [split.resident_copies(layer, sorted(set(before.layers[layer])
+                                                                          - set(after.layers[layer])))]
                                 for layer in _moe_layers(cfg) if before.layers[layer] != after.layers[layer]})
     assert split.residency == before
 
@@ -140,5 +142,5 @@ def test_a_swap_that_changes_a_layers_count_or_brings_the_wrong_copies_is_refuse
         split.swap_experts(fewer, {})
     moved = Residency({**held.layers, layer: (*held.layers[layer][:3], 10)})
     with pytest.raises(ValueError, match=f"layer {layer}"):
-        split.swap_experts(moved, {layer: split.resident_copies(layer, [11])})
+        split.swap_experts(moved, {layer: [split.resident_copies(layer, [11])]})
     assert split.residency == held

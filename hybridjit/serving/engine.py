@@ -101,7 +101,8 @@ def _decode_program(
 ):
     """`steps` decode steps of one micro-batch from the last row of tokens [n, b], each step's tokens fed to the
     next, attending over the cache's first `span` positions: (((tokens, finite) [steps, b], with `tally` the
-    activations per expert of every MoE layer over the steps [moe layers, e], else None), the cache)."""
+    experts each MoE layer chose for each slot's token [steps, moe layers, b, k] (-1: a free slot), else None),
+    the cache)."""
     return _within_span(span, cache, partial(_decode_steps, cfg, schedule, steps, tally, weights, tokens, positions,
                                              live, keys, counts, temperature, top_k, top_p))
 
@@ -112,28 +113,30 @@ def _decode_steps(cfg, schedule, steps, tally, weights, tokens, positions, live,
         logits, cache, *tallied = family_of(cfg).model.decode_step(
             cfg, weights, tokens, positions + i, cache, schedule, live, tally
         )
-        return _sample_rows(logits, keys, counts + i, temperature, top_k, top_p), cache, _first(tallied)
+        return _sample_rows(logits, keys, counts + i, temperature, top_k, top_p), cache, tallied[0] if tally else None
 
     if steps == 1:  # no loop around the custom calls of a hybrid step
         (new, finite), cache, tallied = step(0, tokens[-1], cache)
-        return ((new[None], finite[None]), tallied), cache
+        return ((new[None], finite[None]), None if tallied is None else tallied[None]), cache
 
     def body(i, carry):
-        last, out, finite, cache, total = carry
+        last, out, finite, cache, routed = carry
         (new, ok), cache, tallied = step(i, last, cache)
-        return new, out.at[i].set(new), finite.at[i].set(ok), cache, None if total is None else total + tallied
+        routed = None if routed is None else routed.at[i].set(tallied)
+        return new, out.at[i].set(new), finite.at[i].set(ok), cache, routed
 
     b = tokens.shape[1]
     moe_layers = sum(isinstance(layer.mlp, MoE) for layer in weights.layers)
-    total = jnp.zeros((moe_layers, cfg.n_routed_experts), jnp.int32) if tally else None
-    init = (tokens[-1], jnp.zeros((steps, b), tokens.dtype), jnp.zeros((steps, b), bool), cache, total)
-    _, out, finite, cache, total = jax.lax.fori_loop(0, steps, body, init)
-    return ((out, finite), total), cache
+    routed = jnp.zeros((steps, moe_layers, b, cfg.num_experts_per_tok), jnp.int32) if tally else None
+    init = (tokens[-1], jnp.zeros((steps, b), tokens.dtype), jnp.zeros((steps, b), bool), cache, routed)
+    _, out, finite, cache, routed = jax.lax.fori_loop(0, steps, body, init)
+    return ((out, finite), routed), cache
 
 
 def _first(tallied: list):
-    """The activations a decode step with `tally` returns after its logits and caches, or None without."""
-    return tallied[0] if tallied else None
+    """The experts chosen [1, moe layers, b, k] that a decode step with `tally` returns after its logits and caches
+    (a call's one step), or None without."""
+    return tallied[0][None] if tallied else None
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2), static_argnames="tally", donate_argnames="caches")
@@ -215,15 +218,16 @@ class Prefilled:
 @dataclasses.dataclass
 class Step:
     """One dispatched call of decode steps: the new tokens of every slot [steps, slots] and whether their logits
-    were finite, once the device has them (reading them waits); with an engine that tallies, how often the occupied
-    slots' tokens chose each routed expert of each MoE layer."""
+    were finite, once the device has them (reading them waits); with an engine that tallies, the routed experts
+    the occupied slots' tokens chose."""
 
     _sampled: list
-    _activations: jax.Array | None = None
+    _routed: jax.Array | None = None
 
-    def activations(self) -> np.ndarray | None:
-        """Activations per routed expert over the call's steps, int [moe layers, e] (None: not tallied)."""
-        return None if self._activations is None else np.asarray(self._activations)
+    def routed_experts(self) -> np.ndarray | None:
+        """The experts each MoE layer chose for each slot's token at each step of the call, int32 [steps, moe layers,
+        slots, k], -1 for a free slot (None: the engine does not tally)."""
+        return None if self._routed is None else np.asarray(self._routed)
 
     def tokens(self) -> np.ndarray:
         return np.concatenate([np.asarray(t) for t, _ in self._sampled], axis=1)
@@ -263,7 +267,7 @@ class Engine:
         if micro_batches is not None and not 1 <= micro_batches <= slots:
             raise ValueError(f"micro_batches must be in [1, slots = {slots}], got {micro_batches}")
         self.model, self.slots, self.cache_len = model, slots, cache_len
-        self.tally = tally  # each Step also counts the routed experts its tokens chose (Step.activations)
+        self.tally = tally  # each Step also gives the routed experts its tokens chose (Step.routed_experts)
         self.coalesced = micro_batches is not None
         on_host = model.experts_on_host
         interactive_on_gpu = micro_batches is None and model.placement.device.platform == "gpu"
@@ -420,14 +424,14 @@ class Engine:
         if len(self.groups) > 1:
             positions, live, counts, temperature, top_k, top_p = zip(*split, strict=True)
             program = _decode_grouped_program if self.coalesced else _decode_dual_program
-            (sampled, activations), caches = program(
+            (sampled, routed), caches = program(
                 m.config, schedule, span, m.weights, tuple(self.tokens), positions, live, tuple(self.caches),
                 tuple(self.keys), counts, temperature, top_k, top_p, tally=self.tally,
             )
             self.caches = list(caches)
         else:
             (positions, live, counts, temperature, top_k, top_p), = split
-            (sampled, activations), cache = _decode_program(
+            (sampled, routed), cache = _decode_program(
                 m.config, schedule, self.steps, span, m.weights, self.tokens[0], positions, live, self.caches[0],
                 self.keys[0], counts, temperature, top_k, top_p, tally=self.tally,
             )
@@ -435,4 +439,4 @@ class Engine:
         self.tokens = [tokens for tokens, _ in sampled]
         self.positions[self.occupied] += self.steps
         self.counts[self.occupied] += self.steps
-        return Step(list(sampled), activations)
+        return Step(list(sampled), routed)

@@ -69,10 +69,12 @@ class OnlinePlacement:
         held = model.residency.layers
         return any(0 < len(held.get(i, ())) < n for i, n in bank_moe_layers(model.weights).items())
 
-    def observe(self, activations: np.ndarray, steps: int) -> None:
-        """Adds a call's activations [MoE layers, e] (Step.activations, over `steps` decode steps) to the counts."""
-        rows = [self._row[layer] for layer in self.layers]
-        self.recent = self.recent * self.decay**steps + activations[rows]
+    def observe(self, routed: np.ndarray) -> None:
+        """Counts a call's routed experts (Step.routed_experts: [steps, MoE layers, slots, k], -1 for free slots)."""
+        steps, e = routed.shape[0], self.recent.shape[1]
+        ids = (routed[:, self._row[layer]] for layer in self.layers)
+        counts = np.stack([np.bincount(i[i >= 0], minlength=e) for i in ids])
+        self.recent = self.recent * self.decay**steps + counts
         self.steps_since += steps
 
     def plan(self) -> list[Swap]:
@@ -119,11 +121,12 @@ class OnlinePlacement:
         return 0
 
     def _copies(self, swaps: list[Swap]) -> dict:
-        """Device copies of each layer's incoming experts, on the device before this returns (worker thread)."""
-        incoming: dict[int, list[int]] = {}
+        """A device copy of each incoming expert, by layer, on the device before this returns (worker thread). One
+        expert a copy: the swap then writes copies of one shape, by one compiled program, however many move."""
+        copies: dict[int, list] = {}
         for s in swaps:
-            incoming.setdefault(s.layer, []).append(s.incoming)
-        return {layer: jax.block_until_ready(self.model.resident_copies(layer, ids)) for layer, ids in incoming.items()}
+            copies.setdefault(s.layer, []).append(self.model.resident_copies(s.layer, [s.incoming]))
+        return jax.block_until_ready(copies)
 
     def close(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=True)

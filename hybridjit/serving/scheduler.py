@@ -354,7 +354,7 @@ class Scheduler:
             self._fail_step(jobs, e)
             return
         if self.online is not None:
-            self.online.observe(step.activations(), len(tokens))
+            self.online.observe(step.routed_experts())
         for slot, job in jobs.items():
             for token, ok in zip(tokens[:, slot], finite[:, slot], strict=True):  # a call's steps, in order
                 if job.finished:

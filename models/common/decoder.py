@@ -133,15 +133,13 @@ def _decode_feed_forward(cfg, layer: Layer, h, moe_layers: list[int], i: int, sc
     return out, carried, chosen
 
 
-def activations(cfg: ModelConfig, chosen: list[jax.Array], live: jax.Array | None) -> jax.Array:
-    """How often each MoE layer routed to each of its experts: int32 [len(chosen), n_routed_experts] from the
-    experts chosen per token (each [tokens, k]), counting only the `live` tokens ([tokens] bool; None: all). What a
-    decode step with `tally` returns, for re-placing resident experts while serving (online_placement)."""
-    counts = jnp.zeros((len(chosen), cfg.n_routed_experts), jnp.int32)
-    for n, ids in enumerate(chosen):
-        ones = jnp.ones(ids.shape, jnp.int32) if live is None else jnp.broadcast_to(live.reshape(-1, 1), ids.shape)
-        counts = counts.at[n, ids].add(ones.astype(jnp.int32))
-    return counts
+def chosen_experts(chosen: list[jax.Array], live: jax.Array | None) -> jax.Array:
+    """The experts each MoE layer chose per token, int32 [len(chosen), tokens, k] from the per-layer choices (each
+    [tokens, k]), -1 for the tokens not `live` ([tokens] bool; None: all live). What a decode step with `tally`
+    returns for counting the experts' use while serving (serving/online_placement.py); counted on the host, so the
+    step gains one small output and no work."""
+    ids = jnp.stack(chosen).astype(jnp.int32)
+    return ids if live is None else jnp.where(live.reshape(1, -1, 1), ids, -1)
 
 
 def extend(
@@ -156,8 +154,8 @@ def extend(
     tally: bool = False,
 ):
     """New tokens [b, t] at positions [b, t] against the cache, whose entries they add: float32 logits
-    [b, t, vocab] and the updated cache, and with `tally` (static) a third result, each MoE layer's activations
-    per expert of the live tokens (`activations`). One token per sequence is a decode step; several continue a prompt
+    [b, t, vocab] and the updated cache, and with `tally` (static) a third result, the experts each MoE layer
+    chose for each live token (`chosen_experts`). One token per sequence is a decode step; several continue a prompt
     whose first part is already in the cache (chunked prefill, a prefix-cache hit). Positions past the cache's
     length write nothing, so a chunk may be right-padded.
 
@@ -182,7 +180,7 @@ def extend(
             chosen += [] if ids is None else [ids]
             x = x + out
     if tally:
-        return logits(cfg, w, x), new_cache, activations(cfg, chosen, live_tokens)
+        return logits(cfg, w, x), new_cache, chosen_experts(chosen, live_tokens)
     return logits(cfg, w, x), new_cache
 
 
@@ -198,7 +196,7 @@ def decode_step(
     tally: bool = False,
 ):
     """One new token per sequence, tokens [b] at positions [b]: float32 logits [b, vocab], updated cache (and
-    with `tally` the activations per expert). `live` and `tally` as in extend."""
+    with `tally` the experts chosen). `live` and `tally` as in extend."""
     logits, *rest = extend(attention, cfg, w, tokens[:, None], positions[:, None], cache, schedule, live, tally)
     return logits[:, 0], *rest
 
@@ -221,7 +219,8 @@ def decode_step_dual(
 
     The order is data: each micro-batch takes back its routed experts only after the other has handed its
     own to the CPU (the wait's pass-through operand is the other's hand-off output). Returns
-    ((logits A, logits B), (cache A, cache B)), and with `tally` the activations per expert of both (extend's).
+    ((logits A, logits B), (cache A, cache B)), and with `tally` the experts chosen for A's tokens then B's
+    (extend's).
     """
     schedule.check(cfg)
     moe_layers = [i for i, layer in enumerate(w.layers) if isinstance(layer.mlp, MoE)]
@@ -287,7 +286,8 @@ def decode_step_dual(
             finish(m, x[1 - m])
     out = tuple(logits(cfg, w, xm)[:, 0] for xm in x), new_caches
     if tally:
-        return *out, sum(activations(cfg, chosen[m], None if live is None else live[m]) for m in (0, 1))
+        ids = [chosen_experts(chosen[m], None if live is None else live[m]) for m in (0, 1)]
+        return *out, jnp.concatenate(ids, axis=1)
     return out
 
 
@@ -308,7 +308,7 @@ def decode_step_grouped(
     execution; dual-batch overlap instead gives each micro-batch its own expert call). The micro-batches bound
     what one attention call holds: the unit a cache kept in host memory would be streamed in. Same math as
     decode_step on the micro-batches concatenated. Returns (logits per micro-batch, caches per micro-batch), and
-    with `tally` the activations per expert of all of them (extend's).
+    with `tally` the experts chosen for all their tokens (extend's).
     """
     sizes = [t.shape[0] for t in tokens]
     bounds = [sum(sizes[:m]) for m in range(len(sizes) + 1)]
@@ -336,7 +336,7 @@ def decode_step_grouped(
             x = x + out
     out = logits(cfg, w, x)[:, 0]
     result = tuple(out[bounds[m] : bounds[m + 1]] for m in range(len(tokens))), new_caches
-    return (*result, activations(cfg, chosen, everyone)) if tally else result
+    return (*result, chosen_experts(chosen, everyone)) if tally else result
 
 
 def prefill_attention_layer(
