@@ -36,16 +36,21 @@ struct TokenLayout {
 
 size_t GgufPackedBytes(const LayerWeights&, int64_t tokens, int64_t cols) { return tokens * TokenLayout(cols).bytes; }
 
+// Token t's activations as float32 in x[cols].
+void TokenFloats(const ActivationRows& rows, int64_t t, int64_t cols, float* x) {
+  const void* src = rows.Row(t);
+  if (rows.bf16) {
+    for (int64_t c = 0; c < cols; ++c) x[c] = Bf16BitsToFloat(static_cast<const uint16_t*>(src)[c]);
+  } else {
+    std::copy_n(static_cast<const float*>(src), cols, x);
+  }
+}
+
 void GgufPack(const LayerWeights&, const ActivationRows& rows, int64_t cols, void* packed) {
   const TokenLayout layout(cols);
   std::vector<float> x(cols);
   for (int64_t t = 0; t < rows.count; ++t) {
-    const void* src = rows.Row(t);
-    if (rows.bf16) {
-      for (int64_t c = 0; c < cols; ++c) x[c] = Bf16BitsToFloat(static_cast<const uint16_t*>(src)[c]);
-    } else {
-      std::copy_n(static_cast<const float*>(src), cols, x.data());
-    }
+    TokenFloats(rows, t, cols, x.data());
     char* token = static_cast<char*>(packed) + t * layout.bytes;
     auto* q = reinterpret_cast<int8_t*>(token);
     auto* lane_dx = reinterpret_cast<float*>(token + layout.lane_dx);
@@ -247,12 +252,7 @@ void GgufPackFused(const ActivationRows& rows, int64_t cols, void* packed) {
   std::vector<float> x(cols);
   std::memset(packed, 0, rows.count * layout.bytes);  // a Q8_0 row's last block: zero past cols
   for (int64_t t = 0; t < rows.count; ++t) {
-    const void* src = rows.Row(t);
-    if (rows.bf16) {
-      for (int64_t c = 0; c < cols; ++c) x[c] = Bf16BitsToFloat(static_cast<const uint16_t*>(src)[c]);
-    } else {
-      std::copy_n(static_cast<const float*>(src), cols, x.data());
-    }
+    TokenFloats(rows, t, cols, x.data());
     char* token = static_cast<char*>(packed) + t * layout.bytes;
     for (int64_t c = 0; c < cols; c += kActBlock) {
       char* block = token + c / FusedLayout::kBlock * FusedLayout::kBytes;
