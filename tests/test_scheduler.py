@@ -171,6 +171,12 @@ def test_a_bad_number_of_decode_steps_is_refused_by_name(model, decode_steps):
         model.generate([5, 6, 7], max_new_tokens=2)
 
 
+def test_the_engine_refuses_a_prompt_longer_than_its_slots_by_name(model):
+    engine = serving_engine.Engine(model, 2, 16)
+    with pytest.raises(ValueError, match="seqs: a prompt of 17 tokens does not fit slots of 16 positions"):
+        engine.prefill([[5] * 3, [5] * 17], [SamplingParams()] * 2)
+
+
 @pytest.mark.parametrize("decode_steps", [None, 3], indirect=True)
 def test_a_shared_prefix_is_served_from_the_cache(model, scheduler_of, decode_steps):
     scheduler = scheduler_of(slots=2, cache_len=512, prefix_block_tokens=16)

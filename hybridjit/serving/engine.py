@@ -324,7 +324,9 @@ class Engine:
         stream_prefill.choose_prefill_path decides for the model."""
         m = self.model
         lengths = np.array([len(s) for s in seqs], np.int32)
-        width = min(bucket(int(lengths.max())), self.cache_len)
+        if (longest := int(lengths.max())) > self.cache_len:
+            raise ValueError(f"seqs: a prompt of {longest} tokens does not fit slots of {self.cache_len} positions")
+        width = min(bucket(longest), self.cache_len)
         tokens = np.zeros((len(seqs), width), np.int32)
         for i, s in enumerate(seqs):
             tokens[i, : len(s)] = s
