@@ -42,7 +42,7 @@ class Swap:
 
 
 class OnlinePlacement:
-    """Counts `model`'s routed-expert activations from the decode steps it is shown (observe) and re-places its
+    """Counts `model`'s routed-expert activations in the decode steps it is shown (observe) and re-places its
     resident experts between steps (between_steps), as the module says."""
 
     def __init__(self, model, *, interval: int = 64, half_life: int = 512, max_swaps: int = 8, margin: float = 1.5):
@@ -54,7 +54,7 @@ class OnlinePlacement:
         self.model, self.interval, self.max_swaps, self.margin = model, interval, max_swaps, margin
         self.decay = 0.5 ** (1.0 / half_life)
         self.layers = sorted(bank_moe_layers(model.weights))  # the MoE layers whose experts can move
-        # Rows of Step.activations: every MoE layer, in order.
+        # Rows of Step.routed_experts: every MoE layer, in order.
         self._row = {layer: row for row, layer in enumerate(
             i for i, layer in enumerate(model.weights.layers) if isinstance(layer.mlp, MoE))}
         self.recent = np.zeros((len(self.layers), model.config.n_routed_experts))
