@@ -139,31 +139,19 @@ def _first(tallied: list):
     return tallied[0][None] if tallied else None
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2), static_argnames="tally", donate_argnames="caches")
-def _decode_dual_program(
-    cfg, schedule, span, weights, tokens, positions, live, caches, keys, counts, temperature, top_k, top_p,
+@partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames="tally", donate_argnames="caches")
+def _decode_micro_batches_program(
+    cfg, schedule, span, coalesced, weights, tokens, positions, live, caches, keys, counts, temperature, top_k, top_p,
     tally=False,
 ):
+    """One decode step of several micro-batches: their routed experts coalesced into one call per layer
+    (decode_step_grouped) or, two of them, overlapping each other's (decode_step_dual)."""
+    model = family_of(cfg).model
+    decode_step = model.decode_step_grouped if coalesced else model.decode_step_dual
+
     def run(caches):
         last = tuple(t[-1] for t in tokens)
-        logits, caches, *tallied = family_of(cfg).model.decode_step_dual(
-            cfg, weights, last, positions, caches, schedule, live, tally
-        )
-        return (_sampled_rows(logits, keys, counts, temperature, top_k, top_p), _first(tallied)), caches
-
-    return _within_span(span, caches, run)
-
-
-@partial(jax.jit, static_argnums=(0, 1, 2), static_argnames="tally", donate_argnames="caches")
-def _decode_grouped_program(
-    cfg, schedule, span, weights, tokens, positions, live, caches, keys, counts, temperature, top_k, top_p,
-    tally=False,
-):
-    def run(caches):
-        last = tuple(t[-1] for t in tokens)
-        logits, caches, *tallied = family_of(cfg).model.decode_step_grouped(
-            cfg, weights, last, positions, caches, schedule, live, tally
-        )
+        logits, caches, *tallied = decode_step(cfg, weights, last, positions, caches, schedule, live, tally)
         return (_sampled_rows(logits, keys, counts, temperature, top_k, top_p), _first(tallied)), caches
 
     return _within_span(span, caches, run)
@@ -425,10 +413,9 @@ class Engine:
         ]
         if len(self.groups) > 1:
             positions, live, counts, temperature, top_k, top_p = zip(*split, strict=True)
-            program = _decode_grouped_program if self.coalesced else _decode_dual_program
-            (sampled, routed), caches = program(
-                m.config, schedule, span, m.weights, tuple(self.tokens), positions, live, tuple(self.caches),
-                tuple(self.keys), counts, temperature, top_k, top_p, tally=self.tally,
+            (sampled, routed), caches = _decode_micro_batches_program(
+                m.config, schedule, span, self.coalesced, m.weights, tuple(self.tokens), positions, live,
+                tuple(self.caches), tuple(self.keys), counts, temperature, top_k, top_p, tally=self.tally,
             )
             self.caches = list(caches)
         else:
