@@ -12,10 +12,12 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from jax._src.dispatch import BACKEND_COMPILE_EVENT
 from kernel_choice import EXACT_FLOAT32_FAMILY, kernel_family
 from test_scheduler import idle, prompts, run_all, solo
 
 import hybridjit
+from hybridjit import expert_residency
 from hybridjit.expert_residency import Residency, count_activations
 from hybridjit.models import registry
 from hybridjit.placement import Placement
@@ -144,3 +146,39 @@ def test_a_swap_that_changes_a_layers_count_or_brings_the_wrong_copies_is_refuse
     with pytest.raises(ValueError, match=f"layer {layer}"):
         split.swap_experts(moved, {layer: [split.resident_copies(layer, [11])]})
     assert split.residency == held
+
+
+def test_a_swap_after_compile_swap_compiles_nothing(split):
+    """The slot write is compiled ahead (OnlinePlacement does it as serving starts): the first swap of a layer's
+    expert then compiles no program. The same swap back without it does compile (jit's caches cleared), so the
+    check can tell the two apart."""
+    layer = _moe_layers(split.config)[0]
+    held = split.residency.layers
+    leaving, incoming = held[layer][0], min(set(range(split.config.n_routed_experts)) - set(held[layer]))
+    swapped = Residency({**held, layer: tuple(sorted(set(held[layer]) - {leaving} | {incoming}))})
+    compiles = []
+
+    def count(event, _secs, **_):
+        if event == BACKEND_COMPILE_EVENT:
+            compiles.append(event)
+
+    def compiled_by(swap) -> int:
+        jax.clear_caches()
+        compiles.clear()
+        jax.monitoring.register_event_duration_secs_listener(count)
+        try:
+            swap()
+        finally:
+            jax.monitoring.unregister_event_duration_listener(count)
+        return len(compiles)
+
+    def ahead_then_swap():
+        expert_residency.compile_swap(split.weights.layers[layer].mlp.resident)
+        copies = {layer: [split.resident_copies(layer, [incoming])]}
+        compiles.clear()
+        split.swap_experts(swapped, copies)
+
+    assert compiled_by(ahead_then_swap) == 0
+    assert split.residency.layers[layer] == swapped.layers[layer]
+    assert compiled_by(lambda: split.swap_experts(Residency(held), {layer: [split.resident_copies(layer, [leaving])]}))
+    assert split.residency.layers == held

@@ -21,6 +21,7 @@ import logging
 import jax
 import numpy as np
 
+from hybridjit import expert_residency
 from hybridjit.expert_residency import Residency, bank_moe_layers
 from hybridjit.models.common.moe import MoE
 
@@ -62,6 +63,8 @@ class OnlinePlacement:
         self.swapped = 0  # experts swapped so far
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hybridjit-expert-copies")
         self._copying: tuple[Residency, list[Swap], concurrent.futures.Future] | None = None
+        # The slot write compiled before the first swap needs it, on the worker, while serving starts.
+        self._compiled = self._worker.submit(self._compile_swaps)
 
     @staticmethod
     def wanted(model) -> bool:
@@ -119,6 +122,21 @@ class OnlinePlacement:
                 held[s.layer] = held[s.layer] - {s.outgoing} | {s.incoming}
             self._copying = (Residency(held), swaps, self._worker.submit(self._copies, swaps))
         return 0
+
+    def _compile_swaps(self) -> None:
+        """Compiles each distinct resident-stack shape's slot write (expert_residency.compile_swap)."""
+        done = set()
+        for layer in self.model.weights.layers:
+            res = getattr(layer.mlp, "resident", None)
+            if res is None:
+                continue
+            key = tuple((a.shape, a.dtype, a.sharding) for a in jax.tree.leaves((res.experts, res.scales)))
+            if key not in done:
+                try:
+                    expert_residency.compile_swap(res)
+                except Exception:  # the first swap then compiles it; serving is not affected
+                    log.exception("compiling the resident-expert slot write ahead failed")
+                done.add(key)
 
     def _copies(self, swaps: list[Swap]) -> dict:
         """A device copy of each incoming expert, by layer, on the device before this returns (worker thread). One
