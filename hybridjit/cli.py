@@ -1,5 +1,6 @@
 """The `hybridjit` command: `generate` a completion, `serve` a model over an OpenAI-compatible HTTP API, run a
-`batch` of requests from a JSON-lines file for throughput, show `info` about a checkpoint, or `convert` one.
+`batch` of requests from a JSON-lines file for throughput, show `info` about a checkpoint, `convert` one, or show
+this machine's measured `floors`.
 
 Only the completion goes to stdout; progress, statistics and errors go to stderr. An error is one line,
 `hybridjit: error: ...`, and the exit status says what kind: 2 bad input (arguments, files, checkpoints),
@@ -8,6 +9,8 @@ Only the completion goes to stdout; progress, statistics and errors go to stderr
 
 import argparse
 import collections
+import dataclasses
+import json
 import os
 import sys
 import time
@@ -197,6 +200,18 @@ def _placement_lines(cfg: ModelConfig, placement: Placement, kv_tokens: int, n_m
     ]
 
 
+def cmd_floors(args) -> int:
+    import jax  # deferred, as the other commands' JAX: measuring starts its backends
+
+    from hybridjit import machine_floors
+
+    cache = machine_floors.FloorCache()
+    floors = cache.floors(jax.devices()[0], remeasure=args.remeasure)
+    print(json.dumps({**dataclasses.asdict(floors), "cache": str(cache.path),
+                      "cpu_experts_tflops": cache.cpu_expert_rates(floors.machine)}, indent=1))
+    return 0
+
+
 def cmd_convert(args) -> int:
     print(convert_checkpoint(resolve_model(args.source), args.destination, args.format, overwrite=args.force))
     return 0
@@ -336,6 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tokens of KV cache the placement reserves device memory for")
     info.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: the backend's)")
     info.set_defaults(run=cmd_info)
+    floors = sub.add_parser("floors", help="this machine's rates that the cost models choose with, measured once "
+                            "and cached ($HYBRIDJIT_CACHE/floors.json)", formatter_class=HelpFormatter)
+    floors.add_argument("--remeasure", action="store_true", help="measure them again and replace the cached ones")
+    floors.set_defaults(run=cmd_floors)
     convert = sub.add_parser("convert", help="re-store a checkpoint's weights in another format",
                              formatter_class=HelpFormatter)
     convert.add_argument("source", help="checkpoint path, repo id or name")

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybridjit import expert_residency
+from hybridjit import expert_residency, machine_floors
 from hybridjit.auto_placement import DeviceBudget, device_budget, resident_expert_bytes
 from hybridjit.expert_residency import Residency
 from hybridjit.model_files import open_checkpoint, open_tokenizer
@@ -27,6 +27,7 @@ from hybridjit.placement import Placement, compute_dtype
 from hybridjit.resolve import resolve_model
 from hybridjit.sampling import SamplingParams, integer, is_integer
 from hybridjit.serving.engine import Engine, bucket
+from hybridjit.stream_prefill import PrefillRates
 from hybridjit.tokenizer import IncrementalDecoder, first_stop
 from hybridjit.weights import Progress, WeightLoader, routed_expert_bytes
 
@@ -95,6 +96,20 @@ class Model:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+    def prefill_rates(self) -> PrefillRates:
+        """The rates the prefill-path choice reads, of this machine (hybridjit.machine_floors: measured the first
+        time, then cached): pinned host -> device copies, the GPU's GEMM rate, and the CPU kernels' rate on this
+        model's routed experts (their format and shapes)."""
+        device, cache = self.placement.device, machine_floors.FloorCache()
+        floors = cache.floors(device)
+        if floors.pcie_gbps is None or not self.expert_layers:  # no accelerator, or no expert on the CPU
+            return PrefillRates()
+        layer, k = self.expert_layers[0], self.config.num_experts_per_tok
+        key = f"{layer.format} experts {layer.hidden}x{layer.inter}, {k} of {layer.n_experts} a token"
+        cpu = cache.cpu_expert_tflops(device, key, lambda: machine_floors.cpu_expert_tflops(
+            layer, layer.hidden, layer.inter, layer.n_experts, k))
+        return PrefillRates(floors.pcie_gbps, floors.gpu_tflops, cpu)
 
     # ----------------------------------------------------------------------------- residency
 

@@ -2,9 +2,9 @@
 prefilled together) gives the most throughput on this machine for this model, and what throughput it predicts.
 
 A roofline per module, as MoE-Lightning's hierarchical roofline (HRM) and MoE-Gen's batch-size search model it,
-fed with the machine's measured floors (`Floors`, an input: bench/floors.py and bench/offline.py measure them;
-the defaults below are bench/RESULTS.md's figures for the 1x H100 + 16-core Xeon host) and the model's shapes
-(the family's cost module):
+fed with the machine's measured floors (`Floors`: Floors.of_machine reads hybridjit.machine_floors' cached
+measurement; the defaults below are bench/RESULTS.md's figures for the 1x H100 + 16-core Xeon host) and the model's
+shapes (the family's cost module):
 
 - routed experts, on the CPU, once per MoE layer over the whole batch (coalesced): the larger of reading the
   distinct experts the batch routes to (host read floor x the kernels' share of it) and their FLOPs at the CPU's
@@ -27,6 +27,7 @@ import math
 
 import jax.numpy as jnp
 
+from hybridjit import machine_floors
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.serving.engine import bucket
 from hybridjit.stream_prefill import PrefillRates, expert_bytes, free_device_memory, prefill_seconds
@@ -44,8 +45,8 @@ ATTENTION_SCRATCH = 1 << 30
 
 @dataclasses.dataclass(frozen=True)
 class Floors:
-    """The machine's measured rates. Defaults: bench/RESULTS.md on the 1x H100 80 GB + 16-core Xeon (AMX) host,
-    except where said. Another engineer's per-machine measurement (issue #23) fills this in."""
+    """The machine's rates. Defaults: bench/RESULTS.md on the 1x H100 80 GB + 16-core Xeon (AMX) host, except where
+    said; of_machine measures this machine's."""
 
     host_read_gbps: float = 155.0  # read floor (bench/floors.py): decode.py's V3 projection ran at 155 GB/s
     cpu_decode_share: float = 0.85  # of the read floor the FP8 decode kernels reach: 73-94% by host (moe_cpu.py)
@@ -59,6 +60,16 @@ class Floors:
 
     def prefill_rates(self) -> PrefillRates:
         return PrefillRates(self.pcie_gbps, self.gpu_tflops, self.cpu_expert_tflops)
+
+    @classmethod
+    def of_machine(cls, model) -> "Floors":
+        """The floors of the machine `model` runs on (hybridjit.machine_floors: measured once, then cached) where it
+        runs on an accelerator, the figures the policy models; the defaults elsewhere and for what is not measured."""
+        if model.placement.device.platform == "cpu":
+            return cls()
+        floors, rates = machine_floors.FloorCache().floors(model.placement.device), model.prefill_rates()
+        return cls(host_read_gbps=floors.host_read_gbps, cpu_expert_tflops=rates.cpu_expert_tflops,
+                   pcie_gbps=rates.pcie_gbps, gpu_tflops=rates.gpu_tflops, gpu_hbm_gbps=floors.gpu_hbm_gbps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,7 +252,7 @@ def choose_policy(
     """The policy for running `jobs` (runner Jobs) on a loaded model, with the user's choices fixed."""
     from hybridjit.stream_prefill import choose_prefill_path
 
-    floors = floors or Floors()
+    floors = floors or Floors.of_machine(model)
     if floors.device_free_bytes is None and model.placement.device.platform != "cpu":
         floors = dataclasses.replace(floors, device_free_bytes=free_device_memory(model.placement.device))
     work = Workload.of_jobs(jobs, cache_len)

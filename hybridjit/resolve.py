@@ -23,8 +23,13 @@ def default_model_dir() -> Path:
     return Path(str(resources.files("hybridjit") / "data" / "default"))
 
 
+def cache_dir() -> Path:
+    """Where hybridjit keeps what it measures once per machine ($HYBRIDJIT_CACHE, default ~/.cache/hybridjit)."""
+    return Path(os.environ.get("HYBRIDJIT_CACHE", Path.home() / ".cache" / "hybridjit"))
+
+
 def models_dir() -> Path:
-    return Path(os.environ.get("HYBRIDJIT_MODELS", Path.home() / ".cache" / "hybridjit" / "models"))
+    return Path(os.environ.get("HYBRIDJIT_MODELS", cache_dir() / "models"))
 
 
 def hub_cache_dir() -> Path:

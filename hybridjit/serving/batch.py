@@ -59,8 +59,8 @@ def batch(
     prefilled together.
     `progress`: a progress bar (tokens/s, ETA) and notes on stderr.
     `dtype`: the compute dtype of a model loaded here (as hybridjit.load's).
-    `floors`: the machine's rates the performance model reads (default: offline_policy.Floors(), with the
-    device's free memory measured).
+    `floors`: the machine's rates the performance model reads (default: offline_policy.Floors.of_machine, this
+    machine's measured floors on a GPU, with the device's free memory measured).
     """
     given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
              "stop": stop}  # fmt: skip

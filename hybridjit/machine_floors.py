@@ -1,0 +1,176 @@
+"""The machine's floors, measured once and cached (issue #23): the rates the cost models choose with (which prefill
+path a prompt takes, the offline policy), measured on this machine rather than taken from another's benchmarks.
+
+- host_read_gbps: host memory read bandwidth on the expert kernels' own thread pool (the extension's
+  memory_bandwidth, best of its read patterns): what the CPU experts of decode read at;
+- pcie_gbps: pinned host -> device copies (stream-loaded prefill's expert blocks);
+- gpu_tflops: a dense bf16 GEMM (prefill's GPU work); gpu_hbm_gbps: device memory read rate (decode's GPU work);
+- per expert layer, cpu_expert_tflops: the CPU expert kernels on a prefill's worth of tokens routed uniformly, for
+  that layer's format and shapes (AMX, AVX-512 and the formats differ several-fold: bench/RESULTS.md).
+
+They are kept in `floors.json` of the cache directory (resolve.cache_dir()), under a key that names the CPU, its
+core count, the kernels' thread count and the accelerator, so that a cache copied to another machine, or a run with
+another thread count, measures again. `hybridjit floors` shows them (`--remeasure` to refresh).
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+import hybridjit_ffi as _ffi
+from hybridjit.ops.routed_experts import kernel_info, routed_experts
+from hybridjit.resolve import cache_dir
+
+log = logging.getLogger(__name__)
+
+CACHE_FILE = "floors.json"
+# Bytes of each array the host read floor streams over: far larger than the last-level caches of the hosts we run on
+# (up to ~300 MB on a whole Emerald Rapids socket), so the floor is memory's, not a cache's.
+HOST_READ_BYTES = 1 << 29
+# A prefill's worth of tokens for the CPU expert rate: 4096 tokens give DeepSeek-V3's 256 experts 128 each, where
+# the AMX kernels run at their many-token rate (bench/prefill.py measures the same).
+CPU_EXPERT_TOKENS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineFloors:
+    """The floors of one machine (None where it has no accelerator)."""
+
+    machine: str
+    host_read_gbps: float
+    pcie_gbps: float | None
+    gpu_tflops: float | None
+    gpu_hbm_gbps: float | None
+
+
+def machine_key(device: jax.Device) -> str:
+    """What the floors depend on: the CPU model, its cores, the expert kernels' threads and the accelerator."""
+    cpu = "unknown cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    accelerator = f"{device.platform} {device.device_kind}"
+    return f"{cpu}; {os.cpu_count()} cores; {kernel_info()['threads']} kernel threads; {accelerator}"
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    fn()  # compiles, allocates
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def pinned_h2d_gbps(device: jax.Device, nbytes: int = 1 << 30, repeats: int = 3) -> float:
+    """Pinned host -> device bandwidth: the best of `repeats` copies of one pinned buffer."""
+    src = jax.device_put(np.zeros(nbytes, np.uint8), SingleDeviceSharding(device, memory_kind="pinned_host"))
+    dst = SingleDeviceSharding(device, memory_kind="device")
+    seconds = _best_seconds(lambda: jax.device_put(src, dst).block_until_ready().delete(), repeats)
+    return nbytes / seconds / 1e9
+
+
+def gemm_tflops(device: jax.Device, n: int = 8192, repeats: int = 5) -> float:
+    """A dense bf16 GEMM n x n x n on `device`, best of `repeats`."""
+    a = jax.device_put(jnp.ones((n, n), jnp.bfloat16), device)
+    product = jax.jit(lambda a: a @ a)
+    return 2 * n**3 / _best_seconds(lambda: product(a).block_until_ready(), repeats) / 1e12
+
+
+def hbm_read_gbps(device: jax.Device, nbytes: int = 2 << 30, repeats: int = 5) -> float:
+    """The device memory's read rate: a float32 sum over `nbytes` of bfloat16, best of `repeats`."""
+    x = jax.device_put(jnp.ones((nbytes // 2,), jnp.bfloat16), device)
+    total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    gbps = nbytes / _best_seconds(lambda: total(x).block_until_ready(), repeats) / 1e9
+    x.delete()
+    return gbps
+
+
+def measure(device: jax.Device) -> MachineFloors:
+    """Measures every floor now (a few seconds on a GPU machine)."""
+    read = float(_ffi.memory_bandwidth(HOST_READ_BYTES, 3, 0)["read_gbps"])
+    on_gpu = device.platform == "gpu"
+    return MachineFloors(
+        machine=machine_key(device),
+        host_read_gbps=round(read, 2),
+        pcie_gbps=round(pinned_h2d_gbps(device), 2) if on_gpu else None,
+        gpu_tflops=round(gemm_tflops(device), 1) if on_gpu else None,
+        gpu_hbm_gbps=round(hbm_read_gbps(device), 1) if on_gpu else None,
+    )
+
+
+def cpu_expert_tflops(expert_layer, hidden: int, inter: int, experts: int, k: int,
+                      tokens: int = CPU_EXPERT_TOKENS, repeats: int = 2) -> float:
+    """The CPU expert kernels' TFLOP/s on registered `expert_layer` (ops.routed_experts), `tokens` tokens routed
+    uniformly at random to k of its `experts`, best of `repeats` after one warm-up call."""
+    cpu = jax.devices("cpu")[0]
+    rng = np.random.default_rng(0)
+    ids = np.argsort(rng.random((tokens, experts)), axis=1)[:, :k].astype(np.int32)
+    args = jax.device_put((rng.standard_normal((tokens, hidden)).astype(jnp.bfloat16), ids,
+                           np.full(ids.shape, 0.1, np.float32)), cpu)
+    call = jax.jit(lambda x, ids, w: routed_experts(x, ids, w, layer=expert_layer.id))
+    seconds = _best_seconds(lambda: call(*args).block_until_ready(), repeats)
+    return 2 * 3 * hidden * inter * tokens * k / seconds / 1e12
+
+
+class FloorCache:
+    """floors.json of a cache directory: machine key -> {"floors": MachineFloors, "cpu_experts": {layer key: TFLOP/s}}.
+    A file that cannot be read is measured anew (and rewritten), never an error: it is a cache."""
+
+    def __init__(self, directory: Path | None = None):
+        self.path = (directory or cache_dir()) / CACHE_FILE
+
+    def _read(self) -> dict:
+        try:
+            data = json.loads(self.path.read_text())
+            return data if isinstance(data, dict) else {}
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            log.warning("%s: unreadable (%s); measuring again", self.path, e)
+            return {}
+
+    def _write(self, data: dict) -> None:
+        # Whole or not at all: a reader never sees half a file.
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = self.path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(data, indent=1, sort_keys=True))
+        temporary.replace(self.path)
+
+    def floors(self, device: jax.Device, *, remeasure: bool = False) -> MachineFloors:
+        """The cached floors of this machine, measured (and cached) when there are none or `remeasure`."""
+        key, data = machine_key(device), self._read()
+        entry = data.get(key, {})
+        if not remeasure:
+            try:
+                return MachineFloors(**entry["floors"])
+            except (KeyError, TypeError):
+                pass
+        floors = measure(device)
+        data[key] = {**entry, "floors": dataclasses.asdict(floors)}
+        self._write(data)
+        return floors
+
+    def cpu_expert_rates(self, machine: str) -> dict[str, float]:
+        """The CPU expert rates cached for `machine` (a machine_key), by layer key."""
+        return dict(self._read().get(machine, {}).get("cpu_experts", {}))
+
+    def cpu_expert_tflops(self, device: jax.Device, layer_key: str, measure_layer) -> float:
+        """The cached CPU expert rate of layers like `layer_key` on this machine; measure_layer() measures it."""
+        key, data = machine_key(device), self._read()
+        rates = data.setdefault(key, {}).setdefault("cpu_experts", {})
+        if not isinstance(rates.get(layer_key), float):
+            rates[layer_key] = round(float(measure_layer()), 3)
+            self._write(data)
+        return rates[layer_key]

@@ -1,0 +1,94 @@
+"""The machine's floors (hybridjit/machine_floors.py): measured once, cached per machine in the cache directory, and
+measured again where the cache is for another machine, unreadable or refreshed on request; the CPU expert rate is
+measured on a real registered layer and cached per layer format and shapes; `hybridjit floors` shows them."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+from hybrid_placement import hybrid
+
+import hybridjit
+from hybridjit import machine_floors
+from hybridjit.machine_floors import FloorCache, MachineFloors
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = jax.devices("cpu")[0]
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """Counts the real measurements (kept small: the host read floor over 64 MB arrays)."""
+    monkeypatch.setattr(machine_floors, "HOST_READ_BYTES", 1 << 26)
+    calls = []
+    measure = machine_floors.measure
+
+    def counting(device):
+        calls.append(device)
+        return measure(device)
+
+    monkeypatch.setattr(machine_floors, "measure", counting)
+    return calls
+
+
+def test_floors_are_measured_once_then_read_from_the_cache(tmp_path, measured):
+    cache = FloorCache(tmp_path)
+    first = cache.floors(CPU)
+    assert first.host_read_gbps > 0 and first.pcie_gbps is None and first.gpu_tflops is None  # no accelerator
+    assert first.machine == machine_floors.machine_key(CPU)
+    assert FloorCache(tmp_path).floors(CPU) == first and len(measured) == 1
+    stored = json.loads((tmp_path / machine_floors.CACHE_FILE).read_text())
+    assert MachineFloors(**stored[first.machine]["floors"]) == first
+
+
+def test_another_machine_an_unreadable_file_or_remeasure_measure_again(tmp_path, measured, monkeypatch):
+    cache = FloorCache(tmp_path)
+    cache.floors(CPU)
+    cache.floors(CPU, remeasure=True)
+    assert len(measured) == 2
+    (tmp_path / machine_floors.CACHE_FILE).write_text("{not json")
+    cache.floors(CPU)
+    assert len(measured) == 3 and json.loads((tmp_path / machine_floors.CACHE_FILE).read_text())  # rewritten whole
+    this_machine = machine_floors.machine_key(CPU)
+    monkeypatch.setattr(machine_floors, "machine_key", lambda device: "another machine")
+    assert cache.floors(CPU).machine == "another machine" and len(measured) == 4
+    assert set(json.loads((tmp_path / machine_floors.CACHE_FILE).read_text())) == {"another machine", this_machine}
+
+
+def test_the_cpu_expert_rate_is_measured_on_the_layer_and_cached_by_its_key(tmp_path):
+    with hybridjit.load() as model:  # the embedded model: its experts in the host bank
+        layer, k = model.expert_layers[0], model.config.num_experts_per_tok
+        rate = machine_floors.cpu_expert_tflops(layer, layer.hidden, layer.inter, layer.n_experts, k, tokens=256,
+                                                repeats=1)
+    assert rate > 0
+    cache, asked = FloorCache(tmp_path), []
+    for _ in range(2):
+        assert cache.cpu_expert_tflops(CPU, "bf16 64x32", lambda: asked.append(1) or 1.5) == 1.5
+    assert cache.cpu_expert_tflops(CPU, "fp8 64x32", lambda: 0.5) == 0.5
+    assert len(asked) == 1
+    assert cache.cpu_expert_rates(machine_floors.machine_key(CPU)) == {"bf16 64x32": 1.5, "fp8 64x32": 0.5}
+
+
+def test_the_floors_command_prints_them_as_json(tmp_path):
+    env = {**os.environ, "HYBRIDJIT_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-m", "hybridjit", "floors"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    shown = json.loads(out.stdout)
+    assert shown["host_read_gbps"] > 0 and shown["cache"] == str(tmp_path / machine_floors.CACHE_FILE)
+    assert (tmp_path / machine_floors.CACHE_FILE).exists()
+
+
+@pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="the accelerator's floors need one")
+def test_on_a_gpu_the_prefill_path_reads_this_machines_measured_rates(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRIDJIT_CACHE", str(tmp_path))
+    with hybridjit.load(placement=hybrid()) as model:  # every routed expert in pinned host memory
+        rates = model.prefill_rates()
+    floors = FloorCache(tmp_path).floors(jax.devices()[0])
+    assert floors.pcie_gbps > 1 and floors.gpu_tflops > 1 and floors.gpu_hbm_gbps > 10
+    assert (rates.pcie_gbps, rates.gpu_tflops) == (floors.pcie_gbps, floors.gpu_tflops)
+    assert list(FloorCache(tmp_path).cpu_expert_rates(floors.machine).values()) == [rates.cpu_expert_tflops]
