@@ -2,12 +2,21 @@
 
     python bench/decode.py --checkpoint PATH [--batch 1 2] [--context 1024] [--steps 32]
     python bench/decode.py --geometry deepseek-v3 --layers 10 --format fp8 [--batch 1] [--context 1024 16384]
+    python bench/decode.py --geometry deepseek-v3 --layers 5 --format q4_k [--gguf-dir DIR] [--keep-gguf]
 
 A geometry builds a random checkpoint of that model's real shapes in memory (hybridjit.synthetic), loaded by
 the same loader and expert bank as a real one; with --layers the model is truncated and tokens/s at full
 depth is reported as a projection (labelled so): the step time per MoE layer, dense layers and LM head
 included, times the full model's MoE layers. The step runs where Placement.default puts it: on a GPU
 with the routed experts on the CPU behind the CUDA hand-off, else all on XLA:CPU.
+
+A GGUF format (q4_k, q5_k, q6_k, q8_0, q4_k_m: moe_cpu.py's names; a geometry whose family llama.cpp converts)
+writes the truncated geometry as a GGUF file laid out as llama.cpp's conversions are (hybridjit.synthetic_gguf:
+the routed experts random blocks of that format with the spread of real weights, the other tensors BF16) into
+--gguf-dir (default a new temporary directory; a 5-layer DeepSeek-V3 in q4_k takes 21 GB), removed at exit unless
+--keep-gguf, and loads it as any GGUF (hybridjit.load): its experts stay in the file's memory mapping, every page
+of it mapped before timing, and the floor counts their blocks' bytes. Its base (below) is the geometry's dense
+layers in bf16, as the GGUF holds them (a GGUF without MoE layers is no model the loader takes).
 
 Split of a step: `expert_ms` is the CPU time in the routed-expert jobs (counted by the hand-off on a GPU;
 measured by running the expert calls alone on the CPU otherwise; `expert_alone_ms` is always the latter),
@@ -31,16 +40,22 @@ Ends with one JSON line.
 """
 
 import argparse
+import atexit
 import dataclasses
 import itertools
 import json
+import mmap
 import os
+import shutil
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from moe_cpu import GGUF_FORMATS
 
 import hybridjit_ffi as _ffi
 from bench_model import add_model_arguments, load_model
@@ -54,12 +69,14 @@ from hybridjit.auto_placement import (
 )
 from hybridjit.expert_residency import Residency
 from hybridjit.models import deepseek_v3 as dsv3
-from hybridjit.models.registry import ModelConfig
+from hybridjit.models.registry import GEOMETRIES, ModelConfig
 from hybridjit.ops.async_experts import submit_routed_experts, wait_routed_experts
 from hybridjit.ops.routed_experts import configure_threads, kernel_info, register_layer, routed_experts
 from hybridjit.placement import Placement
 from hybridjit.sampling import SamplingParams
 from hybridjit.serving.engine import DEVICE_ONLY_DECODE_STEPS, Engine, Prefilled
+from hybridjit.synthetic import geometry_config
+from hybridjit.synthetic_gguf import ARCHITECTURES, write_synthetic_gguf
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -73,6 +90,43 @@ def timed(fn, repeats):
         fn()
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
+
+
+def write_gguf_geometry(args) -> Path:
+    """Writes --geometry, truncated to --layers, as a GGUF file with --format experts (random weights) in --gguf-dir
+    (default: a new temporary directory), removed at exit unless --keep-gguf; returns its path."""
+    gate_up, down = GGUF_FORMATS[args.format]
+    directory = Path(args.gguf_dir or tempfile.mkdtemp(prefix="decode-gguf-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{args.geometry}-{args.layers or 'full'}-{args.format}.gguf"
+    if not args.keep_gguf:  # registered first: a write that fails half-way leaves nothing either
+        if args.gguf_dir:
+            atexit.register(path.unlink, missing_ok=True)
+        else:
+            atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    start = time.perf_counter()
+    cfg = geometry_config(args.geometry, layers=args.layers, weight_format="bf16")
+    size = write_synthetic_gguf(path, cfg, gate_up, down)
+    print(f"wrote {path} ({size / 1e9:.1f} GB{', kept' if args.keep_gguf else ''}) in "
+          f"{time.perf_counter() - start:.1f} s")
+    return path
+
+
+def load_gguf_geometry(path: Path, args, placement: Placement) -> tuple[engine.Model, str, ModelConfig]:
+    """(the Model, its name, the config at full depth) of write_gguf_geometry's file, loaded as any GGUF with the
+    residency --resident then sets (not load's automatic one). Every page of its routed experts is mapped here:
+    they stay in the file's mapping, where a page's first read faults, which decode steps would otherwise pay the
+    first time they choose an expert."""
+    start = time.perf_counter()
+    model = engine.load(str(path), placement=dataclasses.replace(placement, resident_experts=None))
+    for t in model._loader.ckpt.file.tensors.values():
+        if t.name.endswith("_exps.weight"):
+            t.data[:: mmap.PAGESIZE].max()
+    name = f"{args.geometry} ({args.format} GGUF, random weights)"
+    full = geometry_config(args.geometry, weight_format="bf16")
+    print(f"loaded {name}, {model.config.num_hidden_layers} of {full.num_hidden_layers} layers, in "
+          f"{time.perf_counter() - start:.1f} s")
+    return model, name, full
 
 
 def expert_bytes(model: engine.Model) -> int:
@@ -301,7 +355,10 @@ def hbm_bytes_per_step(model: engine.Model, batch: int, context: int, covered: f
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(parser)
-    parser.add_argument("--format", default="fp8", choices=("fp8", "bf16"), help="weight format of a geometry")
+    parser.add_argument("--format", default="fp8", choices=("fp8", "bf16", *GGUF_FORMATS),
+                        help="weight format of a geometry; a GGUF one (its experts' blocks) writes a GGUF file")
+    parser.add_argument("--gguf-dir", help="where a GGUF format's file is written (default: a temporary directory)")
+    parser.add_argument("--keep-gguf", action="store_true", help="keep a GGUF format's file (default: removed at exit)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1])
     parser.add_argument("--context", type=int, nargs="+", default=[1024])
     parser.add_argument("--steps", type=int, default=16)
@@ -332,9 +389,23 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, nargs="+", default=[],
                         help="run the cases once per CPU expert pool size (default: the pool as configured)")
     args = parser.parse_args(argv)
+    gguf_format = args.format in GGUF_FORMATS
+    if gguf_format and not args.geometry:
+        parser.error(f"--format {args.format} writes a GGUF file of a --geometry (a --checkpoint has its own format)")
+    if gguf_format and geometry_config(args.geometry).model_type not in ARCHITECTURES:
+        mapped = sorted(g for g in GEOMETRIES if geometry_config(g).model_type in ARCHITECTURES)
+        parser.error(f"--geometry {args.geometry}: llama.cpp converts no model of its family; GGUF formats take "
+                     f"{', '.join(mapped)}")
 
     floors = memory_floors()
-    model, name, full = load_model(args, Placement.default(args.dtype), args.format)
+    if gguf_format:
+        try:
+            path = write_gguf_geometry(args)
+        except ValueError as e:  # rows that are not whole blocks of the format, a directory without room
+            parser.error(f"--format {args.format}, --geometry {args.geometry}, --gguf-dir {args.gguf_dir}: {e}")
+        model, name, full = load_gguf_geometry(path, args, Placement.default(args.dtype))
+    else:
+        model, name, full = load_model(args, Placement.default(args.dtype), args.format)
     full_layers = full.num_hidden_layers
     full_moe = sum(full.is_moe_layer(i) for i in range(full_layers))
     rng = np.random.default_rng(0)
@@ -350,7 +421,9 @@ def main(argv=None):
     # Timed first, then freed: the base holds its own embedding, dense layers and LM head.
     base_ms = {}
     if args.geometry and 0 < dense < depth:
-        base, _, _ = load_model(argparse.Namespace(**{**vars(args), "layers": dense}), model.placement, args.format)
+        base_format = "bf16" if gguf_format else args.format  # a GGUF's non-expert weights are bf16
+        base_args = argparse.Namespace(**{**vars(args), "layers": dense})
+        base, _, _ = load_model(base_args, model.placement, base_format)
         for (context, batch, overlap, _), per_call in itertools.product(cases, args.decode_steps):
             base.dual_batch, base.decode_steps = overlap, per_call
             if (batch, context, overlap, per_call) not in base_ms:
