@@ -28,8 +28,9 @@ median). The floor is the time to read each step's distinct experts once at the 
 measured by the same run, right before and after the case (`floor_gbps`; bench/floors.py's ReadFloor says why
 not once per run).
 
-Per MoE layer (a geometry with dense layers): the same geometry cut to its dense layers is timed too
-(`base_step_ms`: embedding, dense layers, LM head and sampling), and `moe_layer_ms` = (step - base) / MoE
+Per MoE layer: the same geometry cut to its dense layers is timed too (`base_step_ms`: embedding, dense layers, LM
+head and sampling; a family whose every layer is MoE gets it from the steps of 1 and of --layers layers, every
+expert on the CPU: base = (d step(1) - step(d)) / (d - 1)), and `moe_layer_ms` = (step - base) / MoE
 layers, everything a MoE layer costs on GPU and CPU; `layer_ratio` = that / (its expert floor + hand-off),
 the target's measure; `moe_cpu_busy` = expert_ms / (the window's mean step - base), the CPU utilisation of the
 MoE layers alone (a truncated model's dense layers and LM head, which have no expert jobs, would dilute
@@ -412,7 +413,7 @@ def main(argv=None):
     depth = model.config.num_hidden_layers
     # The geometry cut to its leading dense layers: everything of a step but the MoE layers (embedding, dense
     # layers, LM head, sampling), so the MoE layers' own time is the difference. Families whose every layer is MoE
-    # have no base: their MoE layer time includes the embedding, LM head and sampling.
+    # have no such cut (no config has zero layers): their base is extrapolated from two depths instead.
     dense = next((i for i in range(depth) if model.config.is_moe_layer(i)), depth)
     overlaps = {"on": [True], "off": [False], "both": [False, True]}[args.overlap]
     # Overlap applies to batches of 2 or more; deferral is measured at batch 1 (its use case).
@@ -430,6 +431,21 @@ def main(argv=None):
                 base_steps = step_times(base, batch, context, args.steps, rng)[0]
                 base_ms[batch, context, overlap, per_call] = statistics.median(base_steps)
         del base
+    elif args.geometry and dense == 0 and depth > 1 and not gguf_format:
+        # step(d) = base + d x layer over depths 1 and d, every routed expert on the CPU in both (uniform routing):
+        # base = (d step(1) - step(d)) / (d - 1). A layer's own time then includes its attention, as a dense
+        # geometry's MoE layer time does.
+        one, _, _ = load_model(argparse.Namespace(**{**vars(args), "layers": 1}), model.placement, args.format)
+        place(one, "0", None)
+        place(model, "0", None)
+        for (context, batch, overlap, _), per_call in itertools.product(cases, args.decode_steps):
+            if (batch, context, overlap, per_call) not in base_ms:
+                steps = []
+                for m in (one, model):
+                    m.dual_batch, m.decode_steps = overlap, per_call
+                    steps.append(statistics.median(step_times(m, batch, context, args.steps, rng)[0]))
+                base_ms[batch, context, overlap, per_call] = (depth * steps[0] - steps[1]) / (depth - 1)
+        del one
     print(f"decode: {name}, {depth} of {full_layers} layers, on {model.placement.device}, kernel {kernel_info()}"
           + (f", hand-off {_ffi.gpu_handoff_mode()}" if ON_GPU else ""))
     print(floors_line(floors))

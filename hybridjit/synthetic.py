@@ -97,7 +97,8 @@ class SyntheticCheckpoint:
         values = random_values(info.dtype, int(np.prod(info.shape)), rng).reshape(info.shape)
         if info.dtype in ("F8_E4M3", "U8") or "embed_tokens" in info.name:  # scaled by their scales
             return values
-        return (values * (1 / np.sqrt(info.shape[1]))).astype(values.dtype)
+        # A Python float keeps the values' dtype (NumPy 2); a NumPy float64 would make a float64 temporary of each.
+        return (values * float(1 / np.sqrt(info.shape[1]))).astype(values.dtype)
 
 
 _POOL_ELEMENTS = 1 << 24
