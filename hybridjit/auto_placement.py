@@ -16,6 +16,7 @@ import numpy as np
 
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.pinned_experts import BLOCKS_PER_LAYER
+from hybridjit.stream_prefill import expert_bytes
 
 GIB = 2**30
 UNBOUNDED = 2**62  # the free memory of a device that reports none
@@ -35,6 +36,13 @@ def resident_expert_bytes(cfg: ModelConfig, dtype) -> int:
         bo, bi = cfg.fp8.block
         return 3 * d * f + 4 * (2 * -(-f // bo) * -(-d // bi) + -(-d // bo) * -(-f // bi))
     return 3 * d * f * jnp.dtype(dtype).itemsize
+
+
+def stored_expert_bytes(cfg: ModelConfig) -> int:
+    """Bytes of one routed expert as stored (what stream-loaded prefill copies to the device): the mean over the
+    checkpoint's experts (stream_prefill.expert_bytes)."""
+    moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    return -(-expert_bytes(cfg) // (moe * cfg.n_routed_experts)) if moe else 0
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype) -> int:
@@ -105,10 +113,8 @@ def device_budget(cfg: ModelConfig, device: jax.Device, dtype, *, kv_tokens: int
         device_total=total,
         free_after_weights=free_bytes,
         kv_cache=kv_tokens * kv_bytes_per_token(cfg, dtype),
-        # Stream-loaded prefill, where the family has it, keeps two blocks of a layer's experts (as stored: FP8 or
-        # BF16) on the device.
-        prefill_ring=2 * -(-cfg.n_routed_experts // BLOCKS_PER_LAYER) * resident_expert_bytes(cfg, jnp.bfloat16)
-        if hasattr(family_of(cfg).model, "ChunkedAttention") else 0,
+        # Stream-loaded prefill keeps two blocks of a layer's experts, as stored, on the device.
+        prefill_ring=2 * -(-cfg.n_routed_experts // BLOCKS_PER_LAYER) * stored_expert_bytes(cfg),
         activations=ACTIVATION_RESERVE + int(FRAGMENTATION_SHARE * total),
         per_expert=per_expert,
         moe_layers=moe_layers,

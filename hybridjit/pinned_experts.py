@@ -20,6 +20,7 @@ import numpy as np
 from jax._src import xla_bridge
 from jax.sharding import SingleDeviceSharding
 
+from hybridjit.models.common.expert_storage import ExpertStorage
 from hybridjit.ops.routed_experts import ExpertLayer, register_layer
 
 PINNED_HOST = "pinned_host"
@@ -31,16 +32,30 @@ BLOCKS_PER_LAYER = 8
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ExpertBlock:
-    """Experts [start, start + size) of a layer in pinned host memory: per projection (gate, up, down) stacked
-    [size, out, in] in the stored dtype, with FP8 block scales [size, ceil(out/bo), ceil(in/bi)] float32."""
+    """Experts [start, start + size) of a layer in pinned host memory, per projection (gate, up, down) stacked
+    [size, ...] as the bank reads them: the weights in the stored format (up None where gate holds gate and up
+    rows interleaved), their scales (None: an unscaled format) and float32 biases (None: unbiased)."""
 
     start: int
-    weights: tuple[jax.Array, jax.Array, jax.Array]
-    scales: tuple[jax.Array, jax.Array, jax.Array] | None
+    weights: tuple[jax.Array | None, ...]
+    scales: tuple[jax.Array | None, ...] | None = None
+    biases: tuple[jax.Array | None, ...] | None = None
 
     @property
     def arrays(self) -> tuple[jax.Array, ...]:
-        return self.weights + (self.scales or ())
+        """Every array of the block, weights then scales then biases: what streaming copies."""
+        groups = (self.weights, self.scales or (), self.biases or ())
+        return tuple(a for group in groups for a in group if a is not None)
+
+    def parts(self, arrays: tuple) -> tuple[tuple, tuple | None, tuple | None]:
+        """(weights, scales, biases) of `arrays` ordered as `self.arrays` (their device copies), laid out as this
+        block's: None where it has none."""
+        rest = iter(arrays)
+
+        def take(group):
+            return None if group is None else tuple(None if a is None else next(rest) for a in group)
+
+        return take(self.weights), take(self.scales), take(self.biases)
 
     @property
     def size(self) -> int:
@@ -53,10 +68,10 @@ class ExpertBlock:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PinnedExperts:
-    """One MoE layer's routed experts, in blocks, and the FP8 block shape of their scales (None: not FP8)."""
+    """One MoE layer's routed experts, in blocks, and how they are stored."""
 
     blocks: tuple[ExpertBlock, ...]
-    quant_block: tuple[int, int] | None
+    storage: ExpertStorage
 
     @property
     def n_experts(self) -> int:
@@ -138,7 +153,7 @@ def pinned_layer(layer_id: int) -> PinnedExperts | None:
 
 def register_pinned(
     gate: Sequence[np.ndarray],
-    up: Sequence[np.ndarray],
+    up: Sequence[np.ndarray] | None,
     down: Sequence[np.ndarray],
     gate_scale: Sequence[np.ndarray] | None = None,
     up_scale: Sequence[np.ndarray] | None = None,
@@ -147,31 +162,50 @@ def register_pinned(
     *,
     device: jax.Device,
     experts_per_block: int | None = None,
+    biases: tuple[Sequence[np.ndarray], Sequence[np.ndarray] | None, Sequence[np.ndarray]] | None = None,
+    **options,
 ) -> ExpertLayer:
-    """register_layer's drop-in for one layer (same arguments, same checks by the bank), with the experts
-    first copied into pinned host memory of `device` in blocks of `experts_per_block` (default: the layer in
-    BLOCKS_PER_LAYER blocks). The source arrays can be dropped afterwards; the pinned copy lives as long as
-    the returned bank layer, and `pinned_layer(layer.id)` finds it."""
+    """register_layer's drop-in for one layer (same arguments and options, same checks by the bank), with the
+    experts first copied into pinned host memory of `device` in blocks of `experts_per_block` (default: the layer
+    in BLOCKS_PER_LAYER blocks), biases too. The source arrays can be dropped afterwards; the pinned copy lives as
+    long as the returned bank layer, and `pinned_layer(layer.id)` finds it."""
     n = len(gate)
     per = experts_per_block or -(-n // BLOCKS_PER_LAYER)
     sharding = SingleDeviceSharding(device, memory_kind=PINNED_HOST)
-    scaled = gate_scale is not None
+    scales = None if gate_scale is None else (gate_scale, up_scale, down_scale)
+
+    def pin(group, start):
+        if group is None:
+            return None
+        return tuple(None if seq is None else _pin(seq[start : start + per], sharding) for seq in group)
+
     blocks = tuple(
-        ExpertBlock(
-            start,
-            tuple(_pin(seq[start : start + per], sharding) for seq in (gate, up, down)),
-            tuple(_pin(seq[start : start + per], sharding) for seq in (gate_scale, up_scale, down_scale))
-            if scaled else None,
-        )
+        ExpertBlock(start, pin((gate, up, down), start), pin(scales, start), pin(biases, start))
         for start in range(0, n, per)
     )
-    pinned = PinnedExperts(blocks, block if scaled else None)
-    # The bank gets per-expert views; each view keeps `pinned` alive, so the pinned copy (and its _PINNED
-    # entry) lives exactly as long as the bank layer holds its arrays.
-    views = [
-        [expert for b in blocks for expert in host_view(b.arrays[j], pinned)] for j in range(len(blocks[0].arrays))
-    ]
-    layer = register_layer(*views, block=block) if scaled else register_layer(*views)
+
+    # The bank gets per-expert views of each projection's arrays; each view keeps `owner`, and so the pinned copy
+    # (and its _PINNED entry), alive exactly as long as the bank layer holds its arrays. The PinnedExperts joins
+    # `owner` once the bank has checked the arrays and said their format.
+    owner: list[PinnedExperts] = []
+
+    def views(group_of):
+        if group_of(blocks[0]) is None:
+            return None
+        return tuple(
+            None if a is None else [expert for b in blocks for expert in host_view(group_of(b)[j], owner)]
+            for j, a in enumerate(group_of(blocks[0]))
+        )
+
+    layer = register_layer(
+        *views(lambda b: b.weights), *(views(lambda b: b.scales) or (None,) * 3), block=block,
+        biases=views(lambda b: b.biases), **options,
+    )
+    storage = ExpertStorage(
+        layer.format, layer.block, options.get("gate_up_interleaved", False), options.get("activation", ("silu",))
+    )
+    pinned = PinnedExperts(blocks, storage)
+    owner.append(pinned)
     _PINNED[layer.id] = pinned
     return layer
 

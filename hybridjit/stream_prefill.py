@@ -3,8 +3,10 @@ stream in from the one pinned host copy that the CPU expert kernels also read (h
 
 For long prompts the CPU's compute, not its memory bandwidth, limits the hybrid path: every expert is used by
 many tokens, so it pays to bring the experts to the GPU instead. The weights travel as stored (FP8 + block
-scales: half the bytes of BF16) and are dequantized on the GPU. Non-expert weights are already resident on the
-GPU (the hybrid decode needs them there), so only the routed experts stream.
+scales: half the bytes of BF16; int8/int4 with group scales; gpt-oss's MXFP4 with its biases) and are dequantized
+on the GPU (models/common/expert_storage.py). Non-expert weights are already resident on the GPU (the hybrid
+decode needs them there), so only the routed experts stream. Every family runs it: the attention cores come from
+the family's model module (ChunkedAttention, fused_attention), the rest is the shared decoder's.
 
 The pipeline runs over per-layer executables (DESIGN.md §4: separate executables with asynchronous copies
 overlap transfers with compute far better than host offload inside one jit). The paper's loader, model and
@@ -25,7 +27,8 @@ compute time, bench/RESULTS.md). The loop instead keeps the compute queue short 
 The ring holds at most `depth` blocks on the device. Its depth follows a VRAM budget: a whole layer of
 experts ahead when activations are small (short prompts, transfer-bound), down to ping-pong (2) and then 1
 (no overlap: slower, not failing) as a long prompt's activations take the memory. Attention runs chunked over
-queries (ChunkedAttention) or as cuDNN's fused attention on a GPU in 16-bit, so no [t, t] scores exist.
+queries (the family's ChunkedAttention) or fused (the family's fused_attention: cuDNN's on a GPU in 16-bit), so no
+[t, t] scores exist.
 
 The result is the decode state: the KV cache in the layout decode_step uses, and the logits of each
 sequence's last prompt token.
@@ -36,20 +39,22 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
-from functools import partial
+from functools import cache, partial
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from hybridjit.models.common.experts import Experts, dequantize_blocks, experts_grouped, group_by_expert
+from hybridjit.checkpoint import DTYPES
+from hybridjit.models.common.expert_storage import ExpertStorage
+from hybridjit.models.common.experts import experts_grouped, group_by_expert
 from hybridjit.models.common.layers import linear, mlp, rms_norm
 from hybridjit.models.common.moe import MoE
 from hybridjit.models.common.routing import route
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.pinned_experts import ExpertBlock, PinnedExperts, pinned_layer
+from hybridjit.quant import scale_shape
 
 # Scores of one query chunk of ChunkedAttention ([b, h, chunk, s] float32, about three live copies) stay
 # under this many bytes when the chunk is not given.
@@ -61,23 +66,6 @@ ATTENTION_SCRATCH = 1 << 30
 SLOTS_PER_PAIR = 1.5
 # Executables also hold fixed-size scratch (cuBLAS/cuDNN workspaces), whatever the prompt.
 WORKSPACE_BYTES = 64 << 20
-# Expert formats the device dequantizes (dequantize_blocks for FP8); int8/int4 experts take the hybrid path.
-STREAMABLE = frozenset(map(np.dtype, (np.float32, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn)))
-
-
-@dataclasses.dataclass(frozen=True)
-class CudnnAttention:
-    """The causal attention core of ChunkedAttention's signature as cuDNN's fused (flash) attention, which
-    takes the query/key head dim (n + p = 192) different from the value head dim (v = 128) on Hopper with
-    cuDNN >= 9.10. jax.nn.dot_product_attention requires equal head dims, hence the private entry point."""
-
-    def __call__(self, q_nope, q_rope, k_nope, k_rope, values, scale):
-        from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
-
-        q = jnp.concatenate([q_nope, q_rope], axis=-1)
-        shared_rope = jnp.broadcast_to(k_rope[:, :, None], (*k_nope.shape[:3], k_rope.shape[-1]))
-        k = jnp.concatenate([k_nope, shared_rope], axis=-1)
-        return dot_product_attention(q, k, values, scale=scale, mask_type=MaskType.CAUSAL, qkv_layout="BTNH")
 
 
 # ------------------------------------------------------------------------------------------ the plan
@@ -90,7 +78,7 @@ class RingPlan:
     depth: int  # expert blocks resident on the device at once
     block_bytes: int  # bytes of the largest block, as streamed
     activation_bytes: int  # estimated peak of everything else: activations, scores, dequantized weights
-    attention: Callable  # the attention core: the family's ChunkedAttention or CudnnAttention
+    attention: Callable  # the attention core: the family's ChunkedAttention or its fused one
     block_slots: int  # the most token slots one pass of an expert block may take (the estimate's assumption)
 
     @property
@@ -110,11 +98,10 @@ def activation_bytes(cfg: ModelConfig, batch: int, length: int, dtype, attention
     largest of its phases (attention, dense MLP, one pass of an expert block) on top of the residual stream and
     the executables' workspaces."""
     n, item, d, h = batch * length, jnp.dtype(dtype).itemsize, cfg.hidden_size, cfg.num_attention_heads
-    qk, v = cfg.qk_head_dim, cfg.v_head_dim
+    family = family_of(cfg)
     residual = n * d * (4 * item + 4)  # x, x after attention, normed tokens, shared experts; float32 sum
-    # Queries, keys (the cuDNN path also concatenates both), values and output, all per head.
-    attention_phase = n * (h * (4 * qk + 2 * v) + (cfg.q_lora_rank or 0) + 2 * cfg.kv_lora_rank) * item
-    if not isinstance(attention, CudnnAttention):  # chunked: [b, h, chunk, s] float32 scores
+    attention_phase = n * family.cost.attention_activation_elements(cfg) * item
+    if isinstance(attention, family.model.ChunkedAttention):  # [b, h, chunk, s] float32 scores
         attention_phase += 3 * batch * h * attention.chunk * length * 4
     dense_phase = 3 * n * cfg.intermediate_size * item
     slots = block_slots(cfg, n, experts_per_block)
@@ -162,21 +149,15 @@ def plan_ring(
 
 
 def _attention(cfg, batch, length, dtype, device, chunk):
-    if chunk is None and device.platform == "gpu" and jnp.dtype(dtype).itemsize == 2 and _cudnn_has_mla():
-        return CudnnAttention()
+    """The family's fused core on a GPU where it has one for `dtype`, else (or when `chunk` is given) its chunked
+    core."""
+    model = family_of(cfg).model
+    if chunk is None and device.platform == "gpu" and (fused := model.fused_attention(cfg, dtype)) is not None:
+        return fused
     if chunk is None:  # the largest power of two whose scores fit the scratch
         per_query = 3 * batch * cfg.num_attention_heads * length * 4
         chunk = 1 << max(0, (ATTENTION_SCRATCH // per_query).bit_length() - 1)
-    return family_of(cfg).model.ChunkedAttention(min(chunk, length))
-
-
-def _cudnn_has_mla() -> bool:
-    from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
-
-    try:
-        return check_cudnn_version() >= 91000
-    except RuntimeError:  # no cuDNN
-        return False
+    return model.ChunkedAttention(min(chunk, length))
 
 
 def free_device_memory(device: jax.Device) -> int | None:
@@ -202,7 +183,7 @@ def _moe_front(cfg, attention, layer, x, cache):
     x, cache = family_of(cfg).model.prefill_attention_layer(cfg, layer, x, cache, attention)
     moe = layer.mlp
     tokens = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps).reshape(-1, x.shape[-1])
-    ids, weights = route(cfg, moe.router, moe.correction_bias, tokens)
+    ids, weights = route(cfg, moe.router, moe.correction_bias, tokens, moe.router_bias)
     shared = mlp(moe.shared, tokens) if moe.shared is not None else None
     counts = jnp.zeros(cfg.n_routed_experts, jnp.int32).at[ids.reshape(-1)].add(1)
     return x, tokens, ids, weights, shared, counts, cache
@@ -234,19 +215,16 @@ def _dispatch(plans, tokens, ids, weights, counts):
 
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnames="out")
-def _expert_block(quant_block, dtype, tokens, first_pass, later, out, weights, scales):
-    """One block's experts on their tokens, added into out: dequantized once, then one pass at a time, so
-    only one pass's gathered tokens and hidden states are live; later passes multiply the busy experts only."""
-    if scales is None:
-        experts = Experts(*(w.astype(dtype) for w in weights))
-    else:
-        pairs = zip(weights, scales, strict=True)
-        experts = Experts(*(dequantize_blocks(w, s, quant_block, dtype) for w, s in pairs))
+def _expert_block(storage: ExpertStorage, dtype, tokens, first_pass, later, out, weights, scales, biases):
+    """One block's experts (as stored: weights, scales, biases) on their tokens, added into out: dequantized once,
+    then one pass at a time, so only one pass's gathered tokens and hidden states are live; later passes multiply
+    the busy experts only."""
+    experts = storage.experts(weights, scales, biases, dtype)
     out = experts_grouped(experts, tokens, *first_pass, out)
     if later is None:
         return out
     busy, rows, slot_weights = later
-    busy_experts = Experts(experts.gate[busy], experts.up[busy], experts.down[busy])
+    busy_experts = jax.tree.map(lambda a: a[busy], experts)  # biases too; the activation is static
 
     def one_pass(out, slots):
         return experts_grouped(busy_experts, tokens, *slots, out), None
@@ -477,8 +455,6 @@ def _pinned_layers(weights) -> dict[int, PinnedExperts]:
                     f"layer {i}: its routed experts are not in pinned host memory; stream-loaded prefill needs the "
                     "model loaded with Placement(..., pinned_experts=True)"
                 )
-            if (dtype := experts.blocks[0].weights[0].dtype) not in STREAMABLE:
-                raise ValueError(f"layer {i}: routed experts stored as {dtype} cannot be streamed; use hybrid prefill")
             pinned[i] = experts
     return pinned
 
@@ -499,8 +475,8 @@ def _moe_layer(cfg, plan: RingPlan, layer, experts: PinnedExperts, x, cache, rin
     for block, (first_pass, later) in zip(experts.blocks, grouped, strict=True):
         arrays = ring.take(block)
         out = ring.run(
-            "experts", _expert_block, experts.quant_block, jnp.dtype(dtype), tokens, first_pass, later, out,
-            arrays[:3], arrays[3:] or None,
+            "experts", _expert_block, experts.storage, jnp.dtype(dtype), tokens, first_pass, later, out,
+            *block.parts(arrays),
         )
         ring.unload(arrays)
     slots = [p.pass_slots for p in plans]
@@ -539,17 +515,25 @@ def prefill_flops(cfg: ModelConfig, batch: int, length: int) -> dict[str, float]
     return {"routed": moe * part["routed"], "other": other}
 
 
+@cache
 def expert_bytes(cfg: ModelConfig) -> int:
-    """Bytes of all routed experts as stored: FP8 with its float32 block scales, else BF16."""
-    moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    d, f = cfg.hidden_size, cfg.moe_intermediate_size
-    if cfg.fp8 is None:
-        per_expert = 3 * d * f * 2
-    else:
-        bo, bi = cfg.fp8.block
-        grid = 2 * -(-f // bo) * -(-d // bi) + -(-d // bo) * -(-f // bi)
-        per_expert = 3 * d * f + 4 * grid
-    return moe * cfg.n_routed_experts * per_expert
+    """Bytes of all routed experts as stored, what streaming copies (their biases, a fraction of a percent, left
+    out), from the family's checkpoint map: raw tensors (MXFP4 blocks and scales) as it declares them, int8/int4
+    and FP8 matrices with their float32 scales, any other as BF16."""
+    total = 0
+    for spec in family_of(cfg).ckpt.checkpoint_layout(cfg).values():
+        if not spec.routed_expert:
+            continue
+        if spec.dtype is not None:
+            total += math.prod(spec.shape) * DTYPES[spec.dtype].itemsize
+        elif cfg.int_quant is not None:
+            stored, scales = cfg.int_quant.stored_shape(spec.shape), cfg.int_quant.scale_shape(spec.shape)
+            total += math.prod(stored) + 4 * math.prod(scales)
+        elif cfg.fp8 is not None:
+            total += math.prod(spec.shape) + 4 * math.prod(scale_shape(spec.shape, cfg.fp8.block))
+        else:
+            total += 2 * math.prod(spec.shape)
+    return total
 
 
 def prefill_seconds(cfg: ModelConfig, batch: int, length: int, rates: PrefillRates) -> dict[str, float]:
@@ -585,16 +569,14 @@ def crossover_length(cfg: ModelConfig, rates: PrefillRates, batch: int = 1) -> i
 def choose_prefill_path(
     model, batch: int, length: int, *, rates: PrefillRates | None = None, threshold: int | None = None
 ) -> str:
-    """"stream" or "hybrid" for a prompt batch [batch, length]. Streaming needs pinned experts in a streamable
-    format, and a family whose model has the chunked attention core it runs (MLA's, so far); then `threshold`
-    (prompt tokens, batch * length) overrides the cost model; without it, streaming is chosen on a GPU when
-    prefill_seconds models it faster with `rates` (default PrefillRates())."""
-    if not hasattr(model.family.model, "ChunkedAttention"):
-        return "hybrid"
+    """"stream" or "hybrid" for a prompt batch [batch, length]. Streaming needs the routed experts pinned (GGUF
+    experts never are: the device has no dequantization of their blocks); then `threshold` (prompt tokens,
+    batch * length) overrides the cost model; without it, streaming is chosen on a GPU when prefill_seconds models
+    it faster with `rates` (default PrefillRates())."""
     try:
         if not _pinned_layers(model.weights):
             return "hybrid"
-    except ValueError:  # experts not pinned, or in a format the device does not dequantize
+    except ValueError:  # experts not pinned
         return "hybrid"
     if threshold is not None:
         return "stream" if batch * length >= threshold else "hybrid"

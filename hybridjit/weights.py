@@ -178,11 +178,27 @@ class WeightLoader:
                 down_bias=put(down_bias),
                 activation=names.activation,
             )
-        return Experts(*(self.placement.put(np.stack([self._dequantized(n) for n in ns])) for ns in names))
+        shapes = self._expert_shapes()
+        return Experts(*(
+            self.placement.put(np.stack([self._decoded(n, self._take(n), self._scale, shape) for n in ns]))
+            for ns, shape in zip(names, shapes, strict=True)
+        ))
+
+    def _expert_shapes(self) -> tuple[tuple[int, int], ...]:
+        """[out, in] of a routed expert's gate, up and down matrices (int4 stores hide odd column counts)."""
+        d, f = self.cfg.hidden_size, self.cfg.moe_intermediate_size
+        return (f, d), (f, d), (d, f)
+
+    def _register(self) -> Callable[..., ExpertLayer]:
+        """register_layer, or its drop-in that first copies the experts into pinned host memory where the placement
+        pins them (for stream-loaded prefill)."""
+        if self.placement.pinned_experts:
+            return functools.partial(register_pinned, device=self.placement.device)
+        return register_layer
 
     def fused_mxfp4_experts(self, names: FusedMxfp4Experts) -> ExpertLayer:
         """Registers gpt-oss's fused MXFP4 experts with the C++ bank, zero-copy (views of the stored tensors, per
-        expert); only the biases are converted, to float32."""
+        expert) unless the placement pins them; only the biases are converted, to float32."""
         blocks = {p: self._take(names.tensor(p, "blocks")) for p in ("gate_up_proj", "down_proj")}
         scales = {p: self._take(names.tensor(p, "scales")) for p in ("gate_up_proj", "down_proj")}
         biases = {p: self._take(names.tensor(p, "bias")).astype(np.float32) for p in ("gate_up_proj", "down_proj")}
@@ -190,7 +206,7 @@ class WeightLoader:
         def per_expert(a, flat=True):  # [E, out, in / 32, 16] -> E views [out, in / 2]
             return [e.reshape(e.shape[0], -1) if flat else e for e in a]
 
-        return register_layer(
+        return self._register()(
             per_expert(blocks["gate_up_proj"]),
             None,
             per_expert(blocks["down_proj"]),
@@ -216,9 +232,7 @@ class WeightLoader:
                 "is needed"
             )
         weights = [[self._take(n) for n in ns] for ns in names]
-        register = register_layer
-        if self.placement.pinned_experts:
-            register = functools.partial(register_pinned, device=self.placement.device)
+        register = self._register()
         if dtypes <= {"F32", "BF16"}:
             return register(*weights)
         scales = [[self._scale(n) for n in ns] for ns in names]
@@ -272,14 +286,12 @@ class WeightLoader:
             weights = (put(np.stack([get(n) for n in ns]), ml_dtypes.float8_e4m3fn) for ns in picked)
             scales = tuple(put(np.stack([get(n + SCALE_SUFFIX) for n in ns]), np.float32) for ns in picked)
             return ResidentExperts(put(slot_of, np.int32), Experts(*weights), scales, tuple(self.cfg.fp8.block))
-        d, f = self.cfg.hidden_size, self.cfg.moe_intermediate_size
 
         def scale(name):
             return get(name + SCALE_SUFFIX).astype(np.float32, copy=False)
 
-        shapes = ((f, d), (f, d), (d, f))
         weights = (put(np.stack([self._decoded(n, get(n), scale, shape) for n in ns]))
-                   for ns, shape in zip(picked, shapes, strict=True))
+                   for ns, shape in zip(picked, self._expert_shapes(), strict=True))
         return ResidentExperts(put(slot_of, np.int32), Experts(*weights))
 
     def load(self) -> tuple[Any, list[ExpertLayer]]:

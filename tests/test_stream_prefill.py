@@ -1,10 +1,11 @@
-"""Stream-loaded prefill against the plain prefill, dsv3.prefill, on the same checkpoint.
+"""Stream-loaded prefill against the plain prefill, the family's model.prefill, on the same checkpoint, for every
+family and every expert format it streams (CASES).
 
-The reference is dsv3.prefill in float32 with the routed experts held as JAX arrays (exact XLA math on any
-machine). The model under test keeps its routed experts in one pinned host copy that both the C++ bank (the
-hybrid path) and the stream read. The same tests run on XLA:CPU (memory kinds pinned_host -> device) and on
-the GPU machine. Tolerances, as the relative RMS error of the last prompt tokens' logits and of every layer's
-cache (latent and k_rope) against the reference:
+The reference is the family's prefill in float32 with the routed experts held as JAX arrays (exact XLA math on
+any machine; quantized experts dequantized on the host). The model under test keeps its routed experts in one
+pinned host copy that both the C++ bank (the hybrid path) and the stream read. The same tests run on XLA:CPU
+(memory kinds pinned_host -> device) and on the GPU machine. Tolerances, as the relative RMS error of the last
+prompt tokens' logits and of every layer's cache (all its arrays) against the reference:
 
 | path, dtype                          | tolerance | why not exact                                        |
 |--------------------------------------|-----------|------------------------------------------------------|
@@ -12,24 +13,39 @@ cache (latent and k_rope) against the reference:
 | hybrid (bank on pinned memory), f32  | 1e-2      | AMX kernels round to bf16 (measured 2e-3 on the GPU  |
 |                                      |           | machine's CPU; ~2e-7 with the f32 AVX kernels)       |
 | stream, bfloat16 (cuDNN attention)   | hybrid bf16 path's error + 1e-2 | bf16 rounding in different places          |
+
+Tests of what depends on neither the family nor the expert format (ring depths, VRAM budgets, refusals) run on
+FULL only; skewed routing and generation through the engine also on gpt-oss (expert biases in the later passes;
+windows and sinks through the serving engine).
 """
 
 import dataclasses
 import gc
 
 import jax
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
-from checkpoint_factory import tiny_config, write_checkpoint
+from checkpoint_factory import family_config, quantize_mxfp4, tiny_config, write_checkpoint, write_family_checkpoint
 from hybrid_placement import hybrid
 
 import hybridjit
 from hybridjit import stream_prefill as sp
-from hybridjit.models import deepseek_v3 as dsv3
+from hybridjit.checkpoint import Checkpoint
+from hybridjit.config import IntQuantConfig
+from hybridjit.convert import convert_checkpoint, quantize_int_groups
+from hybridjit.models.common import gqa
+from hybridjit.models.common.expert_storage import ExpertStorage
+from hybridjit.models.common.experts import group_by_expert
+from hybridjit.models.common.moe import MoE
+from hybridjit.models.registry import family_of
 from hybridjit.ops.routed_experts import register_layer, routed_experts
 from hybridjit.pinned_experts import host_view, pinned_layer, register_pinned
 from hybridjit.placement import Placement
+from hybridjit.quant import dequantize_fp8_blocks, dequantize_int_groups, dequantize_mxfp4, quantize_fp8_blocks
 from hybridjit.synthetic import geometry_config
+from hybridjit.weights import routed_expert_bytes
 
 FLOAT32_RTOL = 1e-5
 BANK_RTOL = 1e-2
@@ -37,7 +53,24 @@ BFLOAT16_SLACK = 1e-2
 CHUNK = 8  # attention chunk: shorter than the prompts, so several chunks run
 LENGTHS = np.array([23, 13], np.int32)  # right-padded to 24 tokens
 CACHE_LEN = 32
+DECODE_STEPS = 4  # greedy steps after the prefill
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+
+# Family-format (tiny checkpoints of tests/checkpoint_factory.py, DeepSeek's preset "v3" and the other families' own;
+# int formats by convert_checkpoint of the released format) -> config overrides: what each case adds.
+CASES = {
+    "deepseek_v3-fp8": {},  # MLA, dense first layer, shared expert, FP8 with partial edge blocks
+    "deepseek_v3-bf16": {},
+    # A sliding window (5) shorter than the prompts; head_dim 24 (cuDNN takes multiples of 8).
+    "mixtral-bf16": {"sliding_window": 5, "head_dim": 24},
+    "glm4_moe-bf16": {},  # partial rotary, q/k/v biases, shared expert, grouped sigmoid routing, MTP layer
+    "minimax_m2-fp8": {},  # FP8 in 32x32 blocks, partial at the edges; QK norm over all heads
+    # MXFP4 experts with interleaved gate/up rows, biases and the clamped SwiGLU; sinks; window 4; router bias.
+    "gpt_oss-mxfp4": {},
+    "qwen3_moe-int4": {},  # int4 experts; per-head QK norm, a dense layer between MoE layers
+    "mixtral-int8": {"sliding_window": 5, "head_dim": 24},  # int8 experts
+}
+FULL = "deepseek_v3-fp8"  # the case the family- and format-independent tests run on
 
 
 def rel_rms(a, b):
@@ -45,14 +78,27 @@ def rel_rms(a, b):
     return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b**2)))
 
 
-@pytest.fixture(scope="module", params=["fp8", "bf16"])
-def fmt(request):
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request):
     return request.param
 
 
+def only(case, *cases):
+    if case not in cases:
+        pytest.skip(f"runs on {', '.join(cases)} only (the module docstring says why)")
+
+
 @pytest.fixture(scope="module")
-def checkpoint(fmt, tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp(fmt), tiny_config("v3"), seed=5, weight_format=fmt)
+def checkpoint(case, tmp_path_factory):
+    family, fmt = case.split("-")
+    directory = tmp_path_factory.mktemp(case)
+    if family == "deepseek_v3":
+        return write_checkpoint(directory, tiny_config("v3"), seed=5, weight_format=fmt)
+    config = family_config(family, **CASES[case])
+    released = "mxfp4" if family == "gpt_oss" else "fp8" if family == "minimax_m2" else "bf16"
+    mtp = config.get("num_nextn_predict_layers", 0) > 0
+    path = write_family_checkpoint(directory / "released", config, seed=5, weight_format=released, with_mtp_layer=mtp)
+    return path if fmt == released else convert_checkpoint(path, directory / fmt, fmt)
 
 
 def load(checkpoint, dtype):
@@ -71,26 +117,27 @@ def tokens(model):
     return np.random.default_rng(0).integers(2, model.config.vocab_size, (2, 24)).astype(np.int32)
 
 
+def new_cache(model, batch):
+    return model.family.model.init_cache(model.config, batch, CACHE_LEN, model.dtype, model.placement.device)
+
+
 def plain_prefill(model, tokens):
-    """(logits of the last prompt tokens, cache) of dsv3.prefill, routed experts wherever `model` has them."""
-    cache = dsv3.init_cache(model.config, len(tokens), CACHE_LEN, model.dtype, model.placement.device)
-    logits, cache = jax.jit(dsv3.prefill, static_argnums=0)(model.config, model.weights, tokens, cache)
+    """(logits of the last prompt tokens, cache) of the family's prefill, routed experts wherever `model` has
+    them."""
+    prefill = jax.jit(model.family.model.prefill, static_argnums=0)
+    logits, cache = prefill(model.config, model.weights, tokens, new_cache(model, len(tokens)))
     return np.asarray(logits)[np.arange(len(tokens)), LENGTHS - 1], cache
 
 
 def streamed(model, tokens, **options):
     stats = sp.StreamStats()
-    cache = dsv3.init_cache(model.config, len(tokens), CACHE_LEN, model.dtype, model.placement.device)
-    logits, cache = sp.stream_prefill(model, tokens, LENGTHS, cache, stats=stats, **options)
+    logits, cache = sp.stream_prefill(model, tokens, LENGTHS, new_cache(model, len(tokens)), stats=stats, **options)
     return np.asarray(logits), cache, stats
 
 
 def cache_error(cache, reference):
-    return max(
-        rel_rms(getattr(c, name), getattr(r, name))
-        for c, r in zip(cache, reference, strict=True)
-        for name in ("latent", "k_rope")
-    )
+    """The largest relative RMS error over every array of every layer's cache."""
+    return max(rel_rms(c, r) for c, r in zip(jax.tree.leaves(cache), jax.tree.leaves(reference), strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +156,10 @@ def reference(exact_model, tokens):
 
 
 @on_gpu
-def test_device_memory_stays_within_the_budget(model, tokens):
+def test_device_memory_stays_within_the_budget(case, model, tokens):
     """Device memory in use whenever a block has just been allocated stays within the budget over what was in
     use before the prefill (cache included)."""
+    only(case, FULL, "gpt_oss-mxfp4")
     device = model.placement.device
     streamed(model, tokens, attention_chunk=CHUNK)  # compiles
     plan = sp.plan_ring(model.config, _pinned(model), 2, 24, model.dtype, device, attention_chunk=CHUNK, depth=2)
@@ -123,15 +171,16 @@ def test_device_memory_stays_within_the_budget(model, tokens):
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3])
-def test_matches_plain_prefill_at_every_ring_depth(model, tokens, reference, fmt, depth):
-    if fmt == "bf16" and depth != 2:
-        pytest.skip("ring depths are format-independent: BF16 experts run at depth 2 only")
+def test_matches_plain_prefill_at_every_ring_depth(case, model, tokens, reference, depth):
+    if depth != 2:
+        only(case, FULL)
     logits, cache, stats = streamed(model, tokens, depth=depth, attention_chunk=CHUNK)
     ref_logits, ref_cache = reference
     assert rel_rms(logits, ref_logits) < FLOAT32_RTOL
     assert cache_error(cache, ref_cache) < FLOAT32_RTOL
     assert stats.plan.depth == depth
-    assert isinstance(stats.plan.attention, dsv3.ChunkedAttention) and stats.plan.attention.chunk == CHUNK
+    chunked = model.family.model.ChunkedAttention
+    assert isinstance(stats.plan.attention, chunked) and stats.plan.attention.chunk == CHUNK
     assert stats.streamed_bytes == sum(p.nbytes for p in _pinned(model))
     assert 0 < stats.peak_ring_bytes <= stats.plan.ring_bytes
 
@@ -163,7 +212,7 @@ def test_grouping_by_block_places_each_pair_once(capacity, skip):
     t, k, n, first, size = 40, 4, 16, 4, 8
     ids = np.stack([rng.choice(n, k, replace=False) for _ in range(t)]).astype(np.int32)
     weights = rng.random((t, k)).astype(np.float32)
-    rows, slot_weights = map(np.asarray, dsv3.group_by_expert(ids, weights, size, capacity, first, skip))
+    rows, slot_weights = map(np.asarray, group_by_expert(ids, weights, size, capacity, first, skip))
     assert rows.shape == slot_weights.shape == (size, capacity)
     for e in range(size):
         token, j = np.nonzero(ids == first + e)  # in token order
@@ -190,10 +239,11 @@ def test_block_passes_cover_every_pair_within_the_slots(skew):
         assert (counts[busy] <= plan.capacity + plan.later * plan.later_capacity).all()
 
 
-def test_skewed_routing_runs_in_passes_within_the_plan(model, exact_model):
+def test_skewed_routing_runs_in_passes_within_the_plan(case, model, exact_model):
     """A prompt of one repeated token routes every token to the same experts (identical hidden states: the
     attention averages identical values). The busy blocks then run in several passes, none larger than the
     plan allows, with the plain path's result."""
+    only(case, FULL, "gpt_oss-mxfp4")
     tokens = np.full((2, 24), 7, np.int32)
     ref_logits, ref_cache = plain_prefill(exact_model, tokens)
     logits, cache, stats = streamed(model, tokens, depth=2, attention_chunk=CHUNK)
@@ -212,20 +262,25 @@ def test_hybrid_path_reads_the_same_pinned_experts(model, tokens, reference):
     assert cache_error(cache, ref_cache) < BANK_RTOL
 
 
-def test_decode_continues_from_the_streamed_cache(model, exact_model, tokens, reference, fmt):
-    """The streamed prefill's output is the decode state: decode_step reads its cache as is."""
-    if fmt != "fp8":
-        pytest.skip("the cache layout does not depend on the expert format")
+def test_decode_continues_from_the_streamed_cache(model, exact_model, tokens, reference):
+    """The streamed prefill's output is the decode state: greedy decode from its cache gives the tokens and logits
+    that greedy decode gives from the plain prefill's (windows and sinks read the cache as prefill wrote it)."""
     logits, cache, _ = streamed(model, tokens, depth=2, attention_chunk=CHUNK)
-    _, ref_cache = reference
-    step = jax.jit(dsv3.decode_step, static_argnums=0)
-    nxt, positions = logits.argmax(-1).astype(np.int32), LENGTHS
-    decoded, _ = step(exact_model.config, exact_model.weights, nxt, positions, cache)
-    expected, _ = step(exact_model.config, exact_model.weights, nxt, positions, ref_cache)
-    assert rel_rms(decoded, expected) < FLOAT32_RTOL
+    ref_logits, ref_cache = reference
+    step = jax.jit(exact_model.family.model.decode_step, static_argnums=0)
+    nxt, expected = logits.argmax(-1).astype(np.int32), ref_logits.argmax(-1).astype(np.int32)
+    positions = LENGTHS.copy()
+    for i in range(DECODE_STEPS):
+        np.testing.assert_array_equal(nxt, expected, err_msg=f"greedy token {i}")
+        logits, cache = step(exact_model.config, exact_model.weights, nxt, positions, cache)
+        ref_logits, ref_cache = step(exact_model.config, exact_model.weights, expected, positions, ref_cache)
+        assert rel_rms(logits, ref_logits) < FLOAT32_RTOL, i
+        nxt, expected = np.asarray(logits).argmax(-1).astype(np.int32), np.asarray(ref_logits).argmax(-1)
+        positions = positions + 1
 
 
-def test_vram_budget_sets_the_depth_and_bounds_the_ring(model, tokens):
+def test_vram_budget_sets_the_depth_and_bounds_the_ring(case, model, tokens):
+    only(case, FULL)
     pinned, device = _pinned(model), model.placement.device
     plan = sp.plan_ring(model.config, pinned, 2, 24, model.dtype, device, attention_chunk=CHUNK, depth=1)
     for blocks, depth in [(2.5, 2), (1000, len(pinned[0].blocks))]:  # a whole layer at most
@@ -235,14 +290,16 @@ def test_vram_budget_sets_the_depth_and_bounds_the_ring(model, tokens):
         assert stats.peak_ring_bytes <= budget - stats.plan.activation_bytes
 
 
-def test_budget_below_one_block_is_a_clear_error(model, tokens):
+def test_budget_below_one_block_is_a_clear_error(case, model, tokens):
+    only(case, FULL)
     plan = sp.plan_ring(model.config, _pinned(model), 2, 24, model.dtype, model.placement.device,
                         attention_chunk=CHUNK, depth=1)
     with pytest.raises(ValueError, match="expert block.*VRAM budget"):
         streamed(model, tokens, attention_chunk=CHUNK, vram_budget=plan.activation_bytes + plan.block_bytes - 1)
 
 
-def test_unpinned_model_is_refused(checkpoint, tokens):
+def test_unpinned_model_is_refused(case, checkpoint, tokens):
+    only(case, FULL)
     unpinned = hybrid("float32", pinned_experts=False)
     plain = hybridjit.load(checkpoint, placement=unpinned)
     try:
@@ -280,16 +337,62 @@ def test_bank_reads_the_pinned_copy_and_lives_with_it():
     assert pinned_layer(layer_id) is None
 
 
-def test_path_choice_follows_the_cost_model():
-    v3 = geometry_config("deepseek-v3")
+def test_pinned_mxfp4_layer_computes_as_the_unpinned_one():
+    """register_pinned takes register_layer's options (MXFP4, interleaved gate/up, biases, the clamped SwiGLU): the
+    CPU kernels compute the same on the pinned copy, whose blocks say how they are stored."""
+    rng = np.random.default_rng(2)
+    e, d, f = 4, 64, 32
+    gate_up, gate_up_scales = quantize_mxfp4(rng.standard_normal((e, 2 * f, d)).astype(np.float32))
+    down, down_scales = quantize_mxfp4(rng.standard_normal((e, d, f)).astype(np.float32))
+    activation = ("clamped_swiglu", 1.702, 2.0)
+    weights = ([m.reshape(2 * f, -1) for m in gate_up], None, [m.reshape(d, -1) for m in down])
+    biases = (list(rng.standard_normal((e, 2 * f)).astype(np.float32)), None,
+              list(rng.standard_normal((e, d)).astype(np.float32)))
+    options = dict(gate_scale=list(gate_up_scales), down_scale=list(down_scales), fmt="mxfp4",
+                   gate_up_interleaved=True, biases=biases, activation=activation)
+    layer = register_pinned(*weights, **options, device=jax.devices()[0], experts_per_block=2)
+    cpu = jax.devices("cpu")[0]
+    x = jax.device_put(rng.standard_normal((5, d)).astype(np.float32), cpu)
+    ids = jax.device_put(np.stack([rng.choice(e, 2, replace=False) for _ in range(5)]).astype(np.int32), cpu)
+    routing = jax.device_put(np.full((5, 2), 0.5, np.float32), cpu)
+    with register_layer(*weights, **options) as unpinned:
+        np.testing.assert_array_equal(
+            np.asarray(routed_experts(x, ids, routing, layer=layer.id)),
+            np.asarray(routed_experts(x, ids, routing, layer=unpinned.id)),
+        )
+    pinned = pinned_layer(layer.id)
+    assert pinned.storage == ExpertStorage("mxfp4", (1, 32), True, activation)
+    assert pinned.blocks[0].weights[1] is None and len(pinned.blocks[0].arrays) == 6  # weights, scales, biases
+    layer.close()
+
+
+@pytest.mark.parametrize("geometry", ["deepseek-v3", "qwen3-235b-a22b", "gpt-oss-120b"])
+def test_path_choice_follows_the_cost_model(geometry):
+    cfg = geometry_config(geometry, weight_format="fp8")
     rates = sp.PrefillRates(pcie_gbps=50.0, gpu_tflops=500.0, cpu_expert_tflops=4.0)
-    cross = sp.crossover_length(v3, rates)
+    cross = sp.crossover_length(cfg, rates)
     for length in (cross - 1, cross):
-        t = sp.prefill_seconds(v3, 1, length, rates)
+        t = sp.prefill_seconds(cfg, 1, length, rates)
         assert (t["stream"] < t["hybrid"]) == (length >= cross)
     # Long prompts stream at the PCIe rate until the GPU's compute takes over.
-    assert sp.prefill_seconds(v3, 1, 8192, rates)["stream"] == pytest.approx(sp.expert_bytes(v3) / 50e9)
-    assert sp.crossover_length(v3, dataclasses.replace(rates, cpu_expert_tflops=40.0)) > cross
+    assert sp.prefill_seconds(cfg, 1, 8192, rates)["stream"] == pytest.approx(sp.expert_bytes(cfg) / 50e9)
+    assert sp.crossover_length(cfg, dataclasses.replace(rates, cpu_expert_tflops=40.0)) > cross
+
+
+def test_modelled_bytes_are_the_checkpoints(model, checkpoint):
+    """The cost model's bytes of the routed experts, from the config alone, are those the checkpoint stores."""
+    assert sp.expert_bytes(model.config) == routed_expert_bytes(model.config, Checkpoint(checkpoint))
+
+
+def test_windows_shorten_the_modelled_attention():
+    """gpt-oss's sliding layers (window 128, every other layer) score at most 128 keys a query: the modelled
+    attention core of a layer is the mean of a full layer's and a sliding one's."""
+    cfg = geometry_config("gpt-oss-120b")
+    length, heads, e = 32768, cfg.num_attention_heads, cfg.head_dim
+    assert [cfg.window(i) for i in range(2)] == [128, None]
+    full, sliding = length * (length + 1) // 2, 128 * 129 // 2 + (length - 128) * 128
+    core = family_of(cfg).cost.layer_flops(cfg, 1, length)["attention core"]
+    assert core == pytest.approx(2.0 * heads * 2 * e * (full + sliding) / 2)
 
 
 def test_path_choice_threshold_override(model):
@@ -305,7 +408,7 @@ def test_bfloat16_with_cudnn_attention_is_as_accurate_as_the_plain_path(checkpoi
     try:
         logits, cache, stats = streamed(bf16, tokens)
         plain_logits, plain_cache = plain_prefill(bf16, tokens)  # the hybrid path in bfloat16
-        assert isinstance(stats.plan.attention, sp.CudnnAttention)
+        assert isinstance(stats.plan.attention, bf16.family.model.CudnnAttention)
         ref_logits, ref_cache = reference
         assert rel_rms(logits, ref_logits) < rel_rms(plain_logits, ref_logits) + BFLOAT16_SLACK
         assert cache_error(cache, ref_cache) < cache_error(plain_cache, ref_cache) + BFLOAT16_SLACK
@@ -314,10 +417,11 @@ def test_bfloat16_with_cudnn_attention_is_as_accurate_as_the_plain_path(checkpoi
 
 
 def _pinned(model):
-    return [pinned_layer(layer.mlp.expert_layer) for layer in model.weights.layers if isinstance(layer.mlp, dsv3.MoE)]
+    return [pinned_layer(layer.mlp.expert_layer) for layer in model.weights.layers if isinstance(layer.mlp, MoE)]
 
 
-def test_generate_takes_the_streamed_path_above_its_threshold(model):
+def test_generate_takes_the_streamed_path_above_its_threshold(case, model):
+    only(case, FULL, "gpt_oss-mxfp4")
     prompts = [[5, 17, 42, 99, 3, 250, 7, 8, 9], [11, 12, 13]]
     model.stream_prefill_threshold = None  # the cost model: hybrid on a CPU
     hybrid = model.generate(prompts, max_new_tokens=6)
@@ -326,3 +430,91 @@ def test_generate_takes_the_streamed_path_above_its_threshold(model):
         assert model.generate(prompts, max_new_tokens=6) == hybrid
     finally:
         model.stream_prefill_threshold = None
+
+
+# ------------------------------------------------------------------------------- the GQA attention cores
+
+GQA_SHAPE = (2, 21, 6, 2, 8)  # batch, tokens (not a multiple of the chunks), heads, key/value heads, head dim
+
+
+def _gqa_operands(dtype=np.float32):
+    b, t, h, kv, e = GQA_SHAPE
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((b, t, heads, e)).astype(dtype) for heads in (h, kv, kv))
+    return q, k, v, (rng.standard_normal(h) + 1.0).astype(np.float32)
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 8, 12, 30])
+@pytest.mark.parametrize("chunk", [4, 8, 32])
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no-sinks", "sinks"])
+def test_chunked_gqa_core_equals_the_plain_core(window, chunk, with_sinks):
+    """gqa.ChunkedAttention (windowed chunks read only their keys) equals gqa.causal for windows shorter than a
+    chunk, between a chunk and the prompt, and longer than it, with and without sinks."""
+    q, k, v, sinks = _gqa_operands()
+    sinks = sinks if with_sinks else None
+    scale = GQA_SHAPE[-1] ** -0.5
+    expected = gqa.causal(q, k, v, scale, sinks, window)
+    got = jax.jit(gqa.ChunkedAttention(chunk), static_argnums=(3, 5))(q, k, v, scale, sinks, window)
+    assert rel_rms(got, expected) < FLOAT32_RTOL
+
+
+@on_gpu
+@pytest.mark.parametrize("window", [None, 3, 12])
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no-sinks", "sinks"])
+def test_cudnn_gqa_core_equals_the_plain_core(window, with_sinks):
+    """gqa.CudnnAttention in bfloat16 (sinks from cuDNN's log-sum-exp statistics) against gqa.causal in float32 on
+    the same bfloat16 inputs."""
+    q, k, v, sinks = _gqa_operands(ml_dtypes.bfloat16)
+    sinks = sinks if with_sinks else None
+    scale = GQA_SHAPE[-1] ** -0.5
+    up = [a.astype(np.float32) for a in (q, k, v)]
+    expected = gqa.causal(*up, scale, sinks, window)
+    got = jax.jit(gqa.CudnnAttention(), static_argnums=(3, 5))(q, k, v, scale, sinks, window)
+    assert rel_rms(got, expected) < BFLOAT16_SLACK
+
+
+# ------------------------------------------------------------------------------- experts as stored
+
+
+def _matrices(rng, shape, n=3):
+    return rng.standard_normal((n, *shape)).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4", "mxfp4"])
+def test_stored_experts_dequantize_on_the_device_as_on_the_host(fmt):
+    """ExpertStorage.matrix (what a streamed block goes through) gives what the loader's host dequantization gives:
+    FP8 blocks partial at the edges, int groups over an odd column count, MXFP4."""
+    rng = np.random.default_rng(7)
+    shape = (40, 64) if fmt == "mxfp4" else (40, 71)
+    w = _matrices(rng, shape)
+    if fmt == "mxfp4":
+        blocks, scales = quantize_mxfp4(w)  # [e, out, in / 32, 16], [e, out, in / 32]
+        stored, expected = blocks.reshape(len(w), shape[0], -1), dequantize_mxfp4(blocks, scales)
+        storage = ExpertStorage("mxfp4", (1, 32))
+    else:
+        if fmt == "fp8":
+            pairs = [quantize_fp8_blocks(m, (32, 32)) for m in w]
+            expected = np.stack([dequantize_fp8_blocks(q, s, (32, 32)) for q, s in pairs])
+            storage = ExpertStorage("fp8", (32, 32))
+        else:
+            int_quant = IntQuantConfig(bits=int(fmt[3:]), group_size=128)
+            pairs = [quantize_int_groups(m, int_quant.bits, int_quant.group_size) for m in w]
+            expected = np.stack([dequantize_int_groups(q, s, int_quant, shape) for q, s in pairs])
+            storage = ExpertStorage(fmt, (1, 128))
+        stored, scales = (np.stack(a) for a in zip(*pairs, strict=True))
+    got = jax.jit(storage.matrix, static_argnums=(2, 3))(stored, scales, shape[1], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+def test_interleaved_gate_up_and_biases_come_apart_on_the_device():
+    """gpt-oss's gate_up rows (even: gate, odd: up) and their biases become Experts' gate and up."""
+    rng = np.random.default_rng(8)
+    gate_up, down = _matrices(rng, (8, 6)), _matrices(rng, (6, 4))
+    biases = (_matrices(rng, (8,)), None, _matrices(rng, (6,)))
+    storage = ExpertStorage("f32", gate_up_interleaved=True, activation=("clamped_swiglu", 1.702, 7.0))
+    experts = storage.experts((gate_up, None, down), None, biases, jnp.float32)
+    np.testing.assert_array_equal(experts.gate, gate_up[:, 0::2])
+    np.testing.assert_array_equal(experts.up, gate_up[:, 1::2])
+    np.testing.assert_array_equal(experts.gate_bias, biases[0][:, 0::2])
+    np.testing.assert_array_equal(experts.up_bias, biases[0][:, 1::2])
+    assert experts.activation == storage.activation

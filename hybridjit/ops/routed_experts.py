@@ -48,12 +48,16 @@ jax.ffi.register_ffi_target(TARGET, _ffi.routed_experts_cpu(), platform="cpu")
 class ExpertLayer:
     """A layer of routed experts registered in the C++ weight bank; pass ``.id`` to `routed_experts`."""
 
-    def __init__(self, layer_id: int, n_experts: int, hidden: int, inter: int, fmt: str, arrays: list):
+    def __init__(
+        self, layer_id: int, n_experts: int, hidden: int, inter: int, fmt: str, arrays: list,
+        block: tuple[int, int] | None = None,
+    ):
         self.id = layer_id
         self.n_experts = n_experts
         self.hidden = hidden
         self.inter = inter
         self.format = fmt
+        self.block = block  # the scales' block (rows, columns) of a scaled format, defaults applied; else None
         self.nbytes = sum(a.nbytes for a in arrays)  # weights, scales and biases as the kernels read them
         # The finalizer, not the instance, owns the arrays: they outlive the unregistration.
         self._finalizer = weakref.finalize(self, _unregister, layer_id, arrays)
@@ -240,7 +244,7 @@ def register_layer(
         *(s for p in _PROJECTIONS for s in scales[p]),
         *(b for bs in bias_lists for b in bs),
     ]
-    return ExpertLayer(layer_id, len(gate), hidden, inter, fmt, owned)
+    return ExpertLayer(layer_id, len(gate), hidden, inter, fmt, owned, None if block == (0, 0) else block)
 
 
 def _check_biases(biases, shapes: dict, names: dict, n_experts: int, interleaved: bool) -> list[list[np.ndarray]]:

@@ -117,6 +117,10 @@ class GQAConfig(DecoderConfig):
     def softmax_scale(self) -> float:
         return self.head_dim**-0.5
 
+    def window(self, layer: int) -> int | None:
+        """The sliding window of a layer (a query sees its last `window` positions), None for full attention."""
+        return None
+
     @property
     def attention_summary(self) -> str:
         """One line for `hybridjit info`."""

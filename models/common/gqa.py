@@ -9,11 +9,14 @@ Einsum dimension names: b batch, t query tokens, s key/cache positions, d hidden
 g query heads per key/value head (h = k * g), e head dims.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from hybridjit.models.common import decoder
 from hybridjit.models.common.layers import linear, masked_softmax, rms_norm
+from hybridjit.models.common.prefill_cores import cudnn_causal, cudnn_version, over_query_chunks
 from hybridjit.models.common.pytree import pytree
 from hybridjit.models.common.rope import apply_rope, rope_cos_sin
 
@@ -105,6 +108,58 @@ def causal(q, k, v, scale: float, sinks: jax.Array | None, window: int | None) -
     """The dense causal core over whole prompts (query i and key j at positions i and j)."""
     positions = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
     return attend(q, k, v, visibility(positions, positions, window), scale, sinks)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedAttention:
+    """`causal` over queries in chunks of `chunk` tokens (stream-loaded prefill's core where no fused one runs):
+    the scores of one chunk ([b, h, chunk, keys] float32) are the largest intermediate, so long prompts fit. With
+    a window, a chunk's queries see only the chunk + window - 1 positions ending at its last query, so those are
+    the only keys it scores: a windowed layer costs O(t * (chunk + window)), not O(t^2). Hashable: a static jit
+    argument."""
+
+    chunk: int
+
+    def __call__(self, q, k, v, scale: float, sinks: jax.Array | None, window: int | None) -> jax.Array:
+        b, s = k.shape[:2]
+        span = s if window is None else min(s, self.chunk + window - 1)
+        # A chunk from `start` reads keys from start - lead; the keys are padded so that every chunk's slice lies
+        # within them (in front by lead, behind by the queries' padding to whole chunks).
+        lead = window - 1 if span < s else 0
+        padding = ((0, 0), (lead, -(-q.shape[1] // self.chunk) * self.chunk - s), (0, 0), (0, 0))
+        k, v = (jnp.pad(a, padding) if span < s else a for a in (k, v))
+
+        def one(start, queries):
+            first = start - lead if span < s else 0
+            keys = first + jnp.arange(span)
+            chunk_keys, chunk_values = (jax.lax.dynamic_slice_in_dim(a, first + lead, span, axis=1) for a in (k, v))
+            query_positions = jnp.broadcast_to(start + jnp.arange(self.chunk), (b, self.chunk))
+            visible = visibility(query_positions, jnp.broadcast_to(keys, (b, span)), window) & (keys >= 0)
+            return attend(queries, chunk_keys, chunk_values, visible, scale, sinks)
+
+        return over_query_chunks(self.chunk, (q,), one)
+
+
+@dataclasses.dataclass(frozen=True)
+class CudnnAttention:
+    """`causal` as cuDNN's fused attention (a GPU, 16-bit): windows as cuDNN's sliding window. Sinks, which cuDNN
+    has no place for, from its softmax statistics: a sink's logit takes exp(sink) / (Z + exp(sink)) of its row's
+    softmax, Z = exp(logsumexp of the row's scores), so the output over the keys alone is scaled by
+    sigmoid(logsumexp - sink)."""
+
+    def __call__(self, q, k, v, scale: float, sinks: jax.Array | None, window: int | None) -> jax.Array:
+        if sinks is None:
+            return cudnn_causal(q, k, v, scale, window)
+        out, logsumexp = cudnn_causal(q, k, v, scale, window, stats=True)  # [b, h, t]
+        kept = jax.nn.sigmoid(logsumexp - sinks.astype(jnp.float32)[None, :, None])
+        return (out * jnp.swapaxes(kept, 1, 2)[..., None]).astype(out.dtype)
+
+
+def fused_attention(cfg, dtype) -> CudnnAttention | None:
+    """The fused core stream-loaded prefill runs on a GPU in `dtype`, None where there is none: cuDNN's, in a
+    16-bit dtype, for head dims its flash attention takes on any GPU (a multiple of 8, at most 128)."""
+    fits = cfg.head_dim % 8 == 0 and cfg.head_dim <= 128
+    return CudnnAttention() if jnp.dtype(dtype).itemsize == 2 and fits and cudnn_version() is not None else None
 
 
 def prefill(cfg, w: GQA, x: jax.Array, core=causal):

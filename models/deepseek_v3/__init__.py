@@ -6,9 +6,11 @@ A family package holds what the runtime asks of a family (models/registry.py lis
   NAMES and the PRESETS of the released sizes;
 - model: the model as pure functions: init_cache and the shared decoder's functions with the family's attention
   bound (forward, forward_layer, finite_stages, prefill, decode_step, decode_step_dual, decode_step_grouped,
-  prefill_attention_layer), and ChunkedAttention where the family runs stream-loaded prefill;
+  prefill_attention_layer), and stream-loaded prefill's attention cores: ChunkedAttention(chunk) and
+  fused_attention(cfg, dtype), the fused core a GPU runs in that dtype or None;
 - ckpt: the checkpoint map (checkpoint_layout, build_weights);
-- cost: the figures of the path choice (layer_flops).
+- cost: the figures of the path choice and of stream-loaded prefill's plan (layer_flops,
+  attention_activation_elements).
 This package also re-exports its model's functions and the shared pieces it composes, for researchers.
 """
 
@@ -31,6 +33,7 @@ from hybridjit.models.deepseek_v3.cost import layer_flops
 from hybridjit.models.deepseek_v3.model import (
     MLA,
     ChunkedAttention,
+    CudnnAttention,
     LayerCache,
     attention_absorbed,
     attention_prefill,
@@ -41,6 +44,7 @@ from hybridjit.models.deepseek_v3.model import (
     finite_stages,
     forward,
     forward_layer,
+    fused_attention,
     init_cache,
     prefill,
     prefill_attention_layer,
@@ -49,8 +53,8 @@ from hybridjit.models.deepseek_v3.model import (
 __all__ = [
     "MLP", "Experts", "MoE", "dequantize_blocks", "experts_grouped", "group_by_expert", "linear", "mlp", "rms_norm",
     "route", "ARCHITECTURES", "ckpt", "config", "cost", "model", "MLA", "MODEL_TYPES", "NAMES", "PRESETS",
-    "ChunkedAttention", "DeepseekV3Config", "ExpertSchedule", "Layer", "LayerCache", "Weights", "attention_absorbed",
-    "attention_prefill", "build_weights", "causal_attention", "checkpoint_layout", "decode_step", "decode_step_dual",
-    "decode_step_grouped",
-    "finite_stages", "forward", "forward_layer", "init_cache", "layer_flops", "prefill", "prefill_attention_layer",
+    "ChunkedAttention", "CudnnAttention", "DeepseekV3Config", "ExpertSchedule", "Layer", "LayerCache", "Weights",
+    "attention_absorbed", "attention_prefill", "build_weights", "causal_attention", "checkpoint_layout", "decode_step",
+    "decode_step_dual", "decode_step_grouped", "finite_stages", "forward", "forward_layer", "fused_attention",
+    "init_cache", "layer_flops", "prefill", "prefill_attention_layer",
 ]

@@ -1,5 +1,6 @@
-"""The DeepSeek-V3 family's cost figures for the choice of path (hybridjit.stream_prefill's model of prefill time)
-and for the offline policy's model of a decode step (hybridjit.offline_policy)."""
+"""The DeepSeek-V3 family's cost figures for the choice of path (hybridjit.stream_prefill's model of prefill time),
+for stream-loaded prefill's memory plan and for the offline policy's model of a decode step
+(hybridjit.offline_policy)."""
 
 from hybridjit.models.deepseek_v3.config import DeepseekV3Config as ModelConfig
 
@@ -18,6 +19,14 @@ def layer_flops(cfg: ModelConfig, batch: int, length: int) -> dict[str, float]:
         "router+shared": 2.0 * n * (3 * d * f * cfg.n_shared_experts + d * cfg.n_routed_experts),
         "routed": 2.0 * n * cfg.num_experts_per_tok * 3 * d * f,
     }
+
+
+def attention_activation_elements(cfg: ModelConfig) -> int:
+    """Elements per prompt token that one layer's attention holds at its peak in stream-loaded prefill, an upper
+    estimate: queries, keys (the fused core also concatenates both), values and output, all per head, and the
+    latents."""
+    h, qk, v = cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim
+    return h * (4 * qk + 2 * v) + (cfg.q_lora_rank or 0) + 2 * cfg.kv_lora_rank
 
 
 def kv_elements_per_token(cfg: ModelConfig) -> int:

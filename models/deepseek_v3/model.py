@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from hybridjit.models.common import decoder
 from hybridjit.models.common.layers import linear, masked_softmax, rms_norm
+from hybridjit.models.common.prefill_cores import cudnn_causal, cudnn_version, over_query_chunks
 from hybridjit.models.common.pytree import pytree
 from hybridjit.models.common.rope import apply_rope, rope_cos_sin
 from hybridjit.models.deepseek_v3.config import DeepseekV3Config as ModelConfig
@@ -139,29 +140,39 @@ class ChunkedAttention:
     chunk: int
 
     def __call__(self, q_nope, q_rope, k_nope, k_rope, values, scale):
-        b, t = q_nope.shape[:2]
-        n = -(-t // self.chunk)
-        pad = ((0, 0), (0, n * self.chunk - t), (0, 0), (0, 0))
-        q_nope, q_rope = jnp.pad(q_nope, pad), jnp.pad(q_rope, pad)
         keys = jnp.arange(k_nope.shape[1])
 
-        def one(i):
-            start = i * self.chunk
-            qn = jax.lax.dynamic_slice_in_dim(q_nope, start, self.chunk, axis=1)
-            qr = jax.lax.dynamic_slice_in_dim(q_rope, start, self.chunk, axis=1)
+        def one(start, qn, qr):
             scores = jnp.einsum("bthn,bshn->bhts", qn, k_nope) + jnp.einsum("bthp,bsp->bhts", qr, k_rope)
             causal = (start + jnp.arange(self.chunk))[:, None] >= keys[None, :]
             probs = masked_softmax(scores * scale, causal[None, None], values.dtype)
             return jnp.einsum("bhts,bshv->bthv", probs, values)
 
-        out = jax.lax.map(one, jnp.arange(n))  # [n, b, chunk, h, v]
-        return jnp.moveaxis(out, 0, 1).reshape(b, n * self.chunk, *out.shape[3:])[:, :t]
+        return over_query_chunks(self.chunk, (q_nope, q_rope), one)
+
+
+@dataclasses.dataclass(frozen=True)
+class CudnnAttention:
+    """The causal core of ChunkedAttention's signature as cuDNN's fused (flash) attention, which takes the
+    query/key head dim (n + p = 192) different from the value head dim (v = 128) on Hopper with cuDNN >= 9.10."""
+
+    def __call__(self, q_nope, q_rope, k_nope, k_rope, values, scale):
+        q = jnp.concatenate([q_nope, q_rope], axis=-1)
+        shared_rope = jnp.broadcast_to(k_rope[:, :, None], (*k_nope.shape[:3], k_rope.shape[-1]))
+        return cudnn_causal(q, jnp.concatenate([k_nope, shared_rope], axis=-1), values, scale)
+
+
+def fused_attention(cfg: ModelConfig, dtype) -> CudnnAttention | None:
+    """The fused core stream-loaded prefill runs on a GPU in `dtype`, None where there is none: cuDNN's, in a
+    16-bit dtype, with cuDNN >= 9.10 (MLA's unequal head dims)."""
+    version = cudnn_version()
+    return CudnnAttention() if jnp.dtype(dtype).itemsize == 2 and version is not None and version >= 91000 else None
 
 
 def attention_prefill(cfg: ModelConfig, w: MLA, x: jax.Array, attend: Callable):
     """Causal MLA over whole prompts x [b, t, d] from position 0, keys and values expanded per head (prefill),
-    with the attention core `attend` (causal_attention, a ChunkedAttention, or a fused kernel of the same
-    signature). Returns the output [b, t, d] and the (latent, k_rope) pair to store in the cache."""
+    with the attention core `attend` (causal_attention, a ChunkedAttention or a CudnnAttention). Returns the
+    output [b, t, d] and the (latent, k_rope) pair to store in the cache."""
     positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
     cos, sin = rope_cos_sin(cfg.rope, positions)
     q_nope, q_rope = _queries(cfg, w, x, cos, sin)

@@ -63,6 +63,9 @@ class MixtralConfig(AllMoEGQAConfig):
     topk_method: str = "greedy"
     use_correction_bias: bool = False
 
+    def window(self, layer: int) -> int | None:
+        return self.sliding_window
+
     @classmethod
     def from_hf_config(cls, raw: dict, source: str = "config.json") -> "MixtralConfig":
         f = cls.fields(raw, source, MODEL_TYPES)
