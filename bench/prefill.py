@@ -2,21 +2,25 @@
 hybrid prefill for the crossover.
 
     python bench/prefill.py --geometry deepseek-v3 --layers 7 [--tokens 1024 4096 8192 16384 32768 65536]
+    python bench/prefill.py --geometry gpt-oss-120b --layers 5 --tokens 8192 32768 --hybrid-tokens
     python bench/prefill.py --checkpoint PATH [--tokens ...]
 
-A geometry builds a random FP8 checkpoint of that model's real shapes in memory, loaded by the same loader with
-the routed experts in one pinned host copy (Placement(pinned_experts=True)), which both paths read. With
---layers the model is truncated; figures at full depth are projections, labelled so: the measured TTFT plus
-the missing MoE layers at the steady per-layer time (the median time between consecutive MoE layers' outputs
-after the first MoE layer).
+A geometry builds a random checkpoint of that model's real shapes in memory (--format: FP8 by default; gpt-oss's
+experts stay MXFP4 as released), loaded by the same loader with the routed experts in one pinned host copy
+(Placement(pinned_experts=True)), which both paths read. Any family: the attention core and the cache are the
+family's. With --layers the model is truncated; figures at full depth are projections, labelled so: the measured
+TTFT plus the missing layers at the steady per-layer time (the mean time between consecutive MoE layers' outputs
+after the first MoE layer: with gpt-oss's alternating sliding and full layers, give --layers an odd count so that
+the steady layers hold as many of each).
 
 Floors, measured by the same run: pinned host-to-device bandwidth (one 2 GiB copy, best of 5), a dense bf16
 GEMM (8192^3, best of 10 back-to-back), and the CPU expert kernels' rate (one routed-expert layer on a batch of
 --cpu-tokens tokens routed uniformly). The floor of a prompt is max(bytes streamed / H2D bandwidth, FLOPs /
 GEMM rate) at full depth, FLOPs as stream_prefill.prefill_flops counts them (causal attention: lower
 triangle). Each stream case also reports where a steady MoE layer's time went (stream_prefill's phases), the
-expert GEMMs' slot occupancy, the attention core alone on random inputs, and a second floor that grants the
-attention core the rate it reaches alone (everything else at the GEMM rate). The hybrid prefill (the engine's
+expert GEMMs' slot occupancy, the attention core alone on random inputs shaped as each layer's attention hands
+them to it (the mean over the layers), and a second floor that grants the attention core the rate it reaches
+alone (everything else at the GEMM rate). The hybrid prefill (the engine's
 jitted prefill, routed experts on the CPU) is measured at --hybrid-tokens (it holds [t, t] attention scores,
 so only short prompts fit) and projected to full depth by its time per MoE layer; at other lengths it is
 modelled (stream_prefill.prefill_seconds with the measured rates). `--prompts random repeated` also runs one
@@ -40,7 +44,7 @@ from jax.sharding import SingleDeviceSharding
 from bench_model import add_model_arguments, load_model
 from hybridjit import engine
 from hybridjit import stream_prefill as sp
-from hybridjit.models import deepseek_v3 as dsv3
+from hybridjit.models.common.moe import MoE
 from hybridjit.models.registry import ModelConfig
 from hybridjit.ops.routed_experts import routed_experts
 from hybridjit.pinned_experts import pinned_layer
@@ -77,7 +81,7 @@ class PooledExperts(SyntheticCheckpoint):
 
 def load(args):
     placement = Placement(jax.devices()[0], jnp.dtype(args.dtype), pinned_experts=True)
-    return load_model(args, placement, "fp8", synthetic=PooledExperts)
+    return load_model(args, placement, args.format, synthetic=PooledExperts)
 
 
 # -------------------------------------------------------------------------------------------- floors
@@ -119,7 +123,7 @@ def gemm_tflops(device, n=8192, repeats=10) -> float:
 def cpu_expert_tflops(model: engine.Model, tokens: int, repeats=3) -> float:
     """The CPU expert kernels on one MoE layer, `tokens` tokens routed uniformly at random (best of repeats)."""
     cfg, cpu = model.config, jax.devices("cpu")[0]
-    moe = next(layer.mlp for layer in model.weights.layers if isinstance(layer.mlp, dsv3.MoE))
+    moe = next(layer.mlp for layer in model.weights.layers if isinstance(layer.mlp, MoE))
     rng = np.random.default_rng(0)
     ids = np.stack([rng.choice(cfg.n_routed_experts, cfg.num_experts_per_tok, replace=False) for _ in range(tokens)])
     ids, w, x = jax.device_put((ids.astype(np.int32), np.full(ids.shape, 0.1, np.float32),
@@ -129,14 +133,45 @@ def cpu_expert_tflops(model: engine.Model, tokens: int, repeats=3) -> float:
     return 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * tokens * cfg.num_experts_per_tok / best / 1e12
 
 
-def attention_core_seconds(cfg: ModelConfig, attention, length: int, device, repeats=3) -> float:
-    """The prefill's attention core alone (stream_prefill's choice for this prompt) on random queries, keys and
-    values of one prompt: best of `repeats`."""
-    h, n, p, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    shapes = [(1, length, h, n), (1, length, h, p), (1, length, h, n), (1, length, p), (1, length, h, v)]
-    keys = jax.random.split(jax.random.key(length), len(shapes))
-    args = [jax.device_put(jax.random.normal(k, s, jnp.bfloat16), device) for k, s in zip(keys, shapes, strict=True)]
-    return best_seconds(jax.jit(lambda *a: attention(*a, cfg.softmax_scale)), *args, repeats=1, rounds=repeats)
+def attention_core_seconds(model: engine.Model, attention, length: int, repeats=3) -> float:
+    """The prefill's attention core alone (stream_prefill's choice for this prompt) on random operands of one
+    prompt, shaped as each layer's attention hands them to it (traced through the family's
+    prefill_attention_layer, so any family's core and its per-layer windows and sinks): the mean over the layers,
+    each distinct call the best of `repeats`."""
+    cfg, family, device = model.config, model.family.model, model.placement.device
+    caches = jax.eval_shape(lambda: family.init_cache(cfg, 1, length, model.dtype))
+    x = jax.ShapeDtypeStruct((1, length, cfg.hidden_size), model.dtype)
+    seconds, per_layer = {}, []
+    for layer, cache in zip(model.weights.layers, caches, strict=True):
+        operands = []
+
+        def record(*args, operands=operands):
+            operands += [jax.ShapeDtypeStruct(a.shape, a.dtype) if isinstance(a, jax.Array) else a for a in args]
+            return attention(*args)
+
+        jax.eval_shape(lambda x, cache, layer=layer, record=record: family.prefill_attention_layer(
+            cfg, layer, x, cache, record), x, cache)
+        key = tuple(operands)
+        if key not in seconds:
+            seconds[key] = _core_seconds(attention, operands, device, repeats)
+        per_layer.append(seconds[key])
+    return statistics.mean(per_layer)
+
+
+def _core_seconds(attention, operands: list, device, repeats: int) -> float:
+    """`attention` on `operands` with random arrays for the ShapeDtypeStructs among them: best of `repeats`."""
+    where = [i for i, o in enumerate(operands) if isinstance(o, jax.ShapeDtypeStruct)]
+    keys = jax.random.split(jax.random.key(len(operands)), len(where))
+    arrays = [jax.device_put(jax.random.normal(k, operands[i].shape, operands[i].dtype), device)
+              for k, i in zip(keys, where, strict=True)]
+
+    def core(*arrays):
+        args = list(operands)
+        for i, a in zip(where, arrays, strict=True):
+            args[i] = a
+        return attention(*args)
+
+    return best_seconds(jax.jit(core), *arrays, repeats=1, rounds=repeats)
 
 
 # --------------------------------------------------------------------------------------------- cases
@@ -156,7 +191,7 @@ def stream_case(model: engine.Model, full: ModelConfig, length: int, floors: dic
     tokens = prompt(cfg, length, kind)
 
     def run():
-        cache = dsv3.init_cache(cfg, 1, length, model.dtype, device)
+        cache = model.family.model.init_cache(cfg, 1, length, model.dtype, device)
         jax.block_until_ready(cache)
         stats = sp.StreamStats()
         start = time.perf_counter()
@@ -170,13 +205,13 @@ def stream_case(model: engine.Model, full: ModelConfig, length: int, floors: dic
     done = [0.0, *stats.layer_done_s]
     per_layer = [done[i + 1] - done[i] for i in range(cfg.num_hidden_layers)]
     steady_layers = moe[1:] or moe
-    steady = statistics.median(per_layer[i] for i in steady_layers)
+    steady = statistics.mean(per_layer[i] for i in steady_layers)
     # Where a steady MoE layer's time goes, and the rates of its two big phases (their FLOPs by layer_flops).
     phases = {p: statistics.median(stats.layer_phase_s[i].get(p, 0.0) for i in steady_layers)
               for p in stats.layer_phase_s[moe[0]]}
     part = model.family.cost.layer_flops(cfg, 1, length)
     front_flops = part["projections"] + part["attention core"] + part["router+shared"]
-    core_s = attention_core_seconds(cfg, stats.plan.attention, length, device)
+    core_s = attention_core_seconds(model, stats.plan.attention, length)
     layer_bytes = pinned_layer(model.weights.layers[moe[0]].mlp.expert_layer).nbytes
     full_moe = sum(full.is_moe_layer(i) for i in range(full.num_hidden_layers))
     projected = ttft + (full.num_hidden_layers - cfg.num_hidden_layers) * steady
@@ -246,6 +281,8 @@ def main(argv=None):
     parser.add_argument("--cpu-tokens", type=int, default=4096, help="batch of the CPU expert-rate floor")
     parser.add_argument("--vram-budget-gib", type=float, help="stream_prefill's VRAM budget (default: free memory)")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--format", default="fp8", choices=("fp8", "bf16"),
+                        help="a geometry's weights (gpt-oss's experts stay MXFP4, as released)")
     parser.add_argument("--prompts", nargs="+", default=["random"], choices=("random", "repeated"),
                         help="random tokens, or one token repeated (skewed routing); each runs every length")
     parser.add_argument("--time-limit", type=float, default=float("inf"),
@@ -258,8 +295,10 @@ def main(argv=None):
     floors = {"h2d_gbps": round(h2d_gbps(device), 2), "gemm_tflops": round(gemm_tflops(device), 1),
               "cpu_expert_tflops": round(cpu_expert_tflops(model, args.cpu_tokens), 3)}
     rates = sp.PrefillRates(floors["h2d_gbps"], floors["gemm_tflops"], floors["cpu_expert_tflops"])
-    print(f"prefill: {name} on {device.device_kind}; floors: pinned H2D {floors['h2d_gbps']} GB/s, bf16 GEMM "
-          f"{floors['gemm_tflops']} TFLOP/s, CPU experts {floors['cpu_expert_tflops']} TFLOP/s")
+    storage = pinned_layer(next(la.mlp for la in model.weights.layers if isinstance(la.mlp, MoE)).expert_layer).storage
+    print(f"prefill: {name}, experts {storage.fmt}, on {device.device_kind}; floors: pinned H2D "
+          f"{floors['h2d_gbps']} GB/s, bf16 GEMM {floors['gemm_tflops']} TFLOP/s, CPU experts "
+          f"{floors['cpu_expert_tflops']} TFLOP/s")
     budget = int(args.vram_budget_gib * GIB) if args.vram_budget_gib else None
     results, skipped = [], []
     print(f"{'path':>6} {'tokens':>6} {'depth':>5} {'TTFT ms':>9} {'layer ms':>8} {'full s(proj)':>12} "
@@ -298,7 +337,8 @@ def main(argv=None):
           + (f"; skipped for time: {', '.join(skipped)}" if skipped else ""))
     machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "device": device.device_kind,
                "jax": jax.__version__}
-    print(json.dumps({"bench": "prefill", "model": name, "layers": model.config.num_hidden_layers,
+    print(json.dumps({"bench": "prefill", "model": name, "experts": storage.fmt,
+                      "layers": model.config.num_hidden_layers,
                       "full_layers": full.num_hidden_layers, "machine": machine,
                       "floors": floors, "crossover_tokens": crossover, "skipped": skipped, "results": results}))
 
