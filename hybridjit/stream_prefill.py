@@ -572,7 +572,7 @@ def choose_prefill_path(
     """"stream" or "hybrid" for a prompt batch [batch, length]. Streaming needs the routed experts pinned (GGUF
     experts never are: the device has no dequantization of their blocks); then `threshold` (prompt tokens,
     batch * length) overrides the cost model; without it, streaming is chosen on a GPU when prefill_seconds models
-    it faster with `rates` (default PrefillRates())."""
+    it faster with `rates` (default: the machine's, model.prefill_rates())."""
     try:
         if not _pinned_layers(model.weights):
             return "hybrid"
@@ -582,5 +582,5 @@ def choose_prefill_path(
         return "stream" if batch * length >= threshold else "hybrid"
     if model.placement.device.platform != "gpu":
         return "hybrid"
-    t = prefill_seconds(model.config, batch, length, rates or PrefillRates())
+    t = prefill_seconds(model.config, batch, length, rates or model.prefill_rates())
     return "stream" if t["stream"] < t["hybrid"] else "hybrid"
