@@ -1,4 +1,4 @@
-// AVX-512 kernels (F, BW, VL, DQ, BF16, VNNI): the GEMV of decode, memory-bound by design.
+// AVX-512 kernels (F, BW, VL, DQ, BF16, VNNI, VBMI): the GEMV of decode, memory-bound by design.
 //
 // bf16 and fp8 weights meet bfloat16 activations in vdpbf16ps (float32 accumulators). FP8 E4M3FN is
 // expanded to bfloat16 in registers (OSDI '26 §3.4) by the shift expansion of fp8_special.h, done on
@@ -10,8 +10,8 @@
 // Weights are prefetched ahead along each row (weight_prefetch.h): with 16 cores streaming, the hardware
 // prefetchers alone leave 10-35% of the read bandwidth unused (bench/RESULTS.md).
 //
-// mxfp4 weights become exact bfloat16 through a nibble table and meet bfloat16 activations in vdpbf16ps, the
-// e8m0 scale applied per 32-element group (below).
+// mxfp4 weights become doubled e2m1 integers through a nibble table and meet activations quantized to 15 bits (two
+// int8 halves) in vpdpbusd, one float multiply-add per step applying each 32-element group's e8m0 scale (below).
 //
 // int8 and int4 weights meet int8 activations in vpdpbusd (unsigned x signed bytes): int8 weights with
 // their sign bit flipped (q + 128), int4 nibbles as stored (q + 8); the offset times the group's sum
@@ -31,7 +31,8 @@
 #include "numeric_formats.h"
 #include "weight_prefetch.h"
 
-#define HJ_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,avx2,fma,f16c")))
+#define HJ_AVX512 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,avx512vbmi,avx2,fma,f16c")))
 
 namespace hybridjit {
 namespace {
@@ -427,106 +428,203 @@ HJ_AVX512 void IntGemm(const LayerWeights& layer, const Projection* w, int n_pro
 }
 
 // ---- mxfp4 ----------------------------------------------------------------------------------------------
-// A step reads 128 elements of a row: 64 bytes, four scale groups. Each 16-bit lane holds four nibbles (elements
-// 4i..4i+3 of the step); shifted by 0, 4, 8 and 12 bits it indexes a bfloat16 table directly (vpermw reads the low
-// 5 bits of each index: the table's two halves are the same 16 entries, so the next nibble's low bit does not
-// matter). Every e2m1 value is exact in bfloat16, and normal, so vdpbf16ps's denormal flushing loses nothing.
-// vdpbf16ps sums lane pairs, so lane j of each of the four products holds elements 8j..8j+7 of the step, in group
-// j / 4: the four sum into one vector, multiplied once by its lanes' scales. The scales are made 16 groups at a
-// time (their e8m0 bytes shifted into float exponents) and permuted per step. Packed activations: per token
-// bfloat16[RoundUp(cols, 128)], each step's elements 4i + s at 32 s + i, zero beyond cols.
+// int8 VNNI. Every e2m1 value doubled is an integer in [-12, 12]: a byte table gives it plus 12 (unsigned) for
+// vpdpbusd. The activations are quantized per 32-element group (the e8m0 scale group) to 15 bits, Q = rint(x *
+// 16256 / max|x|) (16256 = 127 * 128), and Q = 128 * big + small is split into two int8 halves, big in
+// [-127, 127] and small in [-64, 63]: two vpdpbusd per half, and the first half's sums shifted left by 7 before
+// the second's join them. One int8 alone (127 levels per group, as the int8 kernels quantize) made the gpt-oss
+// layer ~5x less accurate than bfloat16 activations (1.2e-2 against 2e-3 relative RMS); 15 bits are finer than
+// bfloat16 for every element above 1/64 of its group's maximum. 12 * the sum of each group's Q, which the offset
+// added, is subtracted in float32 (one multiply-add per 16 groups). The exact bfloat16 route before (nibbles to
+// bfloat16 by vpermw, vdpbf16ps) took ~18 cycles per 64-byte step and row with the weights in L2, this one ~10 (the
+// 2-core dev Xeon): there vdpbf16ps zmm issues once per two cycles (latency 8), vpdpbusd twice a cycle.
+// A step reads 128 elements of a row, 64 bytes: vpermb looks up the low nibbles (element 2i of byte i) from the
+// low 6 bits of each byte, the high ones after a 4-bit word shift (the table repeats its 16 entries, so the bits
+// above a nibble do not matter). The low nibbles meet the step's even activations, the high ones its odd ones, so
+// dword lane j sums elements 8j..8j+7, in group j / 4: one conversion and one multiply-add per step apply every
+// lane's scale (the weights' 2^(e - 127) times the activations' max|x| / 16256 / 2, made 16 groups at a time,
+// permuted per step). Packed activations, per token: per step, int8 big[64 even elements], big[64 odd ones],
+// small[64 even], small[64 odd]; then per group float scale[] (max|x| / 16256 / 2) and float corr[] (-12 * the
+// sum of its Q), each RoundUp(groups, 16) long; zero past cols, so that a partial last step's weights, loaded as
+// zeros, add nothing.
 
 constexpr int64_t kMxfp4Step = 128;
 constexpr int64_t kMxfp4Scales = 16 * kMxfp4Block;  // elements of one scale vector
+constexpr int kMxfp4Offset = 12;                    // added to each doubled e2m1 value
+constexpr float kMxfp4Levels = 127 * 128;           // Q of a group's largest magnitude
 
-int64_t Mxfp4TokenElements(int64_t cols) { return RoundUp(cols, kMxfp4Step); }
+struct Mxfp4Layout {
+  int64_t kp, scales, corr, token_bytes;
+};
+
+Mxfp4Layout MakeMxfp4Layout(int64_t cols) {
+  Mxfp4Layout l;
+  l.kp = RoundUp(cols, kMxfp4Step);
+  const int64_t groups = RoundUp(l.kp / kMxfp4Block, 16);
+  l.scales = 2 * l.kp;
+  l.corr = l.scales + groups * 4;
+  l.token_bytes = RoundUp(l.corr + groups * 4, 64);
+  return l;
+}
 
 size_t Mxfp4PackedBytes(const LayerWeights&, int64_t tokens, int64_t cols) {
-  return tokens * Mxfp4TokenElements(cols) * sizeof(uint16_t);
+  return tokens * MakeMxfp4Layout(cols).token_bytes;
+}
+
+// Quantizes the 32 values at x to Q (see above), written as its halves big[32] and small[32]; returns max|x| / 16256,
+// the unit of Q (0 for a group of zeros; non-finite, with Q = 0, for a group with a NaN or an infinity, so that its
+// products are NaN, as QuantizeInt8's), and the sum of Q in *sum.
+HJ_AVX512 float Mxfp4QuantizeGroup(const float* x, int8_t* big, int8_t* small, int32_t* sum) {
+  const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+  const uint32_t bits = _mm512_reduce_max_epu32(_mm512_max_epu32(
+      _mm512_and_si512(_mm512_castps_si512(x0), magnitude), _mm512_and_si512(_mm512_castps_si512(x1), magnitude)));
+  float amax;
+  std::memcpy(&amax, &bits, sizeof amax);
+  const bool finite = amax != 0.0f && std::isfinite(amax);
+  const __m512 inv = _mm512_set1_ps(kMxfp4Levels / amax);
+  const __mmask16 keep = finite ? 0xffff : 0;
+  const __m512i q[2] = {_mm512_maskz_cvtps_epi32(keep, _mm512_mul_ps(x0, inv)),
+                        _mm512_maskz_cvtps_epi32(keep, _mm512_mul_ps(x1, inv))};
+  for (int i = 0; i < 2; ++i) {
+    const __m512i high = _mm512_srai_epi32(_mm512_add_epi32(q[i], _mm512_set1_epi32(64)), 7);  // round(Q / 128)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(big + 16 * i), _mm512_cvtepi32_epi8(high));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(small + 16 * i),
+                     _mm512_cvtepi32_epi8(_mm512_sub_epi32(q[i], _mm512_slli_epi32(high, 7))));
+  }
+  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q[0], q[1]));
+  return finite ? amax / kMxfp4Levels : amax;
 }
 
 HJ_AVX512 void Mxfp4Pack(const LayerWeights&, const ActivationRows& rows, int64_t cols, void* packed) {
-  const int64_t stride = Mxfp4TokenElements(cols);
+  const Mxfp4Layout l = MakeMxfp4Layout(cols);
+  // Bytes 2i and 2i + 1 of two vectors, i < 64: a step's even elements, and its odd ones.
+  alignas(64) static const std::array<uint8_t, 64> even = [] {
+    std::array<uint8_t, 64> e{};
+    for (int i = 0; i < 64; ++i) e[i] = static_cast<uint8_t>(2 * i);
+    return e;
+  }();
+  const __m512i pick_even = _mm512_load_si512(even.data());
+  const __m512i pick_odd = _mm512_add_epi8(pick_even, _mm512_set1_epi8(1));
+  thread_local std::vector<float> x;
+  thread_local std::vector<int8_t> halves;  // big[kp], then small[kp], in the elements' order
+  x.assign(l.kp, 0.0f);
+  halves.resize(2 * l.kp);
   for (int64_t t = 0; t < rows.count; ++t) {
-    const void* src = rows.Row(t);
-    auto* out = static_cast<uint16_t*>(packed) + t * stride;
-    std::fill(out + cols / kMxfp4Step * kMxfp4Step, out + stride, uint16_t{0});  // a partial last step's gaps
-    for (int64_t c = 0; c < cols; ++c) {
-      const uint16_t bits = rows.bf16 ? static_cast<const uint16_t*>(src)[c]
-                                      : FloatToBf16Bits(static_cast<const float*>(src)[c]);
-      const int64_t e = c % kMxfp4Step;
-      out[c - e + e % 4 * (kMxfp4Step / 4) + e / 4] = bits;
+    LoadFloatRow(rows, t, cols, x.data());
+    char* token = static_cast<char*>(packed) + t * l.token_bytes;
+    auto* scales = reinterpret_cast<float*>(token + l.scales);
+    auto* corr = reinterpret_cast<float*>(token + l.corr);
+    std::fill(scales, reinterpret_cast<float*>(token + l.token_bytes), 0.0f);
+    for (int64_t g = 0; g < l.kp / kMxfp4Block; ++g) {
+      const int64_t c = g * kMxfp4Block;
+      int32_t sum;
+      scales[g] = 0.5f * Mxfp4QuantizeGroup(x.data() + c, halves.data() + c, halves.data() + l.kp + c, &sum);
+      corr[g] = static_cast<float>(-kMxfp4Offset * sum);
+    }
+    for (int64_t c = 0; c < l.kp; c += kMxfp4Step) {
+      for (int h = 0; h < 2; ++h) {
+        const int8_t* q = halves.data() + h * l.kp + c;
+        const __m512i first = _mm512_loadu_si512(q), second = _mm512_loadu_si512(q + 64);
+        _mm512_storeu_si512(token + 2 * c + 128 * h, _mm512_permutex2var_epi8(first, pick_even, second));
+        _mm512_storeu_si512(token + 2 * c + 128 * h + 64, _mm512_permutex2var_epi8(first, pick_odd, second));
+      }
     }
   }
 }
 
-// bfloat16 of each e2m1 nibble, twice (vpermw reads a 32-entry table).
-alignas(64) constexpr uint16_t kE2m1Bf16[32] = {0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
-                                                0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0,
-                                                0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0,
-                                                0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0};
+// 2 * e2m1 + 12 of each nibble (bit 3 the sign), four times (vpermb reads a 64-entry table).
+alignas(64) constexpr uint8_t kE2m1Doubled[64] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                                  12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                                  12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                                  12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
-// 16 e8m0 scale bytes as float32, as E8m0Table: 2^(e - 127) is e in the exponent field for e = 1..254; the table's
-// own values for 0 (a denormal) and 255 (NaN).
-HJ_AVX512 inline __m512 E8m0Vector(__m128i bytes, const std::array<float, 256>& e8m0) {
-  const __m512i e = _mm512_cvtepu8_epi32(bytes);
-  __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
-  scale = _mm512_mask_mov_ps(scale, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), _mm512_set1_ps(e8m0[0]));
-  return _mm512_mask_mov_ps(scale, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)), _mm512_set1_ps(e8m0[255]));
+// The exponents 2^e of 16 e8m0 scale bytes' values, as float32 for vscalefps: e - 127 for bytes 0..254 (0 gives
+// -127: scaling by 2^-127 rounds once, as multiplying by E8m0Table's denormal does), NaN for 255. vgetexpps reads
+// them from the bytes in the exponent field over a nonzero mantissa: a denormal for 0, and a NaN for 255.
+HJ_AVX512 inline __m512 E8m0Exponents(__m128i bytes) {
+  const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu8_epi32(bytes), 23);
+  return _mm512_getexp_ps(_mm512_castsi512_ps(_mm512_or_si512(bits, _mm512_set1_epi32(0x00400000))));
 }
 
+// Each step prefetches the tile's rows twice: far ahead into L2 (4x the one-level distance of the other kernels),
+// and 512 bytes ahead into L1. With one prefetch into L1 at the usual distance a thread streamed ~10% slower (the
+// 2-core dev Xeon, one thread, weights in DRAM): each request holds one of the core's few line fill buffers for
+// its whole memory latency.
+struct Mxfp4Prefetch {
+  Mxfp4Prefetch(int64_t row_bytes, int rows)
+      : far(row_bytes, rows, 4 * WeightPrefetchBytes()), near(row_bytes, rows, WeightPrefetchBytes() ? 512 : 0) {}
+  TilePrefetch far, near;
+};
+
 template <int R, int TC>
-HJ_AVX512 void Mxfp4Tile(const LayerWeights& layer, const Projection& w, int64_t row, const uint16_t* x,
-                         int64_t x_stride, int64_t t0, float* out, int64_t out_stride) {
-  const int64_t cols = w.cols, row_bytes = layer.RowBytes(cols), groups = cols / kMxfp4Block;
-  const TilePrefetch prefetch(row_bytes, R);
-  const std::array<float, 256>& e8m0 = E8m0Table();
+HJ_AVX512 void Mxfp4Tile(const Projection& w, int64_t row_bytes, const Mxfp4Prefetch& prefetch, int64_t row,
+                         const char* packed, const Mxfp4Layout& l, int64_t t0, float* out, int64_t out_stride) {
+  const int64_t cols = w.cols, groups = cols / kMxfp4Block;
   const unsigned char* rows[R];
   const uint8_t* scales[R];
   for (int r = 0; r < R; ++r) {
     rows[r] = static_cast<const unsigned char*>(w.data) + (row + r) * row_bytes;
     scales[r] = static_cast<const uint8_t*>(w.scale) + (row + r) * groups;
   }
-  const __m512i table = _mm512_load_si512(kE2m1Bf16);
+  const char* tokens[TC];
+  for (int t = 0; t < TC; ++t) tokens[t] = packed + (t0 + t) * l.token_bytes;
+  const __m512i table = _mm512_load_si512(kE2m1Doubled);
   const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   __m512 total[R][TC];
   for (int r = 0; r < R; ++r) {
     for (int t = 0; t < TC; ++t) total[r][t] = _mm512_setzero_ps();
   }
   // Step `k` of a scale vector's four, n (<= 128) elements from c; a partial one reads zeros past the row.
-  const auto step = [&](int64_t c, int64_t n, const __m512 (&scale)[R], int k)
+  const auto step = [&](int64_t c, int64_t n, const __m512 (&scale)[R][TC], int k)
                         HJ_AVX512 __attribute__((always_inline)) {
-    if (n == kMxfp4Step) prefetch.Rows(rows, c / 2);
+    if (n == kMxfp4Step) {
+      prefetch.far.Rows<R, true>(rows, c / 2);
+      prefetch.near.Rows(rows, c / 2);
+    }
     const __m512i pick = _mm512_add_epi32(quarter, _mm512_set1_epi32(4 * k));
+    __m512i even[R], odd[R];
     for (int r = 0; r < R; ++r) {
       const unsigned char* at = rows[r] + c / 2;
       const __m512i v = n == kMxfp4Step ? _mm512_loadu_si512(at) : _mm512_maskz_loadu_epi8(FirstLanes64(n / 2), at);
-      const __m512i w0 = _mm512_permutexvar_epi16(v, table);
-      const __m512i w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
-      const __m512i w2 = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), table);
-      const __m512i w3 = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), table);
-      const __m512 s = _mm512_permutexvar_ps(pick, scale[r]);
-      for (int t = 0; t < TC; ++t) {
-        const uint16_t* xt = x + (t0 + t) * x_stride + c;
-        __m512 sums = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w0, (__m512bh)_mm512_loadu_si512(xt));
-        sums = _mm512_dpbf16_ps(sums, (__m512bh)w1, (__m512bh)_mm512_loadu_si512(xt + 32));
-        sums = _mm512_dpbf16_ps(sums, (__m512bh)w2, (__m512bh)_mm512_loadu_si512(xt + 64));
-        sums = _mm512_dpbf16_ps(sums, (__m512bh)w3, (__m512bh)_mm512_loadu_si512(xt + 96));
-        total[r][t] = _mm512_fmadd_ps(sums, s, total[r][t]);
+      even[r] = _mm512_permutexvar_epi8(v, table);
+      odd[r] = _mm512_permutexvar_epi8(_mm512_srli_epi16(v, 4), table);
+    }
+    for (int t = 0; t < TC; ++t) {
+      const char* x = tokens[t] + 2 * c;
+      const __m512i big_even = _mm512_loadu_si512(x), big_odd = _mm512_loadu_si512(x + 64);
+      const __m512i small_even = _mm512_loadu_si512(x + 128), small_odd = _mm512_loadu_si512(x + 192);
+      for (int r = 0; r < R; ++r) {
+        const __m512i big = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), even[r], big_even), odd[r],
+                                                big_odd);
+        const __m512i sums =
+            _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(big, 7), even[r], small_even), odd[r], small_odd);
+        total[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_permutexvar_ps(pick, scale[r][t]), total[r][t]);
       }
     }
   };
-  __m512 scale[R];
+  // The scales of the 16 groups from c, as many as the row has left, and their corrections (lanes past the row
+  // have zero activations, whatever their weights' scale).
+  const auto make_scales = [&](int64_t c, __m512 (&scale)[R][TC]) HJ_AVX512 __attribute__((always_inline)) {
+    const int64_t g = c / kMxfp4Block;
+    const __mmask16 left = FirstLanes16(groups - g);
+    for (int r = 0; r < R; ++r) {
+      const __m512 exponents = E8m0Exponents(_mm_maskz_loadu_epi8(left, scales[r] + g));
+      for (int t = 0; t < TC; ++t) {
+        const auto* x = reinterpret_cast<const float*>(tokens[t]);
+        scale[r][t] = _mm512_scalef_ps(_mm512_loadu_ps(x + l.scales / 4 + g), exponents);
+        total[r][t] = _mm512_fmadd_ps(scale[r][t], _mm512_loadu_ps(x + l.corr / 4 + g), total[r][t]);
+      }
+    }
+  };
+  __m512 scale[R][TC];
   int64_t c = 0;
   for (; c + kMxfp4Scales <= cols; c += kMxfp4Scales) {
-    for (int r = 0; r < R; ++r) {
-      scale[r] = E8m0Vector(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales[r] + c / kMxfp4Block)), e8m0);
-    }
+    make_scales(c, scale);
     for (int k = 0; k < 4; ++k) step(c + k * kMxfp4Step, kMxfp4Step, scale, k);
   }
-  if (c < cols) {  // the row's last groups: their scales alone are read
-    const __mmask16 left = FirstLanes16((cols - c) / kMxfp4Block);
-    for (int r = 0; r < R; ++r) scale[r] = E8m0Vector(_mm_maskz_loadu_epi8(left, scales[r] + c / kMxfp4Block), e8m0);
+  if (c < cols) {  // the row's last groups
+    make_scales(c, scale);
     for (int k = 0; c < cols; ++k, c += kMxfp4Step) step(c, std::min(kMxfp4Step, cols - c), scale, k);
   }
   for (int r = 0; r < R; ++r) {
@@ -536,12 +634,14 @@ HJ_AVX512 void Mxfp4Tile(const LayerWeights& layer, const Projection& w, int64_t
 
 HJ_AVX512 void Mxfp4Gemm(const LayerWeights& layer, const Projection* w, int n_proj, int64_t row0, int64_t rows,
                          const void* packed, int64_t tokens, float* const* out, int64_t out_stride) {
-  const auto* x = static_cast<const uint16_t*>(packed);
-  const int64_t xs = Mxfp4TokenElements(w[0].cols);
+  const Mxfp4Layout l = MakeMxfp4Layout(w[0].cols);
+  const int64_t row_bytes = layer.RowBytes(w[0].cols);
+  const Mxfp4Prefetch four(row_bytes, 4), one(row_bytes, 1);  // ForTiles' tiles: 4 rows, or 1
+  const char* x = static_cast<const char*>(packed);
   for (int p = 0; p < n_proj; ++p) {
     ForTiles(row0, rows, w[p].rows, tokens, [&](auto R, auto TC, int64_t r, int64_t t) {
-      Mxfp4Tile<decltype(R)::value, decltype(TC)::value>(layer, w[p], r, x, xs, t, out[p] + (r - row0) * out_stride,
-                                                         out_stride);
+      Mxfp4Tile<decltype(R)::value, decltype(TC)::value>(w[p], row_bytes, R == 4 ? four : one, r, x, l, t,
+                                                         out[p] + (r - row0) * out_stride, out_stride);
     });
   }
 }

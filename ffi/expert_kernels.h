@@ -5,7 +5,8 @@
 // once per expert call into the kernel's own layout and precision:
 //   generic  float32 (f32/bf16/fp8/mxfp4 weights) or int8 per scale group (int8/int4 weights)
 //   avx2     float32 (f32/bf16/fp8/mxfp4), or int8 per group
-//   avx512   bfloat16 (bf16/fp8/mxfp4 weights, for vdpbf16ps) or int8 per group (VNNI)
+//   avx512   bfloat16 (bf16/fp8 weights, for vdpbf16ps), int8 per group (VNNI), or for mxfp4 15-bit integers per
+//            32-element group as two int8 halves (VNNI)
 //   amx      bfloat16 tiles (bf16, fp8, mxfp4, the GGUF block formats, and int8/int4 with several scale
 //            groups per row, whose weights are dequantized to bfloat16 tile by tile), or int8 tiles
 //            (int8 with one scale per row, where integer sums need no per-group rescaling)

@@ -27,8 +27,8 @@ inline int64_t WeightPrefetchBytes() {
 // down projection, 1 KB for int4), and without this each tile would begin with a full memory latency.
 class TilePrefetch {
  public:
-  TilePrefetch(int64_t row_bytes, int rows_per_tile) : row_bytes_(row_bytes), next_tile_((rows_per_tile - 1) * row_bytes) {
-    const int64_t distance = WeightPrefetchBytes();
+  TilePrefetch(int64_t row_bytes, int rows_per_tile, int64_t distance = WeightPrefetchBytes())
+      : row_bytes_(row_bytes), next_tile_((rows_per_tile - 1) * row_bytes) {
     remainder_ = distance % row_bytes;
     lead_ = distance + distance / row_bytes * next_tile_;
   }
@@ -37,13 +37,21 @@ class TilePrefetch {
   // division in the loop, since at + (distance % row_bytes) crosses at most one row end.
   int64_t Offset(int64_t at) const { return at + lead_ + (at + remainder_ >= row_bytes_ ? next_tile_ : 0); }
 
-  // Prefetches `lines` cache lines of each of the tile's rows for the step that reads byte `at`.
-  template <int R>
+  // Prefetches `lines` cache lines of each of the tile's rows for the step that reads byte `at`, into L1, or
+  // into L2 only.
+  template <int R, bool kIntoL2 = false>
   void Rows(const unsigned char* const (&rows)[R], int64_t at, int lines = 1) const {
     if (lead_ == 0) return;
     const int64_t offset = Offset(at);
     for (int r = 0; r < R; ++r) {
-      for (int l = 0; l < lines; ++l) _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + offset + 64 * l, _MM_HINT_T0);
+      for (int l = 0; l < lines; ++l) {
+        const char* p = reinterpret_cast<const char*>(rows[r]) + offset + 64 * l;
+        if constexpr (kIntoL2) {
+          _mm_prefetch(p, _MM_HINT_T1);
+        } else {
+          _mm_prefetch(p, _MM_HINT_T0);
+        }
+      }
     }
   }
 

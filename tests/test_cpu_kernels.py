@@ -46,8 +46,11 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 #   int8  activations quantized to int8 per group, as the reference does too: exact integer dots (~1e-7),
 #         plus the occasional intermediate on the other side of a rounding boundary (one costs up to ~5e-4).
 #         Unemulated, the quantization alone would be ~2e-2.
+#   int15 activations quantized per group to 15-bit integers (|q| <= 127 * 128, two int8 halves: AVX-512 on
+#         mxfp4), as the reference does too: exact integer dots (~2e-7), plus intermediates on the other side of
+#         a rounding boundary (up to ~1e-5 here). Unemulated, the quantization alone would be ~1e-4.
 # A bfloat16 result adds its own rounding, at most 2^-8 relative.
-TOLERANCE = {"f32": 1e-5, "bf16": 1e-3, "int8": 2e-3}
+TOLERANCE = {"f32": 1e-5, "bf16": 1e-3, "int8": 2e-3, "int15": 3e-5}
 BF16_OUTPUT = 2.0**-8
 
 FAMILIES = ("generic", "avx2", "avx512", "amx")
@@ -151,16 +154,17 @@ def round_bf16(a):
     return np.asarray(a, np.float64).astype(np.float32).astype(BF16).astype(np.float64)
 
 
-def quantize_int8(a, group):
-    """The kernels' int8 activation quantization per row and group, in their float32 arithmetic, dequantized."""
+def quantize_int8(a, group, levels=127):
+    """The kernels' activation quantization per row and group to integers in [-levels, levels] (int8: 127), in
+    their float32 arithmetic, dequantized."""
     a32 = np.asarray(a, np.float64).astype(np.float32)
     out = np.zeros(a32.shape, np.float64)
     for g in range(0, a32.shape[-1], group):
         part = a32[..., g : g + group]
         amax = np.max(np.abs(part), axis=-1, keepdims=True)
         safe = np.where(amax > 0, amax, np.float32(1))
-        q = np.rint(part * (np.float32(127) / safe))
-        out[..., g : g + group] = np.where(amax > 0, q * (amax / np.float32(127)), 0)
+        q = np.rint(part * (np.float32(levels) / safe))
+        out[..., g : g + group] = np.where(amax > 0, q * (amax / np.float32(levels)), 0)
     return out
 
 
@@ -180,6 +184,7 @@ def reference(x, ids, weights, dense, activations="f32", group=None, biases=None
         "f32": lambda a: np.asarray(a, np.float64),
         "bf16": round_bf16,
         "int8": partial(quantize_int8, group=group),
+        "int15": partial(quantize_int8, group=group, levels=127 * 128),
     }[activations]
     xin = prepare(np.asarray(x).astype(np.float64))
     y = np.zeros(xin.shape)
@@ -199,7 +204,9 @@ def arithmetic(kernel, fmt):
         return "bf16", fmt not in ("bf16", "f32")
     if fmt in ("int8", "int4"):
         return "int8", False
-    return ("bf16" if kernel == "avx512" else "f32"), False  # mxfp4 values are exact in bfloat16
+    if (fmt, kernel) == ("mxfp4", "avx512"):
+        return "int15", False
+    return ("bf16" if kernel == "avx512" else "f32"), False
 
 
 def relative_rms(y, y_ref):
@@ -713,7 +720,8 @@ def test_mxfp4_matches_float64_reference(family, hidden, inter, interleaved, bia
         kernel = layer_kernel(layer, tokens)
         precision, _ = arithmetic(kernel, "mxfp4")
         y = routed_experts_host(layer, x, ids, weights)
-        y_ref = reference(x, ids, weights, dense, precision, biases=biases, activation=activation)
+        # AVX-512 quantizes the activations per e8m0 scale group (32 elements)
+        y_ref = reference(x, ids, weights, dense, precision, group=32, biases=biases, activation=activation)
         assert relative_rms(y, y_ref) < TOLERANCE[precision], kernel
 
 
