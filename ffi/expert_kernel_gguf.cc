@@ -1,11 +1,11 @@
 // Kernels for routed experts stored in GGUF block formats (gguf_blocks.h): Q8_0, Q4_K, Q5_K, Q6_K.
 //
-// The fused operator of seed 000 §3.5.2: activations are quantised on the fly to int8 per 32 elements
-// (as every int8 kernel does, expert_kernels.h), each weight row is decoded once per call into unsigned
-// bytes plus float multipliers (gguf_blocks.h), and the products are integer dot products: in plain C++
-// here, with AVX-512 VNNI (vpdpbusd, unsigned weight bytes x signed activation bytes) in the avx512 family.
-// A row's decoded form (a few KiB) stays in L1 for all the tokens of the call. With the amx family, experts with
-// enough tokens (AmxMinTokens) run on AMX instead: expert_kernel_amx.cc splits the blocks with the same helpers
+// The fused operator of seed 000 §3.5.2: activations are quantised on the fly to int8 per 32 elements (as every int8
+// kernel does, expert_kernels.h; per 256 for the few-token kernels below), each weight row is decoded once per call
+// into unsigned bytes plus float multipliers (gguf_blocks.h), and the products are integer dot products: in plain C++
+// here, with AVX-512 VNNI (vpdpbusd, unsigned weight bytes x signed activation bytes) in the avx512 family. A row's
+// decoded form (a few KiB) stays in L1 for all the tokens of the call. With the amx family, experts with enough tokens
+// (AmxMinTokens) run on AMX instead: expert_kernel_amx.cc splits the blocks with the same helpers
 // (gguf_blocks_avx512.h) into bfloat16 tiles.
 #include <immintrin.h>
 
@@ -225,21 +225,28 @@ HJ_AVX512_VNNI float DotAvx512(const DecodedRow& w, const char* token, const Tok
 // --- Few tokens: blocks decoded in registers ------------------------------------------------------------
 // A decoded row pays for itself over many tokens; with a few, writing it out and reading it back costs more than
 // the dot products. These split each super-block into bytes in registers and multiply them with every token's
-// activations there (the Q4_K x Q8_K / Q6_K x Q8_K dot products of seed 000 §3.5.2, on our activation
-// quantisation): per 64 elements one vpdpbusd, one convert, one permute and one multiply-add per token.
+// activations there (the Q4_K x Q8_K / Q6_K x Q8_K dot products of seed 000 §3.5.2).
 //
-// Their activations have a layout of their own (FusedLayout), per 256 elements: the int8 q in the order that 64
-// bytes of 4-bit weights split into without shuffles (of each 128 elements, the first and third 32, then the second
-// and fourth: a 64-byte load of Q4_K's nibbles holds elements 0-31 and 64-95 of 128 in its low nibbles, 32-63 and
-// 96-127 in its high ones), then the float multipliers of its 32-groups and 16-element halves. A block's weight
-// multipliers times the token's, one vector product per block and token, then give every lane's scale through one
-// permute, and the min terms in the same product.
+// With a K-quant in the layer the activations are quantised per 256 elements, one scale per super-block as
+// llama.cpp's Q8_K, so that a super-block's sums stay integers to its end: per 64 weight bytes one vpdpbusd (its
+// int32 lanes fit int16: 4 x 63 x 127 at most), per two of those one pack to int16 and one vpdpwssd with the
+// sub-blocks' integer scales, then per super-block one convert and one float multiply-add with d times the
+// activations' scale, and the mins as an integer dot product of the mins with the activations' sums. Per 32 they
+// took a float convert, permute and multiply-add per 64 bytes, and the data stream slowed by about what that
+// arithmetic cost. Q8_0 blocks have a float scale per 32 elements whatever the activations: they keep that form
+// (FusedDots), and activations quantised per 32 where every projection is in Q8_0.
+//
+// The activations have a layout of their own (FusedLayout), per 256 elements: the int8 q in the order that 64 bytes
+// of 4-bit weights split into without shuffles (of each 128 elements, the first and third 32, then the second and
+// fourth: a 64-byte load of Q4_K's nibbles holds elements 0-31 and 64-95 of 128 in its low nibbles, 32-63 and
+// 96-127 in its high ones), then the scales and sums that the formats' multipliers and mins need.
 
 struct FusedLayout {
-  static constexpr int64_t kBlock = 256, kBytes = 256 + 3 * 64;
-  // Offsets in a block's record: float x32[16] (scale of each 32-group, then scale * sum of q over it), float
-  // x16[16] (scale of each 16 elements' group), float s16[16] (scale * sum of q over each 16 elements).
-  static constexpr int64_t kX32 = 256, kX16 = kX32 + 64, kS16 = kX16 + 64;
+  static constexpr int64_t kBlock = 256, kBytes = 256 + 2 * 64;
+  // Offsets in a block's record: float x32[16] (scale of each 32-group, then scale * sum of q over it), int16
+  // s16[16] (sum of q over each 16 elements), int16 s32[8] (sum over each 32-group), float dx (the scale of
+  // activations quantised per 256).
+  static constexpr int64_t kX32 = 256, kS16 = kX32 + 64, kS32 = kS16 + 32, kDx = kS32 + 16;
   int64_t blocks, bytes;
   explicit FusedLayout(int64_t cols) : blocks((cols + kBlock - 1) / kBlock), bytes(blocks * kBytes) {}
 };
@@ -247,53 +254,84 @@ struct FusedLayout {
 // Where the 32-group g (0-7) of a 256-element block sits among its q: quarters 1 and 2 of each 128 swapped.
 constexpr int64_t FusedGroupOffset(int64_t g) { return g / 4 * 128 + (g % 4 == 1 ? 64 : g % 4 == 2 ? 32 : g % 4 * 32); }
 
-void GgufPackFused(const ActivationRows& rows, int64_t cols, void* packed) {
+// The activations' quantisation group of the few-token kernels: 256 with a K-quant projection in the layer (its
+// integer sums need one scale per super-block), else 32 (Q8_0's arithmetic is the same with either, and 32 rounds
+// finer).
+int64_t FusedGroup(const LayerWeights& layer) {
+  const bool q8_0 = layer.ProjectionFormat(Matrix::kGate) == WeightFormat::kQ8_0 &&
+                    layer.ProjectionFormat(Matrix::kDown) == WeightFormat::kQ8_0;
+  return q8_0 ? kActBlock : FusedLayout::kBlock;
+}
+
+void GgufPackFused(const ActivationRows& rows, int64_t cols, int64_t group, void* packed) {
   const FusedLayout layout(cols);
   std::vector<float> x(cols);
+  std::vector<int8_t> q(group);
   std::memset(packed, 0, rows.count * layout.bytes);  // a Q8_0 row's last block: zero past cols
   for (int64_t t = 0; t < rows.count; ++t) {
     TokenFloats(rows, t, cols, x.data());
     char* token = static_cast<char*>(packed) + t * layout.bytes;
-    for (int64_t c = 0; c < cols; c += kActBlock) {
-      char* block = token + c / FusedLayout::kBlock * FusedLayout::kBytes;
-      const int64_t g = c % FusedLayout::kBlock / kActBlock;
-      auto* q = reinterpret_cast<int8_t*>(block + FusedGroupOffset(g));
-      auto* x32 = reinterpret_cast<float*>(block + FusedLayout::kX32);
-      auto* x16 = reinterpret_cast<float*>(block + FusedLayout::kX16);
-      auto* s16 = reinterpret_cast<float*>(block + FusedLayout::kS16);
-      const float scale = QuantizeInt8(x.data() + c, kActBlock, q);
-      int sums[2] = {0, 0};
-      for (int i = 0; i < kActBlock; ++i) sums[i / 16] += q[i];
-      x32[g] = x16[2 * g] = x16[2 * g + 1] = scale;
-      x32[8 + g] = scale * static_cast<float>(sums[0] + sums[1]);
-      s16[2 * g] = scale * static_cast<float>(sums[0]);
-      s16[2 * g + 1] = scale * static_cast<float>(sums[1]);
+    for (int64_t c0 = 0; c0 < cols; c0 += group) {
+      const int64_t n = std::min(group, cols - c0);  // cols is a multiple of 32
+      const float scale = QuantizeInt8(x.data() + c0, n, q.data());
+      for (int64_t c = c0; c < c0 + n; c += kActBlock) {
+        char* block = token + c / FusedLayout::kBlock * FusedLayout::kBytes;
+        const int64_t g = c % FusedLayout::kBlock / kActBlock;
+        const int8_t* src = q.data() + (c - c0);
+        std::memcpy(block + FusedGroupOffset(g), src, kActBlock);
+        auto* x32 = reinterpret_cast<float*>(block + FusedLayout::kX32);
+        auto* s16 = reinterpret_cast<int16_t*>(block + FusedLayout::kS16);
+        auto* s32 = reinterpret_cast<int16_t*>(block + FusedLayout::kS32);
+        int sums[2] = {0, 0};
+        for (int i = 0; i < kActBlock; ++i) sums[i / 16] += src[i];
+        x32[g] = scale;
+        x32[8 + g] = scale * static_cast<float>(sums[0] + sums[1]);
+        s16[2 * g] = static_cast<int16_t>(sums[0]);
+        s16[2 * g + 1] = static_cast<int16_t>(sums[1]);
+        s32[g] = static_cast<int16_t>(sums[0] + sums[1]);
+        std::memcpy(block + FusedLayout::kDx, &scale, sizeof scale);
+      }
     }
   }
 }
 
-// The natural-order groups of each of a block's four 64-byte q vectors, per lane: 32-groups (Q4_K, Q8_0), and
-// 16-element halves (Q6_K).
-HJ_AVX512_VNNI inline void FusedLanes32(__m512i lanes[4]) {
+// Permutes of a format's sub-block scales, made once per call. The 32-groups of each of a block's four 64-byte q
+// vectors per int32 lane (Q8_0's float multipliers); and where each int16 of the packs of q vectors 0, 1 and 2, 3
+// (FusedSums) finds its sub-block's scale: vector k's 128-bit lane L holds 32-group L / 2 * 2 + k / 2 * 4 + k % 2
+// (Q4_K), 16-group {0, 1, 4, 5}[L] + k / 2 * 8 + k % 2 * 2 (Q6_K), and the pack puts vector 2m's four words of lane L
+// before vector 2m + 1's.
+struct FusedPicks {
+  __m512i lanes[4], scales[2];
+};
+
+HJ_AVX512_VNNI inline FusedPicks MakeFusedPicks(WeightFormat format) {
+  FusedPicks p;
   for (int k = 0; k < 4; ++k) {
     const int g = k / 2 * 4 + k % 2;
-    lanes[k] = _mm512_inserti64x4(_mm512_set1_epi32(g), _mm256_set1_epi32(g + 2), 1);
+    p.lanes[k] = _mm512_inserti64x4(_mm512_set1_epi32(g), _mm256_set1_epi32(g + 2), 1);
   }
-}
-HJ_AVX512_VNNI inline void FusedLanes16(__m512i lanes[4]) {
-  const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 4, 4, 4, 4, 5, 5, 5, 5);
-  for (int k = 0; k < 4; ++k) lanes[k] = _mm512_add_epi32(quarter, _mm512_set1_epi32(k / 2 * 8 + k % 2 * 2));
+  alignas(64) int16_t words[2][32];  // Q6_K: word indices (vpermw); Q4_K: byte indices in the low byte (vpermb)
+  for (int m = 0; m < 2; ++m) {
+    for (int i = 0; i < 32; ++i) {
+      const int lane = i / 8, k = 2 * m + i % 8 / 4;
+      words[m][i] = static_cast<int16_t>(format == WeightFormat::kQ6K
+                                             ? (lane % 2 + lane / 2 * 4) + k / 2 * 8 + k % 2 * 2
+                                             : lane / 2 * 2 + k / 2 * 4 + k % 2);
+    }
+    p.scales[m] = _mm512_load_si512(words[m]);
+  }
+  return p;
 }
 
 // Accumulators of one row: per token, kAcc chains of dot products (one would be a chain of multiply-add latencies
-// with one or two tokens), and the min terms.
+// with one or two tokens; the K-quants add once per block to the first), and the min terms.
 template <int N>
 struct FusedAcc {
   static constexpr int kAcc = N == 1 ? 4 : N <= 3 ? 2 : 1;
   __m512 dots[N][kAcc], mins[N];
 };
 
-// The block at `block` (of each token's record) against weights wq[4] (FusedLayout order), lane scales the
+// Q8_0: the block at `block` (of each token's record) against weights wq[4] (FusedLayout order), lane scales the
 // permutes of p[t] by lanes[k].
 template <int N>
 HJ_AVX512_VNNI inline void FusedDots(const __m512i wq[4], const __m512 p[N], const __m512i lanes[4],
@@ -308,6 +346,18 @@ HJ_AVX512_VNNI inline void FusedDots(const __m512i wq[4], const __m512 p[N], con
   }
 }
 
+// K-quants: the super-block's weights wq[4] (FusedLayout order) against one token's q at x, each sub-block's sum
+// times its integer scale (scales: FusedPicks's permutes of them, as int16), summed over the super-block in int32
+// lanes.
+HJ_AVX512_VNNI inline __m512i FusedSums(const __m512i wq[4], const __m512i scales[2], const char* x) {
+  __m512i dot[4];
+  for (int k = 0; k < 4; ++k) {
+    dot[k] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[k], _mm512_loadu_si512(x + 64 * k));
+  }
+  const __m512i sums = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_packs_epi32(dot[0], dot[1]), scales[0]);
+  return _mm512_dpwssd_epi32(sums, _mm512_packs_epi32(dot[2], dot[3]), scales[1]);
+}
+
 // Multipliers [weight scale of 32-group j, weight min of j] x the token's [scale of j, scale * sum over j]: the
 // lanes of the dot products, and the min terms in lanes 8-15.
 template <int N>
@@ -319,8 +369,14 @@ HJ_AVX512_VNNI inline void FusedScales32(__m512 w, const char* const tok[N], int
   }
 }
 
+HJ_AVX512_VNNI inline float TokenScale(const char* x) {
+  float dx;
+  std::memcpy(&dx, x + FusedLayout::kDx, sizeof dx);
+  return dx;
+}
+
 template <int N, bool kFive>
-HJ_AVX512_VNNI inline void Q4KFused(const uint8_t* b, const char* const tok[N], int64_t block, const __m512i lanes[4],
+HJ_AVX512_VNNI inline void Q4KFused(const uint8_t* b, const char* const tok[N], int64_t block, const FusedPicks& picks,
                                     FusedAcc<N>& acc) {
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   __m512i wq[4];
@@ -340,13 +396,30 @@ HJ_AVX512_VNNI inline void Q4KFused(const uint8_t* b, const char* const tok[N], 
     wq[2] = _mm512_ternarylogic_epi32(wq[2], both, bit4, 0xf8);
     wq[3] = _mm512_ternarylogic_epi32(wq[3], _mm512_srli_epi16(both, 1), bit4, 0xf8);
   }
-  __m512 p[N];
-  FusedScales32<N>(Q4KMultipliers(b), tok, block, p, acc);
-  FusedDots<N>(wq, p, lanes, tok, block, acc);
+  // The 6-bit scales as int16 where the packs need them (the odd bytes zero), the mins as int16 j for the
+  // activations' sums s32[j].
+  const __m128i sm = Q4KScalesMins(b);
+  constexpr __mmask64 kLowBytes = 0x5555555555555555;
+  const __m512i scales[2] = {_mm512_maskz_permutexvar_epi8(kLowBytes, picks.scales[0], _mm512_zextsi128_si512(sm)),
+                             _mm512_maskz_permutexvar_epi8(kLowBytes, picks.scales[1], _mm512_zextsi128_si512(sm))};
+  const __m128i mins = _mm_unpackhi_epi8(sm, _mm_setzero_si128());
+  uint32_t halves;
+  std::memcpy(&halves, b, sizeof halves);
+  const __m128 d_dmin = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(halves)));  // exact
+  for (int t = 0; t < N; ++t) {
+    const char* x = tok[t] + block;
+    const __m512i sums = FusedSums(wq, scales, x);
+    const __m128i s32 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + FusedLayout::kS32));
+    const __m128i min_sums = _mm_madd_epi16(mins, s32);
+    const __m128 f = _mm_mul_ps(d_dmin, _mm_set1_ps(TokenScale(x)));  // [d, dmin] x the token's scale
+    acc.dots[t][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_broadcastss_ps(f), acc.dots[t][0]);
+    acc.mins[t] = _mm512_fmadd_ps(_mm512_zextps128_ps512(_mm_cvtepi32_ps(min_sums)),
+                                  _mm512_zextps128_ps512(_mm_shuffle_ps(f, f, 0x55)), acc.mins[t]);
+  }
 }
 
 template <int N>
-HJ_AVX512_VNNI inline void Q6KFused(const uint8_t* b, const char* const tok[N], int64_t block, const __m512i lanes[4],
+HJ_AVX512_VNNI inline void Q6KFused(const uint8_t* b, const char* const tok[N], int64_t block, const FusedPicks& picks,
                                     FusedAcc<N>& acc) {
   const __m512i low4 = _mm512_set1_epi8(0x0f), bits45 = _mm512_set1_epi8(0x30);
   const auto half256 = [](const uint8_t* p) HJ_AVX512_VNNI {
@@ -364,20 +437,24 @@ HJ_AVX512_VNNI inline void Q6KFused(const uint8_t* b, const char* const tok[N], 
       wq[2 * h + s] = _mm512_ternarylogic_epi32(low, _mm512_slli_epi16(top, 4 - 2 * s), bits45, 0xf8);
     }
   }
-  const __m512 w = Q6KScales(b);  // per 16 elements; q - 32: the min term 32 * scale
-  const __m512 w32 = _mm512_mul_ps(w, _mm512_set1_ps(32.0f));
-  __m512 p[N];
+  // The int8 scales as int16; q - 32: the min term 32 * scale s * s16[s], subtracted from the integer sums.
+  const __m256i scale16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+  const __m512i scales[2] = {_mm512_permutexvar_epi16(picks.scales[0], _mm512_zextsi256_si512(scale16)),
+                             _mm512_permutexvar_epi16(picks.scales[1], _mm512_zextsi256_si512(scale16))};
+  const float d = HalfAt(b + 208);
   for (int t = 0; t < N; ++t) {
-    p[t] = _mm512_mul_ps(w, _mm512_loadu_ps(tok[t] + block + FusedLayout::kX16));
-    acc.mins[t] = _mm512_fmadd_ps(w32, _mm512_loadu_ps(tok[t] + block + FusedLayout::kS16), acc.mins[t]);
+    const char* x = tok[t] + block;
+    const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + FusedLayout::kS16));
+    const __m256i mins = _mm256_slli_epi32(_mm256_madd_epi16(scale16, s16), 5);  // 32 x sum of scale s x s16[s]
+    const __m512i sums = _mm512_sub_epi32(FusedSums(wq, scales, x), _mm512_zextsi256_si512(mins));
+    acc.dots[t][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(d * TokenScale(x)), acc.dots[t][0]);
   }
-  FusedDots<N>(wq, p, lanes, tok, block, acc);
 }
 
 // Eight Q8_0 blocks (the first `blocks` of them that the row holds), q + 128 unsigned: block j is 32-group j.
 template <int N, bool kWhole>
 HJ_AVX512_VNNI inline void Q80Fused(const uint8_t* b, int blocks, const char* const tok[N], int64_t block,
-                                    const __m512i lanes[4], FusedAcc<N>& acc) {
+                                    const FusedPicks& picks, FusedAcc<N>& acc) {
   const __m256i flip = _mm256_set1_epi8(-128);
   const auto load = [&](int j) HJ_AVX512_VNNI {
     const void* at = b + 34 * j + 2;
@@ -400,7 +477,7 @@ HJ_AVX512_VNNI inline void Q80Fused(const uint8_t* b, int blocks, const char* co
   const __m512 w = _mm512_insertf32x8(_mm512_castps256_ps512(d), _mm256_mul_ps(d, _mm256_set1_ps(128.0f)), 1);
   __m512 p[N];
   FusedScales32<N>(w, tok, block, p, acc);
-  FusedDots<N>(wq, p, lanes, tok, block, acc);
+  FusedDots<N>(wq, p, picks.lanes, tok, block, acc);
 }
 
 template <int N>
@@ -411,12 +488,7 @@ HJ_AVX512_VNNI void FusedRows(const LayerWeights& layer, const Projection& p, in
   const FusedLayout layout(p.cols);
   const char* tok[N];
   for (int t = 0; t < N; ++t) tok[t] = static_cast<const char*>(packed) + t * layout.bytes;
-  __m512i lanes[4];
-  if (format == WeightFormat::kQ6K) {
-    FusedLanes16(lanes);
-  } else {
-    FusedLanes32(lanes);
-  }
+  const FusedPicks picks = MakeFusedPicks(format);
   // A step covers one K-quant super-block, or eight Q8_0 blocks.
   const int64_t step_bytes = FusedLayout::kBlock / GgufBlockElements(format) * bytes;
   const int64_t whole = p.cols / FusedLayout::kBlock;
@@ -434,22 +506,22 @@ HJ_AVX512_VNNI void FusedRows(const LayerWeights& layer, const Projection& p, in
       const int64_t block = s * FusedLayout::kBytes;
       switch (format) {
         case WeightFormat::kQ8_0:
-          Q80Fused<N, true>(data, 8, tok, block, lanes, acc);
+          Q80Fused<N, true>(data, 8, tok, block, picks, acc);
           break;
         case WeightFormat::kQ6K:
-          Q6KFused<N>(data, tok, block, lanes, acc);
+          Q6KFused<N>(data, tok, block, picks, acc);
           break;
         case WeightFormat::kQ5K:
-          Q4KFused<N, true>(data, tok, block, lanes, acc);
+          Q4KFused<N, true>(data, tok, block, picks, acc);
           break;
         default:
-          Q4KFused<N, false>(data, tok, block, lanes, acc);
+          Q4KFused<N, false>(data, tok, block, picks, acc);
           break;
       }
     }
     if (whole < layout.blocks) {  // Q8_0 rows are multiples of 32 elements only
       Q80Fused<N, false>(data, static_cast<int>(p.cols % FusedLayout::kBlock / 32), tok, whole * FusedLayout::kBytes,
-                         lanes, acc);
+                         picks, acc);
     }
     for (int t = 0; t < N; ++t) {
       __m512 dots = acc.dots[t][0];
@@ -466,7 +538,7 @@ size_t GgufPackedBytesAvx512(const LayerWeights& layer, int64_t tokens, int64_t 
 
 void GgufPackAvx512(const LayerWeights& layer, const ActivationRows& rows, int64_t cols, void* packed) {
   if (rows.count <= kGgufFusedMaxTokens) {
-    GgufPackFused(rows, cols, packed);
+    GgufPackFused(rows, cols, FusedGroup(layer), packed);
   } else {
     GgufPack(layer, rows, cols, packed);
   }

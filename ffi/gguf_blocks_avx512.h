@@ -11,7 +11,9 @@
 
 #include "gguf_blocks.h"
 
-#define HJ_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+// VBMI (vpermb) as the avx512 family requires it (cpu_features.cc).
+#define HJ_AVX512_VNNI \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")))
 
 namespace hybridjit {
 
@@ -48,17 +50,22 @@ HJ_AVX512_VNNI inline float HalfAt(const uint8_t* p) {
   return _cvtsh_ss(h);  // exact, as LoadHalf
 }
 
-// Q4_K's (and Q5_K's) multipliers of block b: lanes 0-7 d * scale j, lanes 8-15 dmin * min j (sub-block j's
-// elements are d * scale j * q - dmin * min j), each one float32 product as DecodeGgufBlock computes it.
-// KScalesMins's unpack done on its four output words at once in a vector register: a scalar unpack stored to memory
-// and reloaded as a vector stalls on store forwarding once per block.
-HJ_AVX512_VNNI inline __m512 Q4KMultipliers(const uint8_t* b) {
+// Q4_K's (and Q5_K's) 6-bit scales and mins of block b as bytes, as KScalesMins writes them: scale j in byte j, min
+// j in byte 8 + j. KScalesMins's unpack done on its four output words at once in a vector register: a scalar unpack
+// stored to memory and reloaded as a vector stalls on store forwarding once per block.
+HJ_AVX512_VNNI inline __m128i Q4KScalesMins(const uint8_t* b) {
   const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));  // w0 w1 w2, then 4 bytes of q
   const __m128i low = _mm_srlv_epi32(_mm_shuffle_epi32(w, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4));
   const __m128i top = _mm_srli_epi32(_mm_shuffle_epi32(w, _MM_SHUFFLE(1, 1, 0, 0)), 2);  // top 2 bits to bits 4-5
   const __m128i low_masks = _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f);
   const __m128i top_masks = _mm_setr_epi32(0, 0x30303030, 0, 0x30303030);
-  const __m128i sm = _mm_ternarylogic_epi32(_mm_and_si128(low, low_masks), top, top_masks, 0xf8);  // a | (b & c)
+  return _mm_ternarylogic_epi32(_mm_and_si128(low, low_masks), top, top_masks, 0xf8);  // a | (b & c)
+}
+
+// Q4_K's (and Q5_K's) multipliers of block b: lanes 0-7 d * scale j, lanes 8-15 dmin * min j (sub-block j's
+// elements are d * scale j * q - dmin * min j), each one float32 product as DecodeGgufBlock computes it.
+HJ_AVX512_VNNI inline __m512 Q4KMultipliers(const uint8_t* b) {
+  const __m128i sm = Q4KScalesMins(b);
   uint32_t halves;
   std::memcpy(&halves, b, sizeof halves);
   const __m512 d_dmin = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(halves))));  // exact

@@ -5,6 +5,7 @@ the same weights from safetensors, a GGUF's tokenizer, and bad files."""
 import dataclasses
 import json
 import shutil
+from functools import partial
 
 import gguf
 import jax
@@ -55,9 +56,20 @@ def rel_rms(a, b) -> float:
 # --- kernels ------------------------------------------------------------------------------------------------
 
 
-def quantized_activations(x: np.ndarray) -> np.ndarray:
-    """x as the kernels quantise it (expert_kernels.h): int8 per 32, scale amax / 127, round half to even."""
-    g = x.astype(np.float32).reshape(-1, 32)
+# Up to this many tokens an expert's blocks are split in registers (kGgufFusedMaxTokens, ffi/gguf_blocks.h): with a
+# K-quant in the layer, the activations are then quantised per 256 elements (as llama.cpp's Q8_K), else per 32.
+FUSED_MAX_TOKENS = 4
+
+
+def activation_group(types, kernel: str, tokens: int) -> int:
+    """The activations' quantisation group of an expert run by `kernel` on `tokens` tokens (FusedGroup)."""
+    fused = kernel == "avx512" and tokens <= FUSED_MAX_TOKENS
+    return 256 if fused and set(types) != {Q.Q8_0} else 32
+
+
+def quantized_activations(x: np.ndarray, group: int = 32) -> np.ndarray:
+    """x as the kernels quantise it (expert_kernels.h): int8 per `group`, scale amax / 127, round half to even."""
+    g = x.astype(np.float32).reshape(-1, group)
     amax = np.abs(g).max(axis=1, keepdims=True)
     q = np.rint(g * (np.float32(127) / np.where(amax > 0, amax, 1)))
     return (q * (amax / np.float32(127))).astype(np.float64).reshape(x.shape)
@@ -81,10 +93,10 @@ def random_blocks(qtype: Q, rows: int, cols: int, rng) -> np.ndarray:
     return b.reshape(rows, -1)
 
 
-def reference_moe(gate, up, down, types, x, ids, weights, bf16_experts=frozenset()) -> np.ndarray:
-    """float64 on gguf.quants.dequantize'd weights and activations quantised as the kernels do: int8 per 32 (the
-    AVX-512 and generic kernels), or for the experts in `bf16_experts` (run on AMX) weights and activations rounded
-    to bfloat16."""
+def reference_moe(gate, up, down, types, x, ids, weights, bf16_experts=frozenset(), groups=None) -> np.ndarray:
+    """float64 on gguf.quants.dequantize'd weights and activations quantised as the kernels do: int8 per
+    groups[expert] elements (32 where not given; the AVX-512 and generic kernels), or for the experts in
+    `bf16_experts` (run on AMX) weights and activations rounded to bfloat16."""
 
     def w(blocks, qtype, bf16):
         dense = gguf.quants.dequantize(blocks, qtype)  # float32, as the kernels compute the weights
@@ -98,7 +110,7 @@ def reference_moe(gate, up, down, types, x, ids, weights, bf16_experts=frozenset
             if e not in dense:
                 dense[e] = (w(gate[e], types[0], bf16), w(up[e], types[0], bf16), w(down[e], types[1], bf16))
             g_w, u_w, d_w = dense[e]
-            prepare = bf16_rounded if bf16 else quantized_activations
+            prepare = bf16_rounded if bf16 else partial(quantized_activations, group=(groups or {}).get(int(e), 32))
             xq = prepare(x[t])
             g, u = g_w @ xq, u_w @ xq
             with np.errstate(over="ignore"):  # exp(-g) is inf for g < -709: silu(g) is then -0, as it should be
@@ -124,12 +136,15 @@ def check_gguf_layer(types, hidden, inter, tokens, seed, int8_tolerance=2e-5, n_
         kernels = {e: layer_kernel(layer, int(c)) for e, c in enumerate(counts) if c > 0}
         y = routed_experts_host(layer, x, ids, weights)
     amx = frozenset(e for e, k in kernels.items() if k.startswith("amx"))
-    # int8 activations: float32 sums of exact integer dot products, ~1e-6 of the output's scale. AMX's bfloat16:
+    # int8 activations: float32 sums of exact integer dot products, ~1e-6 of the output's scale (measured 1e-7 to
+    # 3e-7 here, per 256 or per 32 elements; unemulated, the activations' quantisation alone would be 3e-3 to 3e-2
+    # at these sizes). AMX's bfloat16:
     # float32 sums (~1e-7), plus the occasional silu(g) * u that float32 and float64 round to neighbouring bfloat16
     # values (up to ~5e-4 each), as tests/test_cpu_kernels.py's bf16 tolerance. A wrong scale, min or offset is
     # order 1.
     tolerance = 1e-3 if amx else int8_tolerance
-    error = rel_rms(y, reference_moe(gate, up, down, types, x, ids, weights, amx))
+    groups = {e: activation_group(types, k, int(counts[e])) for e, k in kernels.items()}
+    error = rel_rms(y, reference_moe(gate, up, down, types, x, ids, weights, amx, groups))
     assert error < tolerance, f"{sorted(set(kernels.values()))}: relative RMS error {error:.3g} >= {tolerance:.3g}"
     return kernels
 
@@ -243,11 +258,11 @@ def test_bf16_experts_stay_in_place_and_split_files_load(tmp_path):
 def test_quantised_gguf_within_its_quantisation(tmp_path, arithmetic):
     """Q4_K gate/up and Q6_K down (Q4_K_M's experts), Q8_0 attention: the logits of the same weights dequantised
     (by the gguf package) into safetensors, up to the kernels' rounding of what they multiply: int8 activations per
-    32 elements (0.4% per matrix input, compounded over 3 MoE layers: measured 1.1e-2), or on AMX bfloat16 weights
-    and activations (measured 3.9e-3); bound 3e-2. One arithmetic for every expert: mixed, as the default crossover
-    mixes them (AMX from 5 tokens per expert, the VNNI kernel below), the last token's logits moved by 0.45 (0.15
-    overall) and the other seven's by 1e-2 as with either arithmetic alone: a routing decision of this tiny random
-    model tipped over."""
+    256 elements where an expert has 1-4 tokens, else per 32 (compounded over 3 MoE layers: measured 1.6e-2; 1.1e-2
+    when all were per 32), or on AMX bfloat16 weights and activations (measured 3.9e-3); bound 3e-2. One arithmetic
+    for every expert: mixed, as the default crossover mixes them (AMX from 5 tokens per expert, the VNNI kernel
+    below), the last token's logits moved by 0.45 (0.15 overall) and the other seven's by 1e-2 as with either
+    arithmetic alone: a routing decision of this tiny random model tipped over."""
     family, min_tokens = ("amx", 1) if arithmetic == "bf16" else (kernel_info()["kernel"], 2**40)
     with kernel_family(family, amx_min_tokens=min_tokens):
         check_quantised_gguf(tmp_path)
