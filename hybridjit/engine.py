@@ -22,7 +22,7 @@ from hybridjit.models.common.moe import ExpertSchedule
 from hybridjit.models.common.resident_experts import ResidentExperts
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.ops.async_experts import raise_gpu_errors
-from hybridjit.pinned_experts import size_host_memory_pool
+from hybridjit.pinned_experts import pinned_layer, size_host_memory_pool
 from hybridjit.placement import Placement, compute_dtype
 from hybridjit.resolve import resolve_model
 from hybridjit.sampling import SamplingParams, integer, is_integer
@@ -156,17 +156,18 @@ class Model:
             raise TypeError(f"residency must be 'auto', a Residency or a path, got {residency!r:.60}")
         residency.check(expert_residency.bank_moe_layers(self.weights), source)
         plan.check(residency.experts)
-        loader = self._loader
-        self.weights = expert_residency.apply(
-            self.weights, residency, lambda layer, ids: loader.resident_experts(loader.expert_names[layer], ids)
-        )
+        self.weights = expert_residency.apply(self.weights, residency, self.resident_copies)
         return residency
 
     def resident_copies(self, layer: int, ids) -> ResidentExperts | None:
-        """Device copies of experts `ids` of MoE layer `layer`, read from the checkpoint again (as place_experts
-        makes them): what swap_experts takes in."""
+        """Device copies of experts `ids` of MoE layer `layer` (what place_experts holds and swap_experts takes
+        in): from the pinned host copy where the experts have one (pinned_experts.PinnedExperts.resident), else
+        read from the checkpoint again."""
         if self._loader is None or layer not in self._loader.expert_names:
             raise ValueError(f"{self.path}: layer {layer} has no routed experts in host memory")
+        pinned = pinned_layer(self.weights.layers[layer].mlp.expert_layer)
+        if pinned is not None:
+            return pinned.resident(ids, self.dtype, self.placement.device)
         return self._loader.resident_experts(self._loader.expert_names[layer], ids)
 
     def swap_experts(self, residency: Residency, copies: dict[int, list[ResidentExperts]]) -> None:

@@ -10,17 +10,21 @@ the very bytes that stream-loaded prefill sends to the GPU: no second copy of th
 
 import ctypes
 import dataclasses
+import functools
 import math
 import os
 import weakref
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax._src import xla_bridge
 from jax.sharding import SingleDeviceSharding
 
 from hybridjit.models.common.expert_storage import ExpertStorage
+from hybridjit.models.common.experts import Experts
+from hybridjit.models.common.resident_experts import ResidentExperts
 from hybridjit.ops.routed_experts import ExpertLayer, register_layer
 
 PINNED_HOST = "pinned_host"
@@ -80,6 +84,51 @@ class PinnedExperts:
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.blocks)
+
+    def resident(self, ids: Sequence[int], dtype, device: jax.Device) -> ResidentExperts | None:
+        """Device copies of experts `ids`, made from this pinned copy as WeightLoader.resident_experts makes them
+        from the checkpoint: FP8 as stored with its block scales, any other format made into `dtype` on the device
+        (biases too). Re-placing experts while serving copies from here: the checkpoint's pages may have left the
+        page cache once the experts were pinned (a read from disk), and a pinned source needs no conversion on the
+        host. None when `ids` is empty."""
+        ids = sorted(int(i) for i in ids)
+        if not ids:
+            return None
+        slot_of = np.full(self.n_experts, -1, np.int32)
+        slot_of[ids] = np.arange(len(ids), dtype=np.int32)
+
+        def stacked(group_of):
+            """Each projection of the group (weights, scales or biases) of experts `ids` on the device, or None."""
+            parts = [self._expert(i, group_of) for i in ids]
+            if parts[0] is None:
+                return None
+            return tuple(None if first is None else jax.device_put(np.stack([p[j] for p in parts]), device)
+                         for j, first in enumerate(parts[0]))
+
+        weights, scales, biases = (stacked(lambda b: b.weights), stacked(lambda b: b.scales),
+                                   stacked(lambda b: b.biases))
+        slot_of = jax.device_put(slot_of, device)
+        storage = self.storage
+        if storage.fmt == "fp8" and not storage.gate_up_interleaved and biases is None:
+            return ResidentExperts(slot_of, Experts(*weights, activation=storage.activation), scales, storage.block)
+        experts = _stored_experts(storage, weights, scales, biases, jnp.dtype(dtype))
+        return ResidentExperts(slot_of, experts)
+
+    def _expert(self, expert: int, group_of) -> tuple[np.ndarray | None, ...] | None:
+        """Host views of one expert's arrays of a group (ExpertBlock.weights, .scales or .biases)."""
+        block = next(b for b in self.blocks if b.start <= expert < b.start + b.size)
+        group = group_of(block)
+        if group is None:
+            return None
+        return tuple(None if a is None else host_view(a, None)[expert - block.start] for a in group)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _stored_experts(storage: ExpertStorage, weights, scales, biases, dtype) -> Experts:
+    """Experts in `dtype` from stored ones on the device, biases in `dtype` as the loader puts them."""
+    experts = storage.experts(weights, scales, biases, dtype)
+    return dataclasses.replace(experts, **{name: None if b is None else b.astype(dtype) for name, b in (
+        ("gate_bias", experts.gate_bias), ("up_bias", experts.up_bias), ("down_bias", experts.down_bias))})
 
 
 # XLA's GPU client takes its pinned host memory pool's size from this variable (GiB, an integer; 64 when unset or

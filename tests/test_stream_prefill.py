@@ -262,6 +262,29 @@ def test_hybrid_path_reads_the_same_pinned_experts(model, tokens, reference):
     assert cache_error(cache, ref_cache) < BANK_RTOL
 
 
+def test_resident_copies_from_the_pinned_copy_equal_the_checkpoints(case, model, checkpoint):
+    """Re-placing experts while serving copies them from the pinned host copy (PinnedExperts.resident), not from the
+    checkpoint: the same arrays, dtypes and slots as the loader's copies from the checkpoint, for every format (FP8
+    kept as stored with its scales, the others made into the compute dtype with their biases: gpt-oss's in
+    bfloat16 too)."""
+    def check(m):
+        loader = m._loader
+        layer = next(iter(loader.expert_names))
+        ids = [m.config.n_routed_experts - 1, 1]
+        assert pinned_layer(m.weights.layers[layer].mlp.expert_layer) is not None
+        pinned, stored = m.resident_copies(layer, ids), loader.resident_experts(loader.expert_names[layer], ids)
+        leaves, expected = jax.tree.leaves(pinned), jax.tree.leaves(stored)
+        assert jax.tree.structure(pinned) == jax.tree.structure(stored) and len(leaves) == len(expected)
+        for a, b in zip(leaves, expected, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+    check(model)
+    if case == "gpt_oss-mxfp4":
+        with load(checkpoint, "bfloat16") as m:
+            check(m)
+
+
 def test_decode_continues_from_the_streamed_cache(model, exact_model, tokens, reference):
     """The streamed prefill's output is the decode state: greedy decode from its cache gives the tokens and logits
     that greedy decode gives from the plain prefill's (windows and sinks read the cache as prefill wrote it)."""
