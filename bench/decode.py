@@ -65,7 +65,7 @@ from hybridjit import engine
 from hybridjit.auto_placement import (
     device_budget,
     device_weight_bytes,
-    kv_bytes_per_token,
+    kv_cache_bytes,
     resident_expert_bytes,
 )
 from hybridjit.expert_residency import Residency
@@ -344,12 +344,12 @@ def resident_read_bytes(model: engine.Model, batch: int, covered: float) -> floa
 def hbm_bytes_per_step(model: engine.Model, batch: int, context: int, covered: float) -> int:
     """Device-memory bytes a decode step must read: every weight but the embedding table (one row per token) and
     the resident experts, of those the distinct ones the step's `batch` tokens route to (uniform routing) times
-    the share held there, and the KV cache of `context` positions per token."""
+    the share held there, and the KV cache of `batch` sequences of `context` positions."""
     resident = [layer.mlp.resident for layer in model.weights.layers if getattr(layer.mlp, "resident", None)]
     held = sum(a.nbytes for r in resident for a in jax.tree.leaves(r))
     w = model.weights
     everything = sum(a.nbytes for a in jax.tree.leaves(w)) - w.embed.nbytes + batch * w.embed.nbytes // w.embed.shape[0]
-    kv = batch * context * kv_bytes_per_token(model.config, model.dtype)
+    kv = kv_cache_bytes(model.config, model.dtype, batch, context)
     return int(everything - held + len(resident) * resident_read_bytes(model, batch, covered) + kv)
 
 

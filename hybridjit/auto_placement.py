@@ -2,7 +2,8 @@
 serving and prefill will need there, spent on resident experts, the same number in every MoE layer; a model
 whose experts all fit runs entirely on the GPU.
 
-The reserve is sized from the model: the KV cache of `kv_tokens` tokens (the serving slots' cache), two blocks
+The reserve is sized from the model: the KV cache of `kv_tokens` tokens over `kv_slots` sequences (the serving
+slots' cache, whose sliding-window layers keep a window per slot whatever the context), two blocks
 of stream-loaded prefill's expert ring (one in use, one arriving) and room for activations. Everything can be
 overridden; a residency that does not fit is refused at load with the numbers, never an out-of-memory error in
 the middle of a request.
@@ -21,7 +22,8 @@ from hybridjit.stream_prefill import expert_bytes
 GIB = 2**30
 UNBOUNDED = 2**62  # the free memory of a device that reports none
 # Default reserve for the KV cache: 8 serving slots of 8K tokens.
-KV_TOKENS = 8 * 8192
+KV_SLOTS = 8
+KV_TOKENS = KV_SLOTS * 8192
 # Activations of decode and of a long prefill chunk, and the allocator's fragmentation: a fixed part and a share of
 # the device's memory.
 ACTIVATION_RESERVE = 4 * GIB
@@ -45,9 +47,11 @@ def stored_expert_bytes(cfg: ModelConfig) -> int:
     return -(-expert_bytes(cfg) // (moe * cfg.n_routed_experts)) if moe else 0
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype) -> int:
-    """KV-cache bytes of one token over all layers, from the family's own cache layout."""
-    cache = jax.eval_shape(lambda: family_of(cfg).model.init_cache(cfg, 1, 1, dtype))
+def kv_cache_bytes(cfg: ModelConfig, dtype, slots: int, context: int) -> int:
+    """Bytes of a serving KV cache of `slots` sequences of `context` positions, from the family's own cache layout
+    as the serving engine makes it: a full-attention layer's bytes grow with the context, a sliding-window layer
+    keeps its window (a ring) whatever the context."""
+    cache = jax.eval_shape(lambda: family_of(cfg).model.init_cache(cfg, slots, context, dtype, ring=True))
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(cache))
 
 
@@ -97,11 +101,14 @@ class DeviceBudget:
 
 
 def device_budget(cfg: ModelConfig, device: jax.Device, dtype, *, kv_tokens: int = KV_TOKENS,
-                  free_bytes: int | None = None, moe_layers: int | None = None,
+                  kv_slots: int = KV_SLOTS, free_bytes: int | None = None, moe_layers: int | None = None,
                   weights_to_load: int = 0) -> DeviceBudget:
     """The budget on `device` now (call it once the other weights are there, or say with `weights_to_load` how many
     bytes of them are still to come: device_weight_bytes plans before loading); `free_bytes` overrides the free
-    memory the device reports. A device that reports none (the CPU) has no bound."""
+    memory the device reports. A device that reports none (the CPU) has no bound. The KV reserve is `kv_slots`
+    sequences of kv_tokens / kv_slots positions each."""
+    if kv_slots < 1:
+        raise ValueError(f"kv_slots must be >= 1, got {kv_slots}")
     stats = device.memory_stats() or {}
     total = int(stats.get("bytes_limit", 0))
     if free_bytes is None:
@@ -112,7 +119,7 @@ def device_budget(cfg: ModelConfig, device: jax.Device, dtype, *, kv_tokens: int
     return DeviceBudget(
         device_total=total,
         free_after_weights=free_bytes,
-        kv_cache=kv_tokens * kv_bytes_per_token(cfg, dtype),
+        kv_cache=kv_cache_bytes(cfg, dtype, kv_slots, -(-kv_tokens // kv_slots)),
         # Stream-loaded prefill keeps two blocks of a layer's experts, as stored, on the device.
         prefill_ring=2 * -(-cfg.n_routed_experts // BLOCKS_PER_LAYER) * stored_expert_bytes(cfg),
         activations=ACTIVATION_RESERVE + int(FRAGMENTATION_SHARE * total),

@@ -19,7 +19,7 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from hybridjit import __version__
-from hybridjit.auto_placement import KV_TOKENS, device_budget, device_weight_bytes
+from hybridjit.auto_placement import KV_SLOTS, KV_TOKENS, device_budget, device_weight_bytes
 from hybridjit.convert import WEIGHT_FORMATS, convert_checkpoint
 from hybridjit.model_files import open_checkpoint
 from hybridjit.models.registry import ModelConfig
@@ -193,8 +193,8 @@ def _placement_lines(cfg: ModelConfig, placement: Placement, kv_tokens: int, n_m
     return [
         f"placement       {placement.device} ({_gib(plan.device_total)}, {jnp.dtype(placement.dtype).name}): other "
         f"weights {_gib(weights)}, free after them {_gib(plan.free_after_weights)}",
-        f"  reserved      KV cache {_gib(plan.kv_cache)} ({kv_tokens} tokens), prefill ring {_gib(plan.prefill_ring)}, "
-        f"activations {_gib(plan.activations)}",
+        f"  reserved      KV cache {_gib(plan.kv_cache)} ({kv_tokens} tokens in {KV_SLOTS} slots), prefill ring "
+        f"{_gib(plan.prefill_ring)}, activations {_gib(plan.activations)}",
         f"  resident      {n} of {e} routed experts per MoE layer ({_gib(n * n_moe * plan.per_expert)}, "
         f"{plan.per_expert / 2**20:.1f} MiB each): {where}",
     ]
@@ -348,7 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also what loading would place on this machine's accelerator: the memory it would "
                            "reserve and the routed experts it would hold there (load(placement='auto'))")
     info.add_argument("--kv-tokens", type=non_negative, default=KV_TOKENS,
-                      help="tokens of KV cache the placement reserves device memory for")
+                      help="tokens of KV cache the placement reserves device memory for, over "
+                           f"{KV_SLOTS} slots")
     info.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: the backend's)")
     info.set_defaults(run=cmd_info)
     floors = sub.add_parser("floors", help="this machine's rates that the cost models choose with, measured once "

@@ -24,7 +24,7 @@ from hybridjit.auto_placement import (
     FRAGMENTATION_SHARE,
     device_budget,
     device_weight_bytes,
-    kv_bytes_per_token,
+    kv_cache_bytes,
     resident_expert_bytes,
 )
 from hybridjit.expert_residency import Residency, ResidencyError
@@ -271,7 +271,7 @@ def test_the_plan_before_loading_counts_the_weights_loading_places(embedded):
     weights = device_weight_bytes(cfg, jnp.bfloat16)
     plan = device_budget(cfg, device, jnp.bfloat16, kv_tokens=1024, weights_to_load=weights)
     assert plan.free_after_weights == 39 * 2**30 - device_weight_bytes(cfg, jnp.bfloat16)
-    assert plan.kv_cache == 1024 * kv_bytes_per_token(cfg, jnp.bfloat16)
+    assert plan.kv_cache == 1024 * kv_cache_bytes(cfg, jnp.bfloat16, 1, 1)  # no windowed layer: per token
     assert plan.resident_per_layer == cfg.n_routed_experts
 
 
@@ -294,7 +294,7 @@ def test_info_shows_the_placement(monkeypatch, capsys):
     monkeypatch.setattr(cli.Placement, "default", classmethod(lambda cls, dtype=None: gpu))
     assert cli.main(["info", "--placement", "--kv-tokens", "0"]) == 0
     out = capsys.readouterr().out
-    assert "placement       gpu:0" in out and "KV cache 0.0 MiB (0 tokens)" in out
+    assert "placement       gpu:0" in out and "KV cache 0.0 MiB (0 tokens in 8 slots)" in out
     assert f"resident      3 of {cfg.n_routed_experts} routed experts per MoE layer" in out
 
 

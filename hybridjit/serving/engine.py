@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridjit.models.common.moe import MoE
+from hybridjit.models.common.ring_cache import from_prompt, is_ring
 from hybridjit.models.registry import family_of
 from hybridjit.sampling import SamplingParams, sample
 from hybridjit.stream_prefill import choose_prefill_path, stream_prefill
@@ -87,11 +88,16 @@ def span_of(cache_len: int, last_position: int) -> int:
 def _within_span(span: int, caches, run):
     """run(caches) -> (out, caches) over only the first `span` positions of each cache leaf [b, L, ...]: attention
     then reads span positions, not L (a server's cache holds the whole context, a few of whose positions are in
-    use); the span is written back in place (the caches are donated)."""
-    if all(leaf.shape[1] == span for leaf in jax.tree.leaves(caches)):
+    use); the span is written back in place (the caches are donated). A ring layer (a sliding window's) is read
+    whole: it is small, and its positions are not in order."""
+    if all(is_ring(node) or node.shape[1] == span for node in jax.tree.leaves(caches, is_leaf=is_ring)):
         return run(caches)
-    out, views = run(jax.tree.map(lambda a: a[:, :span], caches))
-    return out, jax.tree.map(lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v, 0, axis=1), caches, views)
+    out, views = run(jax.tree.map(lambda a: a if is_ring(a) else a[:, :span], caches, is_leaf=is_ring))
+
+    def back(a, view):
+        return view if is_ring(a) else jax.lax.dynamic_update_slice_in_dim(a, view, 0, axis=1)
+
+    return out, jax.tree.map(back, caches, views, is_leaf=is_ring)
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames="tally", donate_argnames="cache")
@@ -164,14 +170,21 @@ def _sampled_rows(logits, keys, counts, temperature, top_k, top_p) -> tuple:
 
 
 @partial(jax.jit, donate_argnames="cache")
-def _insert_program(cache, rows, row, slot):
-    """cache [slots, L, ...] with row `row` of rows [b, t <= L, ...] copied to positions [0, t) of slot `slot`."""
+def _insert_program(cache, rows, row, length, slot):
+    """cache [slots, L, ...] with row `row` of rows [b, t <= L, ...] (a prompt cache, without rings) copied to
+    positions [0, t) of slot `slot`; a ring layer of the slot gets the positions before `length` that it keeps."""
 
-    def put(big, small):
-        one = jax.lax.dynamic_slice_in_dim(small, row, 1, axis=0).astype(big.dtype)
-        return jax.lax.dynamic_update_slice(big, one, (slot,) + (0,) * (big.ndim - 1))
+    def put_layer(big, small):
+        ones = [jax.lax.dynamic_slice_in_dim(a, row, 1, axis=0) for a in jax.tree.leaves(small)]
+        if is_ring(big):
+            ones = [from_prompt(a, length[None], b.shape[1]) for a, b in zip(ones, jax.tree.leaves(big), strict=True)]
+        put = [
+            jax.lax.dynamic_update_slice(b, a.astype(b.dtype), (slot,) + (0,) * (b.ndim - 1))
+            for a, b in zip(ones, jax.tree.leaves(big), strict=True)
+        ]
+        return jax.tree.unflatten(jax.tree.structure(big), put)
 
-    return jax.tree.map(put, cache, rows)
+    return [put_layer(big, small) for big, small in zip(cache, rows, strict=True)]
 
 
 @partial(jax.jit, static_argnums=2)
@@ -245,6 +258,10 @@ class Engine:
     one micro-batch), else DEVICE_ONLY_DECODE_STEPS when the whole model runs on a GPU (no routed expert on the
     CPU), SINGLE_SLOT_HYBRID_DECODE_STEPS for one slot on a GPU with experts on the CPU, else 1. A slot's tokens
     past its stop, or from steps past the end of its cache, are garbage the caller drops.
+
+    A sliding-window layer whose window is shorter than cache_len keeps only its window per slot, as a ring
+    (models/common/ring_cache.py): prompts are prefilled into caches of every position, and insert copies the
+    window before the prompt's end into the ring; decode calls read a ring whole and full layers over their span.
     """
 
     def __init__(self, model, slots: int, cache_len: int, micro_batches: int | None = None, tally: bool = False):
@@ -282,8 +299,10 @@ class Engine:
     def reset(self):
         """Every slot free, the cache zeroed: also the way back after a step failed (its donated cache is gone)."""
         m = self.model
-        init = m.family.model.init_cache
+        init = partial(m.family.model.init_cache, ring=True)
         self.caches = [init(m.config, len(g), self.cache_len, m.dtype, m.placement.device) for g in self.groups]
+        # Whether some layer keeps only its window (a ring), so that a slot no longer holds all its positions.
+        self.has_rings = any(is_ring(layer) for layer in self.caches[0])
         # Per micro-batch, the tokens [steps, b] of the last call, whose last row the next call decodes from:
         self.tokens = [jnp.zeros((self.steps, len(g)), jnp.int32) for g in self.groups]
         self.positions = np.zeros(self.slots, np.int32)
@@ -357,7 +376,7 @@ class Engine:
         if (width := jax.tree.leaves(prefilled.cache)[0].shape[1]) > self.cache_len:
             raise ValueError(f"a prefilled cache of {width} positions does not fit slots of {self.cache_len}")
         g, r = self._where(slot)
-        self.caches[g] = _insert_program(self.caches[g], prefilled.cache, row, r)
+        self.caches[g] = _insert_program(self.caches[g], prefilled.cache, row, prefilled.lengths[row], r)
         self.tokens[g] = self.tokens[g].at[-1, r].set(prefilled.tokens[row])
         self.positions[slot] = prefilled.lengths[row]
         self.counts[slot] = 1  # the first token, sampled by prefill
@@ -370,7 +389,10 @@ class Engine:
         self.positions[slot] = 0
 
     def read_span(self, slot: int, start: int, length: int) -> list:
-        """Cache positions [start, start + length) of a slot, a one-row cache pytree (for the prefix cache)."""
+        """Cache positions [start, start + length) of a slot, a one-row cache pytree (for the prefix cache). Not
+        with rings: a ring layer of a slot keeps only its last positions."""
+        if self.has_rings:
+            raise ValueError(f"slot: slot {slot} keeps only the windows of its sliding-window layers")
         g, r = self._where(slot)
         return _read_span(self.caches[g], r, length, start)
 

@@ -4,7 +4,11 @@ multi-turn chat, an agent re-sending its history) computes only what follows the
 
 A block is named by a digest of all the tokens up to its end (each block's digest chains its predecessor's),
 so a block is found only after the same whole prefix: the KV of position i depends on every token before it.
-Blocks hold one-row cache pytrees ([1, block_tokens, ...] per leaf) on the device where the cache lives.
+Blocks hold one-row cache pytrees ([1, block_tokens, ...] per leaf) on the device where the cache lives, read
+from caches that hold every position of every layer: a prompt's prefill cache (whose sliding-window layers are not
+rings yet), or a decode slot of a model without rings (serving/scheduler.py keeps no blocks of a slot with rings,
+whose windowed layers lost all but their last positions). A hit is written into such a prompt cache, so a ring
+gets the window before the first computed token when the prompt is inserted.
 """
 
 import collections

@@ -380,7 +380,9 @@ class Scheduler:
         job.finished = True
         if job.slot is not None and self._active.get(job.slot) is job:
             del self._active[job.slot]
-            if self.prefix_cache is not None and reason != "error":
+            # A slot whose sliding-window layers keep only their windows (rings) no longer holds the KV of its
+            # whole sequence: its blocks are not kept (the prompt's were, from its prefill's cache).
+            if self.prefix_cache is not None and reason != "error" and not self.engine.has_rings:
                 self._remember(job)
             self.engine.free(job.slot)
         self._emit(job, Finished(reason, len(job.request.prompt), job.generated, job.cached_tokens, error))

@@ -18,6 +18,7 @@ from hybridjit.models.common import decoder
 from hybridjit.models.common.layers import linear, masked_softmax, rms_norm
 from hybridjit.models.common.prefill_cores import cudnn_causal, cudnn_version, over_query_chunks
 from hybridjit.models.common.pytree import pytree
+from hybridjit.models.common.ring_cache import held_positions
 from hybridjit.models.common.rope import apply_rope, rope_cos_sin
 
 
@@ -37,18 +38,26 @@ class GQA:
     window: int | None = None  # this layer's sliding window: a query sees the last `window` positions
 
 
-@pytree
+@pytree(meta=("ring",))
 class KVCache:
     k: jax.Array  # [b, s, k, e], roped
     v: jax.Array  # [b, s, k, e]
+    ring: bool = False  # the last s positions only, position p at index p % s (models/common/ring_cache.py)
 
 
-def init_cache(cfg, batch: int, length: int, dtype, device=None) -> list[KVCache]:
-    shape = (batch, length, cfg.num_key_value_heads, cfg.head_dim)
-    return [
-        KVCache(k=jnp.zeros(shape, dtype, device=device), v=jnp.zeros(shape, dtype, device=device))
-        for _ in range(cfg.num_hidden_layers)
-    ]
+def init_cache(cfg, batch: int, length: int, dtype, device=None, ring: bool = False) -> list[KVCache]:
+    """An empty cache of `batch` sequences of `length` positions. With `ring`, a layer whose window is shorter
+    than `length` keeps only its window, as a ring that decode steps write one token at a time (a prompt enters
+    it whole: serving/engine.py's insert), so its bytes are fixed, not per token; prefill and chunks of a prompt
+    write caches without rings."""
+
+    def layer(i: int) -> KVCache:
+        window = cfg.window(i)
+        size = window if ring and window is not None and window < length else length
+        shape = (batch, size, cfg.num_key_value_heads, cfg.head_dim)
+        return KVCache(jnp.zeros(shape, dtype, device=device), jnp.zeros(shape, dtype, device=device), size < length)
+
+    return [layer(i) for i in range(cfg.num_hidden_layers)]
 
 
 def _head_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
@@ -98,9 +107,10 @@ def attend(q, k, v, visible, scale: float, sinks: jax.Array | None) -> jax.Array
 
 
 def visibility(query_positions: jax.Array, key_positions: jax.Array, window: int | None) -> jax.Array:
-    """[b, t, s]: key position s is visible from the query at position t (causal, within the window if any)."""
+    """[b, t, s]: key position s is visible from the query at position t (causal, within the window if any); a
+    negative key position is no key (a ring's index not written yet, padding in front of a prompt)."""
     q, k = query_positions[:, :, None], key_positions[:, None, :]
-    visible = k <= q
+    visible = (k <= q) & (k >= 0)
     return visible if window is None else visible & (k > q - window)
 
 
@@ -134,7 +144,7 @@ class ChunkedAttention:
             keys = first + jnp.arange(span)
             chunk_keys, chunk_values = (jax.lax.dynamic_slice_in_dim(a, first + lead, span, axis=1) for a in (k, v))
             query_positions = jnp.broadcast_to(start + jnp.arange(self.chunk), (b, self.chunk))
-            visible = visibility(query_positions, jnp.broadcast_to(keys, (b, span)), window) & (keys >= 0)
+            visible = visibility(query_positions, jnp.broadcast_to(keys, (b, span)), window)
             return attend(queries, chunk_keys, chunk_values, visible, scale, sinks)
 
         return over_query_chunks(self.chunk, (q,), one)
@@ -172,6 +182,8 @@ def prefill(cfg, w: GQA, x: jax.Array, core=causal):
 
 
 def write_prompt(cache: KVCache, entries: tuple[jax.Array, jax.Array]) -> KVCache:
+    if cache.ring:  # right-padded prompts of several lengths: which positions a ring keeps differs by row
+        raise ValueError("cache: a prompt is written to a cache without rings (init_cache with ring=False)")
     k, v = entries
     return KVCache(
         k=jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, 0, 0, 0)),
@@ -180,14 +192,21 @@ def write_prompt(cache: KVCache, entries: tuple[jax.Array, jax.Array]) -> KVCach
 
 
 def decode(cfg, w: GQA, x: jax.Array, positions: jax.Array, cache: KVCache):
-    """New tokens x [b, t, d] at positions [b, t] against the cache (their keys and values written first)."""
+    """New tokens x [b, t, d] at positions [b, t] against the cache (their keys and values written first). A ring
+    cache takes one token per sequence (a decode step): the `window` positions it keeps are all that token sees,
+    where several tokens would overwrite positions the first of them still sees."""
+    size = cache.k.shape[1]
+    if cache.ring and x.shape[1] != 1:
+        raise ValueError(f"x: a ring cache takes one token per sequence and call, got {x.shape[1]}")
     q, k, v = _project(cfg, w, x, positions)
     rows = jnp.arange(x.shape[0])[:, None]
+    at = positions % size if cache.ring else positions
     cache = KVCache(
-        k=cache.k.at[rows, positions].set(k.astype(cache.k.dtype)),
-        v=cache.v.at[rows, positions].set(v.astype(cache.v.dtype)),
+        k=cache.k.at[rows, at].set(k.astype(cache.k.dtype)),
+        v=cache.v.at[rows, at].set(v.astype(cache.v.dtype)),
+        ring=cache.ring,
     )
-    keys = jnp.broadcast_to(jnp.arange(cache.k.shape[1]), (x.shape[0], cache.k.shape[1]))
+    keys = held_positions(positions[:, 0], size) if cache.ring else jnp.broadcast_to(jnp.arange(size), (len(x), size))
     out = attend(q, cache.k, cache.v, visibility(positions, keys, w.window), cfg.softmax_scale, w.sinks)
     return linear(out.reshape(*x.shape[:2], -1), w.o, w.o_bias), cache
 

@@ -53,7 +53,10 @@ class LayerCache:
     k_rope: jax.Array  # [b, s, p]
 
 
-def init_cache(cfg: ModelConfig, batch: int, length: int, dtype, device=None) -> list[LayerCache]:
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype, device=None, ring: bool = False) -> list[LayerCache]:
+    """An empty cache of `batch` sequences of `length` positions in every layer: no MLA layer has a window, so
+    `ring` (which keeps a windowed layer's window only, models/common/gqa.py) changes nothing."""
+    del ring
     return [
         LayerCache(
             latent=jnp.zeros((batch, length, cfg.kv_lora_rank), dtype, device=device),

@@ -1,0 +1,27 @@
+"""Ring caches: a sliding-window layer's keys and values kept for the last `size` positions of each sequence only,
+position p at index p % size, so that a layer whose queries see `size` positions holds that many whatever the
+context (gpt-oss-120b's sliding layers: 128 positions, not 128K). Which position an index holds follows from the
+newest position written; attention masks by those true positions, never by the index."""
+
+import jax
+import jax.numpy as jnp
+
+
+def is_ring(node) -> bool:
+    """Whether a node of a cache pytree is a layer cache kept as a ring (a pytree with `ring` set)."""
+    return getattr(node, "ring", False) is True
+
+
+def held_positions(newest: jax.Array, size: int) -> jax.Array:
+    """[b, size]: the position index j of a ring holds once each sequence's positions up to newest [b] are
+    written, the latest p <= newest with p % size == j; negative where no position is written there yet."""
+    newest = newest[:, None]
+    return newest - (newest - jnp.arange(size)) % size
+
+
+def from_prompt(prompt: jax.Array, length: jax.Array, size: int) -> jax.Array:
+    """The ring of `size` positions [b, size, ...] of prompts whose entries prompt [b, t, ...] hold positions
+    [0, t) and whose last ones are at length [b] - 1: each index gets the position it holds then (an index that
+    holds none gets any entry: attention masks it out)."""
+    positions = jnp.clip(held_positions(length - 1, size), 0, prompt.shape[1] - 1)
+    return jnp.take_along_axis(prompt, positions.reshape(positions.shape + (1,) * (prompt.ndim - 2)), axis=1)
