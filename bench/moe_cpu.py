@@ -163,30 +163,34 @@ def make_layer(rng, fmt, n_experts, hidden, inter, memory="numpy"):
         "gate_scale": gate_s, "up_scale": up_s, "down_scale": down_s,
         "block": {"fp8": (128, 128), "int8_row": (1, 128 * -(-max(hidden, inter) // 128))}.get(fmt, (1, GROUP)),
     }
-    if memory == "pinned":
-        import jax
-
-        from hybridjit.pinned_experts import register_pinned
-
-        return register_pinned(gate, up, down, **scales, device=jax.devices()[0])
     if memory == "huge":
         gate, up, down = on_huge_pages(gate), on_huge_pages(up), on_huge_pages(down)
-    return register_layer(gate, up, down, **scales)
+    return register(memory, gate, up, down, **scales)
 
 
 def make_gpt_oss_layer(rng, n_experts, hidden, inter, memory):
     """A layer as gpt-oss holds it: MXFP4 gate_up [2 * inter, hidden] with gate and up rows interleaved, down,
     float32 expert biases and the clamped SwiGLU (gpt-oss's alpha and limit)."""
-    if memory == "pinned":
-        raise SystemExit("mxfp4: pinned memory is not supported (hybridjit.pinned_experts registers fp8/bf16/int)")
     gate_up, gate_up_s = make_projection(rng, "mxfp4", n_experts, 2 * inter, hidden)
     down, down_s = make_projection(rng, "mxfp4", n_experts, hidden, inter)
     if memory == "huge":
         gate_up, down = on_huge_pages(gate_up), on_huge_pages(down)
     biases = ([rng.standard_normal(2 * inter).astype(np.float32) for _ in range(n_experts)], None,
               [rng.standard_normal(hidden).astype(np.float32) for _ in range(n_experts)])
-    return register_layer(gate_up, None, down, gate_scale=gate_up_s, down_scale=down_s, fmt="mxfp4",
-                          gate_up_interleaved=True, biases=biases, activation=("clamped_swiglu", 1.702, 7.0))
+    return register(memory, gate_up, None, down, gate_scale=gate_up_s, down_scale=down_s, fmt="mxfp4",
+                    gate_up_interleaved=True, biases=biases, activation=("clamped_swiglu", 1.702, 7.0))
+
+
+def register(memory, gate, up, down, **options):
+    """register_layer, or with memory "pinned" its drop-in that holds the experts in pinned host memory of the first
+    JAX device (hybridjit.pinned_experts.register_pinned, as hybrid decode holds them)."""
+    if memory != "pinned":
+        return register_layer(gate, up, down, **options)
+    import jax  # only here: a pinned layer needs a JAX device, the other layers none
+
+    from hybridjit.pinned_experts import register_pinned
+
+    return register_pinned(gate, up, down, device=jax.devices()[0], **options)
 
 
 def expert_bytes(fmt, hidden, inter) -> int:
