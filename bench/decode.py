@@ -69,6 +69,7 @@ from hybridjit.auto_placement import (
     resident_expert_bytes,
 )
 from hybridjit.expert_residency import Residency
+from hybridjit.machine_floors import hbm_read_gbps
 from hybridjit.models import deepseek_v3 as dsv3
 from hybridjit.models.registry import GEOMETRIES, ModelConfig
 from hybridjit.ops.async_experts import submit_routed_experts, wait_routed_experts
@@ -318,16 +319,6 @@ def skew_routing(model: engine.Model, exponent: float, rng) -> dict:
     return model.probe(prompts)
 
 
-def hbm_read_gbps(device, gib: int = 4, repeats: int = 10) -> float:
-    """The device memory's read rate: a sum over `gib` GiB of bfloat16, best of `repeats`."""
-    x = jax.device_put(jnp.ones((gib << 29,), jnp.bfloat16), device)
-    total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-    total(x).block_until_ready()
-    best = min(timed(lambda: total(x).block_until_ready(), 1) for _ in range(repeats))
-    x.delete()
-    return (gib << 30) / (best * 1e6)
-
-
 def distinct_experts(cfg, batch: int) -> float:
     """The expected distinct experts of one MoE layer that `batch` tokens route to, routing uniform over the
     batch * k choices (one token's k are distinct)."""
@@ -456,7 +447,7 @@ def main(argv=None):
     floor = ReadFloor(floors)
     pool_sizes = args.threads or [kernel_info()["threads"]]
     spins = args.spin_us or [kernel_info()["pool_spin_us"]]
-    hbm = hbm_read_gbps(model.placement.device) if ON_GPU else None
+    hbm = hbm_read_gbps(model.placement.device, 4 << 30, 10) if ON_GPU else None
     runs = [(t, spin, share, per_call, c) for _ in range(args.repeat) for t in pool_sizes for spin in spins
             for share in args.resident for per_call in args.decode_steps for c in cases]
     counts = skew_routing(model, args.zipf, rng) if args.zipf else None

@@ -39,14 +39,13 @@ import zlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import SingleDeviceSharding
 
 from bench_model import add_model_arguments, load_model
-from hybridjit import engine
+from hybridjit import engine, machine_floors
 from hybridjit import stream_prefill as sp
+from hybridjit.machine_floors import best_seconds, gemm_tflops, pinned_h2d_gbps
 from hybridjit.models.common.moe import MoE
 from hybridjit.models.registry import ModelConfig
-from hybridjit.ops.routed_experts import routed_experts
 from hybridjit.pinned_experts import pinned_layer
 from hybridjit.placement import Placement
 from hybridjit.sampling import SamplingParams
@@ -87,50 +86,21 @@ def load(args):
 # -------------------------------------------------------------------------------------------- floors
 
 
-def h2d_gbps(device, nbytes=2 * GIB, repeats=5) -> float:
-    """Peak pinned host -> device bandwidth: the best of `repeats` copies of one pinned buffer."""
-    src = jax.device_put(np.zeros(nbytes, np.uint8), SingleDeviceSharding(device, memory_kind="pinned_host"))
-    dst = SingleDeviceSharding(device, memory_kind="device")
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        copy = jax.device_put(src, dst)
-        copy.block_until_ready()
-        best = min(best, time.perf_counter() - start)
-        copy.delete()
-    return nbytes / best / 1e9
+# The timing primitive and the GPU floors are the library's (hybridjit.machine_floors, which the cost models read);
+# the bench takes them with more bytes and repeats than a load does.
 
 
-def best_seconds(fn, *args, repeats=10, rounds=3) -> float:
-    """Seconds per call of fn(*args): `repeats` calls back to back, best of `rounds`, after one compiling call."""
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        outs = [fn(*args) for _ in range(repeats)]
-        jax.block_until_ready(outs)
-        best = min(best, (time.perf_counter() - start) / repeats)
-    return best
-
-
-def gemm_tflops(device, n=8192, repeats=10) -> float:
-    """A dense bf16 GEMM n^3: products back to back, best of three rounds."""
-    keys = jax.random.split(jax.random.key(0))
-    a, b = (jax.device_put(jax.random.normal(k, (n, n), jnp.bfloat16), device) for k in keys)
-    return 2 * n**3 / best_seconds(jax.jit(lambda a, b: a @ b), a, b, repeats=repeats) / 1e12
+def h2d_gbps(device) -> float:
+    """Peak pinned host -> device bandwidth: the best of 5 copies of one 2 GiB pinned buffer."""
+    return pinned_h2d_gbps(device, 2 * GIB, 5)
 
 
 def cpu_expert_tflops(model: engine.Model, tokens: int, repeats=3) -> float:
-    """The CPU expert kernels on one MoE layer, `tokens` tokens routed uniformly at random (best of repeats)."""
-    cfg, cpu = model.config, jax.devices("cpu")[0]
+    """The CPU expert kernels on the first MoE layer, `tokens` tokens routed uniformly at random (best of repeats)."""
+    cfg = model.config
     moe = next(layer.mlp for layer in model.weights.layers if isinstance(layer.mlp, MoE))
-    rng = np.random.default_rng(0)
-    ids = np.stack([rng.choice(cfg.n_routed_experts, cfg.num_experts_per_tok, replace=False) for _ in range(tokens)])
-    ids, w, x = jax.device_put((ids.astype(np.int32), np.full(ids.shape, 0.1, np.float32),
-                                rng.standard_normal((tokens, cfg.hidden_size)).astype(jnp.bfloat16)), cpu)
-    call = jax.jit(lambda x, ids, w: routed_experts(x, ids, w, layer=moe.expert_layer))
-    best = best_seconds(call, x, ids, w, repeats=1, rounds=repeats)
-    return 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * tokens * cfg.num_experts_per_tok / best / 1e12
+    return machine_floors.cpu_expert_tflops(moe.expert_layer, cfg.hidden_size, cfg.moe_intermediate_size,
+                                            cfg.n_routed_experts, cfg.num_experts_per_tok, tokens, repeats)
 
 
 def attention_core_seconds(model: engine.Model, attention, length: int, repeats=3) -> float:

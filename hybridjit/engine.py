@@ -108,7 +108,7 @@ class Model:
         layer, k = self.expert_layers[0], self.config.num_experts_per_tok
         key = f"{layer.format} experts {layer.hidden}x{layer.inter}, {k} of {layer.n_experts} a token"
         cpu = cache.cpu_expert_tflops(device, key, lambda: machine_floors.cpu_expert_tflops(
-            layer, layer.hidden, layer.inter, layer.n_experts, k))
+            layer.id, layer.hidden, layer.inter, layer.n_experts, k))
         return PrefillRates(floors.pcie_gbps, floors.gpu_tflops, cpu)
 
     # ----------------------------------------------------------------------------- residency

@@ -63,13 +63,16 @@ def machine_key(device: jax.Device) -> str:
     return f"{cpu}; {os.cpu_count()} cores; {kernel_info()['threads']} kernel threads; {accelerator}"
 
 
-def _best_seconds(fn, repeats: int) -> float:
-    fn()  # compiles, allocates
+def best_seconds(fn, *args, repeats: int = 10, rounds: int = 3) -> float:
+    """Seconds per call of fn(*args): `repeats` calls back to back, best of `rounds`, after one compiling call. Back
+    to back, so that a call's dispatch hides behind the one before, as in a running program."""
+    jax.block_until_ready(fn(*args))
     best = float("inf")
-    for _ in range(repeats):
+    for _ in range(rounds):
         start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
+        outs = [fn(*args) for _ in range(repeats)]
+        jax.block_until_ready(outs)
+        best = min(best, (time.perf_counter() - start) / repeats)
     return best
 
 
@@ -77,22 +80,28 @@ def pinned_h2d_gbps(device: jax.Device, nbytes: int = 1 << 30, repeats: int = 3)
     """Pinned host -> device bandwidth: the best of `repeats` copies of one pinned buffer."""
     src = jax.device_put(np.zeros(nbytes, np.uint8), SingleDeviceSharding(device, memory_kind="pinned_host"))
     dst = SingleDeviceSharding(device, memory_kind="device")
-    seconds = _best_seconds(lambda: jax.device_put(src, dst).block_until_ready().delete(), repeats)
-    return nbytes / seconds / 1e9
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        copy = jax.device_put(src, dst)
+        copy.block_until_ready()
+        best = min(best, time.perf_counter() - start)
+        copy.delete()
+    return nbytes / best / 1e9
 
 
-def gemm_tflops(device: jax.Device, n: int = 8192, repeats: int = 5) -> float:
-    """A dense bf16 GEMM n x n x n on `device`, best of `repeats`."""
-    a = jax.device_put(jnp.ones((n, n), jnp.bfloat16), device)
-    product = jax.jit(lambda a: a @ a)
-    return 2 * n**3 / _best_seconds(lambda: product(a).block_until_ready(), repeats) / 1e12
+def gemm_tflops(device: jax.Device, n: int = 8192, repeats: int = 10) -> float:
+    """A dense bf16 GEMM n x n x n on `device`: products back to back, best of three rounds."""
+    keys = jax.random.split(jax.random.key(0))
+    a, b = (jax.device_put(jax.random.normal(k, (n, n), jnp.bfloat16), device) for k in keys)
+    return 2 * n**3 / best_seconds(jax.jit(lambda a, b: a @ b), a, b, repeats=repeats) / 1e12
 
 
 def hbm_read_gbps(device: jax.Device, nbytes: int = 2 << 30, repeats: int = 5) -> float:
-    """The device memory's read rate: a float32 sum over `nbytes` of bfloat16, best of `repeats`."""
+    """The device memory's read rate: a float32 sum over `nbytes` of bfloat16, best of `repeats` sums."""
     x = jax.device_put(jnp.ones((nbytes // 2,), jnp.bfloat16), device)
     total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-    gbps = nbytes / _best_seconds(lambda: total(x).block_until_ready(), repeats) / 1e9
+    gbps = nbytes / best_seconds(total, x, repeats=1, rounds=repeats) / 1e9
     x.delete()
     return gbps
 
@@ -110,17 +119,17 @@ def measure(device: jax.Device) -> MachineFloors:
     )
 
 
-def cpu_expert_tflops(expert_layer, hidden: int, inter: int, experts: int, k: int,
+def cpu_expert_tflops(layer_id: int, hidden: int, inter: int, experts: int, k: int,
                       tokens: int = CPU_EXPERT_TOKENS, repeats: int = 2) -> float:
-    """The CPU expert kernels' TFLOP/s on registered `expert_layer` (ops.routed_experts), `tokens` tokens routed
-    uniformly at random to k of its `experts`, best of `repeats` after one warm-up call."""
+    """The CPU expert kernels' TFLOP/s on the registered expert layer `layer_id` (ExpertLayer.id), `tokens` tokens
+    routed uniformly at random to k of its `experts`, best of `repeats` after one warm-up call."""
     cpu = jax.devices("cpu")[0]
     rng = np.random.default_rng(0)
     ids = np.argsort(rng.random((tokens, experts)), axis=1)[:, :k].astype(np.int32)
     args = jax.device_put((rng.standard_normal((tokens, hidden)).astype(jnp.bfloat16), ids,
                            np.full(ids.shape, 0.1, np.float32)), cpu)
-    call = jax.jit(lambda x, ids, w: routed_experts(x, ids, w, layer=expert_layer.id))
-    seconds = _best_seconds(lambda: call(*args).block_until_ready(), repeats)
+    call = jax.jit(lambda x, ids, w: routed_experts(x, ids, w, layer=layer_id))
+    seconds = best_seconds(call, *args, repeats=1, rounds=repeats)
     return 2 * 3 * hidden * inter * tokens * k / seconds / 1e12
 
 

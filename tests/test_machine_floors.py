@@ -62,7 +62,7 @@ def test_another_machine_an_unreadable_file_or_remeasure_measure_again(tmp_path,
 def test_the_cpu_expert_rate_is_measured_on_the_layer_and_cached_by_its_key(tmp_path):
     with hybridjit.load() as model:  # the embedded model: its experts in the host bank
         layer, k = model.expert_layers[0], model.config.num_experts_per_tok
-        rate = machine_floors.cpu_expert_tflops(layer, layer.hidden, layer.inter, layer.n_experts, k, tokens=256,
+        rate = machine_floors.cpu_expert_tflops(layer.id, layer.hidden, layer.inter, layer.n_experts, k, tokens=256,
                                                 repeats=1)
     assert rate > 0
     cache, asked = FloorCache(tmp_path), []
