@@ -190,7 +190,7 @@ def register(memory, gate, up, down, **options):
 
     from hybridjit.pinned_experts import register_pinned
 
-    return register_pinned(gate, up, down, device=jax.devices()[0], **options)
+    return register_pinned(gate, up, down, devices=jax.devices()[:1], **options)
 
 
 def expert_bytes(fmt, hidden, inter) -> int:

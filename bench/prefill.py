@@ -4,6 +4,13 @@ hybrid prefill for the crossover.
     python bench/prefill.py --geometry deepseek-v3 --layers 7 [--tokens 1024 4096 8192 16384 32768 65536]
     python bench/prefill.py --geometry gpt-oss-120b --layers 5 --tokens 8192 32768 --hybrid-tokens
     python bench/prefill.py --checkpoint PATH [--tokens ...]
+    python bench/prefill.py --geometry deepseek-v3 --layers 5 --devices 2 --tokens 8192 32768 --hybrid-tokens
+
+With --devices N the prefill is distributed over the first N GPUs (Placement.prefill_devices: each streams its
+share of every layer's experts over its own link, everything else replicated; OSDI '26 §3.2): the H2D floor is
+then each link's rate while all N copy at once (measured alone too, and a copy from another GPU's pinned memory),
+and the transfer floor divides a layer's bytes over the N links. Compare with the same command at --devices 1 on
+the same machine.
 
 A geometry builds a random checkpoint of that model's real shapes in memory (--format: FP8 by default; gpt-oss's
 experts stay MXFP4 as released), loaded by the same loader with the routed experts in one pinned host copy
@@ -43,14 +50,14 @@ import numpy as np
 from bench_model import add_model_arguments, load_model
 from hybridjit import engine, machine_floors
 from hybridjit import stream_prefill as sp
-from hybridjit.machine_floors import best_seconds, gemm_tflops, pinned_h2d_gbps
+from hybridjit.machine_floors import best_seconds, concurrent_h2d_gbps, gemm_tflops, pinned_h2d_gbps
 from hybridjit.models.common.moe import MoE
 from hybridjit.models.registry import ModelConfig
 from hybridjit.pinned_experts import pinned_layer
 from hybridjit.placement import Placement
 from hybridjit.sampling import SamplingParams
 from hybridjit.serving.engine import Engine
-from hybridjit.synthetic import SyntheticCheckpoint, random_values
+from hybridjit.synthetic import SyntheticCheckpoint, geometry_config, random_values
 from hybridjit.weights import SCALE_SUFFIX
 
 GIB = 1 << 30
@@ -79,7 +86,11 @@ class PooledExperts(SyntheticCheckpoint):
 
 
 def load(args):
-    placement = Placement(jax.devices()[0], jnp.dtype(args.dtype), pinned_experts=True)
+    devices = jax.devices()
+    if args.devices > len(devices):
+        raise SystemExit(f"prefill: --devices {args.devices}, but this machine has {len(devices)}")
+    placement = Placement(devices[0], jnp.dtype(args.dtype), pinned_experts=True,
+                          prefill_devices=tuple(devices[: args.devices]))
     return load_model(args, placement, args.format, synthetic=PooledExperts)
 
 
@@ -93,6 +104,14 @@ def load(args):
 def h2d_gbps(device) -> float:
     """Peak pinned host -> device bandwidth: the best of 5 copies of one 2 GiB pinned buffer."""
     return pinned_h2d_gbps(device, 2 * GIB, 5)
+
+
+def link_floors(devices) -> dict:
+    """With several prefill devices: each link's rate while all copy at once (the DSLP transfer floor), and a copy
+    to the second device from the first one's pinned memory (what a prefill on a device other than the one its
+    experts are pinned through would get)."""
+    return {"h2d_gbps_each_concurrent": round(concurrent_h2d_gbps(devices, 2 * GIB, 5), 2),
+            "h2d_gbps_across": round(pinned_h2d_gbps(devices[1], 2 * GIB, 3, source=devices[0]), 2)}
 
 
 def cpu_expert_tflops(model: engine.Model, tokens: int, repeats=3) -> float:
@@ -157,7 +176,7 @@ def prompt(cfg: ModelConfig, length: int, kind: str) -> np.ndarray:
 
 def stream_case(model: engine.Model, full: ModelConfig, length: int, floors: dict, budget: int | None,
                 kind: str) -> dict:
-    cfg, device = model.config, model.placement.device
+    cfg, device, shards = model.config, model.placement.device, model.placement.prefill_mesh.size
     tokens = prompt(cfg, length, kind)
 
     def run():
@@ -185,17 +204,18 @@ def stream_case(model: engine.Model, full: ModelConfig, length: int, floors: dic
     layer_bytes = pinned_layer(model.weights.layers[moe[0]].mlp.expert_layer).nbytes
     full_moe = sum(full.is_moe_layer(i) for i in range(full.num_hidden_layers))
     projected = ttft + (full.num_hidden_layers - cfg.num_hidden_layers) * steady
-    transfer_s = full_moe * layer_bytes / (floors["h2d_gbps"] * 1e9)
+    link_gbps = floors["h2d_gbps_each_concurrent"] if shards > 1 else floors["h2d_gbps"]
+    transfer_s = full_moe * layer_bytes / (shards * link_gbps * 1e9)
     gemm = floors["gemm_tflops"] * 1e12
     compute_s = sum(sp.prefill_flops(full, 1, length).values()) / gemm
     floor = max(transfer_s, compute_s)
     # The same floor with the attention core at the rate it reaches alone, everything else at the GEMM rate:
     # how far the rest of the step is from its floor once the attention kernel's own speed is granted.
     kernel_floor = max(transfer_s, compute_s + full.num_hidden_layers * (core_s - part["attention core"] / gemm))
-    h2d = layer_bytes / steady / 1e9
+    h2d = layer_bytes / shards / steady / 1e9  # each link's
     memory = device.memory_stats()
     return {
-        "path": "stream", "tokens": length, "ring_depth": stats.plan.depth,
+        "path": "stream", "devices": shards, "tokens": length, "ring_depth": stats.plan.depth,
         "block_gib": round(stats.plan.block_bytes / GIB, 3),
         "attention": type(stats.plan.attention).__name__,
         "ttft_ms": round(1e3 * ttft, 1), "moe_layer_ms": round(1e3 * steady, 1),
@@ -205,7 +225,8 @@ def stream_case(model: engine.Model, full: ModelConfig, length: int, floors: dic
         "attention_core_alone_ms": round(1e3 * core_s, 1),
         "attention_core_alone_tflops": round(part["attention core"] / core_s / 1e12, 1),
         "projected_full_depth_ttft_s": round(projected, 3),
-        "h2d_gbps": round(h2d, 2), "h2d_ratio": round(h2d / floors["h2d_gbps"], 3),
+        "projected_full_depth_tokens_per_s": round(length / projected, 1),
+        "h2d_gbps": round(h2d, 2), "h2d_ratio": round(h2d / link_gbps, 3),
         "overall_h2d_gbps": round(stats.streamed_bytes / ttft / 1e9, 2),
         "tflops": round(sum(sp.prefill_flops(cfg, 1, length).values()) / ttft / 1e12, 1),
         "floor_full_depth_s": round(floor, 3), "ratio_to_floor": round(projected / floor, 3),
@@ -255,20 +276,30 @@ def main(argv=None):
                         help="a geometry's weights (gpt-oss's experts stay MXFP4, as released)")
     parser.add_argument("--prompts", nargs="+", default=["random"], choices=("random", "repeated"),
                         help="random tokens, or one token repeated (skewed routing); each runs every length")
+    parser.add_argument("--devices", type=int, default=1,
+                        help="GPUs the stream-loaded prefill is distributed over (Placement.prefill_devices)")
     parser.add_argument("--time-limit", type=float, default=float("inf"),
                         help="seconds after which no new case starts (the JSON line still comes)")
     args = parser.parse_args(argv)
+    if args.geometry and args.layers:
+        cfg = geometry_config(args.geometry, layers=args.layers)
+        if not any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+            parser.error(f"--layers {args.layers} leaves {args.geometry} no MoE layer (its first layers are dense)")
     begin = time.perf_counter()
 
     model, name, full = load(args)
     device = model.placement.device
     floors = {"h2d_gbps": round(h2d_gbps(device), 2), "gemm_tflops": round(gemm_tflops(device), 1),
               "cpu_expert_tflops": round(cpu_expert_tflops(model, args.cpu_tokens), 3)}
+    if args.devices > 1:
+        floors.update(link_floors(model.placement.stream_devices))
     rates = sp.PrefillRates(floors["h2d_gbps"], floors["gemm_tflops"], floors["cpu_expert_tflops"])
     storage = pinned_layer(next(la.mlp for la in model.weights.layers if isinstance(la.mlp, MoE)).expert_layer).storage
     print(f"prefill: {name}, experts {storage.fmt}, on {device.device_kind}; floors: pinned H2D "
           f"{floors['h2d_gbps']} GB/s, bf16 GEMM {floors['gemm_tflops']} TFLOP/s, CPU experts "
-          f"{floors['cpu_expert_tflops']} TFLOP/s")
+          f"{floors['cpu_expert_tflops']} TFLOP/s"
+          + (f"; over {args.devices} GPUs: each link {floors['h2d_gbps_each_concurrent']} GB/s while all copy, "
+             f"{floors['h2d_gbps_across']} GB/s from another GPU's pinned memory" if args.devices > 1 else ""))
     budget = int(args.vram_budget_gib * GIB) if args.vram_budget_gib else None
     results, skipped = [], []
     print(f"{'path':>6} {'tokens':>6} {'depth':>5} {'TTFT ms':>9} {'layer ms':>8} {'full s(proj)':>12} "

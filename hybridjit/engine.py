@@ -13,12 +13,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from hybridjit import expert_residency, machine_floors
 from hybridjit.auto_placement import DeviceBudget, device_budget, resident_expert_bytes
 from hybridjit.expert_residency import Residency
 from hybridjit.model_files import open_checkpoint, open_tokenizer
-from hybridjit.models.common.moe import ExpertSchedule
+from hybridjit.models.common.moe import ExpertSchedule, MoE
 from hybridjit.models.common.resident_experts import ResidentExperts
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.ops.async_experts import raise_gpu_errors
@@ -77,6 +79,7 @@ class Model:
         # running them on the CPU; None: decided by the cost model (stream_prefill.choose_prefill_path).
         self.stream_prefill_threshold: int | None = None
         self.expert_schedule = ExpertSchedule()  # Expert Deferral / Skipping: off (they change the model)
+        self._prefill_weights = None  # prefill_weights' copy over several devices, made at its first call
 
     @property
     def family(self):
@@ -110,6 +113,20 @@ class Model:
         cpu = cache.cpu_expert_tflops(device, key, lambda: machine_floors.cpu_expert_tflops(
             layer.id, layer.hidden, layer.inter, layer.n_experts, k))
         return PrefillRates(floors.pcie_gbps, floors.gpu_tflops, cpu)
+
+    def prefill_weights(self):
+        """The weights stream-loaded prefill runs on. With one prefill device, `weights`; with several
+        (Placement.prefill_devices), a copy replicated on every one of them, resident experts left out (the
+        prefill streams every routed expert), made at the first call and kept while the model lives."""
+        mesh = self.placement.prefill_mesh
+        if mesh.size == 1:
+            return self.weights
+        if self._prefill_weights is None:
+            layers = [dataclasses.replace(layer, mlp=dataclasses.replace(layer.mlp, resident=None))
+                      if isinstance(layer.mlp, MoE) else layer for layer in self.weights.layers]
+            streamed = dataclasses.replace(self.weights, layers=layers)
+            self._prefill_weights = jax.device_put(streamed, NamedSharding(mesh, P()))
+        return self._prefill_weights
 
     # ----------------------------------------------------------------------------- residency
 

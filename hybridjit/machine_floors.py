@@ -76,17 +76,29 @@ def best_seconds(fn, *args, repeats: int = 10, rounds: int = 3) -> float:
     return best
 
 
-def pinned_h2d_gbps(device: jax.Device, nbytes: int = 1 << 30, repeats: int = 3) -> float:
-    """Pinned host -> device bandwidth: the best of `repeats` copies of one pinned buffer."""
-    src = jax.device_put(np.zeros(nbytes, np.uint8), SingleDeviceSharding(device, memory_kind="pinned_host"))
-    dst = SingleDeviceSharding(device, memory_kind="device")
+def pinned_h2d_gbps(device: jax.Device, nbytes: int = 1 << 30, repeats: int = 3, source: jax.Device | None = None
+                    ) -> float:
+    """Pinned host -> device bandwidth: the best of `repeats` copies of one buffer pinned through `source` (default:
+    `device` itself; another device measures a copy from that device's pinned memory)."""
+    return concurrent_h2d_gbps([device], nbytes, repeats, [source or device])
+
+
+def concurrent_h2d_gbps(devices, nbytes: int = 1 << 30, repeats: int = 3, sources=None) -> float:
+    """Each link's pinned host -> device bandwidth while every one of `devices` copies a buffer of its own at once
+    (pinned through the matching `sources`, default the device itself): nbytes / the time they all took, best of
+    `repeats`."""
+    sources = sources or devices
+    buffers = [jax.device_put(np.zeros(nbytes, np.uint8), SingleDeviceSharding(s, memory_kind="pinned_host"))
+               for s in sources]
+    targets = [SingleDeviceSharding(d, memory_kind="device") for d in devices]
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        copy = jax.device_put(src, dst)
-        copy.block_until_ready()
+        copies = [jax.device_put(b, t) for b, t in zip(buffers, targets, strict=True)]
+        jax.block_until_ready(copies)
         best = min(best, time.perf_counter() - start)
-        copy.delete()
+        for copy in copies:
+            copy.delete()
     return nbytes / best / 1e9
 
 

@@ -5,7 +5,9 @@ array in the device's "pinned_host" memory (page-locked, so the GPU pulls it ove
 copy at full speed: DESIGN.md §3). The C++ expert bank is registered with numpy views of those same buffers (a
 pinned_host array's unsafe_buffer_pointer() is a real host pointer), so the CPU kernels of hybrid decode read
 the very bytes that stream-loaded prefill sends to the GPU: no second copy of the experts in host memory
-(OSDI '26 §3.3.2). A block is the unit that hybridjit.stream_prefill streams and keeps in its ring.
+(OSDI '26 §3.3.2). A block is the unit that hybridjit.stream_prefill streams and keeps in its ring. With several
+GPUs streaming (distributed stream-loaded prefill), each GPU's share of a layer is pinned through that GPU, so that
+its copies are plain host-to-device DMAs over its own link.
 """
 
 import ctypes
@@ -64,6 +66,12 @@ class ExpertBlock:
     @property
     def size(self) -> int:
         return self.weights[0].shape[0]
+
+    @property
+    def home(self) -> jax.Device:
+        """The device whose pinned host memory holds the block: streaming it there is one DMA over that device's
+        own link."""
+        return next(iter(self.weights[0].devices()))
 
     @property
     def nbytes(self) -> int:
@@ -209,28 +217,35 @@ def register_pinned(
     down_scale: Sequence[np.ndarray] | None = None,
     block: tuple[int, int] | None = None,
     *,
-    device: jax.Device,
+    devices: Sequence[jax.Device],
     experts_per_block: int | None = None,
     biases: tuple[Sequence[np.ndarray], Sequence[np.ndarray] | None, Sequence[np.ndarray]] | None = None,
     **options,
 ) -> ExpertLayer:
     """register_layer's drop-in for one layer (same arguments and options, same checks by the bank), with the
-    experts first copied into pinned host memory of `device` in blocks of `experts_per_block` (default: the layer
-    in BLOCKS_PER_LAYER blocks), biases too. The source arrays can be dropped afterwards; the pinned copy lives as
-    long as the returned bank layer, and `pinned_layer(layer.id)` finds it."""
-    n = len(gate)
-    per = experts_per_block or -(-n // BLOCKS_PER_LAYER)
-    sharding = SingleDeviceSharding(device, memory_kind=PINNED_HOST)
+    experts first copied into pinned host memory in blocks of `experts_per_block` (default: the layer in
+    BLOCKS_PER_LAYER blocks), biases too. The experts are split evenly over `devices` (the devices of stream-loaded
+    prefill, Placement.stream_devices), in order: each share is pinned through the device that streams it and cut
+    into blocks alike, so that the devices take same-shaped blocks in step. Still one copy in host memory, which the
+    CPU kernels read whole. The source arrays can be dropped afterwards; the pinned copy lives as long as the
+    returned bank layer, and `pinned_layer(layer.id)` finds it."""
+    n, shares = len(gate), len(devices)
+    if n % shares:
+        raise ValueError(f"the {n} routed experts of a layer do not split evenly over the {shares} prefill devices")
+    share = n // shares
+    per = min(share, experts_per_block or -(-n // BLOCKS_PER_LAYER))
     scales = None if gate_scale is None else (gate_scale, up_scale, down_scale)
 
-    def pin(group, start):
+    def pin(group, start, sharding):
         if group is None:
             return None
-        return tuple(None if seq is None else _pin(seq[start : start + per], sharding) for seq in group)
+        end = start + min(per, share - start % share)
+        return tuple(None if seq is None else _pin(seq[start:end], sharding) for seq in group)
 
     blocks = tuple(
-        ExpertBlock(start, pin((gate, up, down), start), pin(scales, start), pin(biases, start))
-        for start in range(0, n, per)
+        ExpertBlock(start, *(pin(group, start, SingleDeviceSharding(device, memory_kind=PINNED_HOST))
+                             for group in ((gate, up, down), scales, biases)))
+        for g, device in enumerate(devices) for start in range(g * share, (g + 1) * share, per)
     )
 
     # The bank gets per-expert views of each projection's arrays; each view keeps `owner`, and so the pinned copy

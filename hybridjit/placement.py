@@ -11,8 +11,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 COMPUTE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+# The logical axis of the prefill mesh: the devices that share out each layer's routed experts (expert
+# parallelism), every other weight and the activations replicated along it.
+PREFILL_AXIS = "experts"
 
 
 def compute_dtype(dtype) -> jnp.dtype:
@@ -40,6 +44,10 @@ class Placement:
     # experts stay on the CPU): "auto" (as many as the device's memory allows, hybridjit.auto_placement), a
     # hybridjit.expert_residency.Residency, a path to one saved as JSON, or None (none).
     resident_experts: object = None
+    # The devices stream-loaded prefill spreads each layer's routed experts over (distributed stream-loaded
+    # prefill, OSDI '26 §3.2): each pulls its share over its own PCIe link from the one pinned host copy, whose
+    # blocks are pinned through the device that streams them. Empty: `device` alone.
+    prefill_devices: tuple[jax.Device, ...] = ()
 
     @classmethod
     def default(cls, dtype=None, device: jax.Device | None = None) -> "Placement":
@@ -57,6 +65,17 @@ class Placement:
     def put(self, array: np.ndarray, dtype=None) -> jax.Array:
         """A host array on the device in `dtype` (default: the compute dtype), converted on the host."""
         return jax.device_put(np.asarray(array).astype(jnp.dtype(dtype or self.dtype), copy=False), self.device)
+
+    @property
+    def stream_devices(self) -> tuple[jax.Device, ...]:
+        """The devices of stream-loaded prefill, `device` first: the one that decodes gets the filled cache."""
+        rest = tuple(d for d in self.prefill_devices if d != self.device)
+        return (self.device, *rest)
+
+    @property
+    def prefill_mesh(self) -> Mesh:
+        """stream_devices as a mesh along PREFILL_AXIS."""
+        return Mesh(np.array(self.stream_devices), (PREFILL_AXIS,))
 
     def experts_on_device(self, layer: int) -> bool:
         return layer in self.device_expert_layers

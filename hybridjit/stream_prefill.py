@@ -44,7 +44,8 @@ from functools import cache, partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 from hybridjit.checkpoint import DTYPES
 from hybridjit.models.common.expert_storage import ExpertStorage
@@ -54,6 +55,7 @@ from hybridjit.models.common.moe import MoE
 from hybridjit.models.common.routing import route
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.pinned_experts import ExpertBlock, PinnedExperts, pinned_layer
+from hybridjit.placement import PREFILL_AXIS
 from hybridjit.quant import scale_shape
 
 # Scores of one query chunk of ChunkedAttention ([b, h, chunk, s] float32, about three live copies) stay
@@ -121,10 +123,13 @@ def plan_ring(
     vram_budget: int | None = None,
     depth: int | None = None,
     attention_chunk: int | None = None,
+    shards: int = 1,
 ) -> RingPlan:
-    """The ring for a prompt batch: `depth` if given, else a whole layer of blocks, fewer when the VRAM budget
-    (bytes for ring and activations; default: the device's free memory, unbounded on a CPU) cannot hold them
-    next to this prompt's activations. Raises ValueError when not even one block fits."""
+    """The ring of each device for a prompt batch: `depth` if given, else a whole layer of blocks (its share of
+    them when a layer's blocks are spread over `shards` devices), fewer when the VRAM budget (bytes for ring and
+    activations; default: the device's free memory, unbounded on a CPU) cannot hold them next to this prompt's
+    activations. `device` is the one with the least memory to spare. Raises ValueError when not even one block
+    fits."""
     blocks = [b for layer in experts for b in layer.blocks]
     block_bytes = max(b.nbytes for b in blocks)
     attention = _attention(cfg, batch, length, dtype, device, attention_chunk)
@@ -135,7 +140,7 @@ def plan_ring(
     if vram_budget is None:
         vram_budget = free_device_memory(device)
     if depth is None:
-        depth = len(experts[0].blocks)
+        depth = len(experts[0].blocks) // shards
         if vram_budget is not None:
             depth = max(1, min(depth, (vram_budget - activations) // block_bytes))
     if vram_budget is not None and activations + depth * block_bytes > vram_budget:
@@ -189,32 +194,53 @@ def _moe_front(cfg, attention, layer, x, cache):
     return x, tokens, ids, weights, shared, counts, cache
 
 
-@partial(jax.jit, static_argnums=0)
-def _dispatch(plans, tokens, ids, weights, counts):
-    """The routed pairs grouped by expert for each block as its _BlockPasses plan says: (rows, slot weights) of
-    the first pass over all its experts, and for the later passes (None without) the busy experts' indices in
-    the block and their rows and slot weights [passes, busy, capacity]; then the zero sum of the routed experts.
-    All here so that no block's executable needs an argument from the host: a host-to-device copy would queue
-    behind the block copies on the transfer stream and hold the GPU up."""
-    blocks, empty = [], ids.shape[0]
-    for plan in plans:
-        first_pass = group_by_expert(ids, weights, plan.size, plan.capacity, plan.first)
-        later = None
-        if plan.later:
-            left = counts[plan.first : plan.first + plan.size] > plan.capacity
-            busy = jnp.nonzero(left, size=plan.busy, fill_value=0)[0]
-            real = (jnp.arange(plan.busy) < left.sum())[:, None]  # the padding repeats expert 0: keep it empty
-            skips = [plan.capacity + p * plan.later_capacity for p in range(plan.later)]
-            grouped = [group_by_expert(ids, weights, plan.size, plan.later_capacity, plan.first, skip)
-                       for skip in skips]
-            rows = jnp.stack([jnp.where(real, r[busy], empty) for r, _ in grouped])
-            slot_weights = jnp.stack([jnp.where(real, w[busy], 0) for _, w in grouped])
-            later = (busy, rows, slot_weights)
-        blocks.append((first_pass, later))
-    return blocks, jnp.zeros(tokens.shape, jnp.float32)
+@partial(jax.jit, static_argnums=(0, 1))
+def _dispatch(steps, mesh, tokens, ids, weights, counts):
+    """The routed pairs grouped by expert for each step, per device of the step as its block's _BlockPasses plan
+    says, stacked [devices, ...]: (rows, slot weights) of the first pass over all the block's experts, and for the
+    later passes (None without) the busy experts' indices in the block and their rows and slot weights [passes,
+    busy, capacity]; then each device's zero sum of its routed experts [devices, tokens, d]. Every device groups
+    the pairs of every device's blocks (SmallEP's redundant local sorting: cheaper than sending tokens). All here
+    so that no block's executable needs an argument from the host: a host-to-device copy would queue behind the
+    block copies on the transfer stream and hold the GPU up."""
+    grouped = []
+    for step in steps:
+        per_device = [_group_block(plan, ids, weights, counts) for plan in step]
+        grouped.append(jax.tree.map(lambda *a: jnp.stack(a), *per_device))
+    sums = jnp.zeros((mesh.size, *tokens.shape), jnp.float32)
+    return grouped, jax.lax.with_sharding_constraint(sums, NamedSharding(mesh, P(PREFILL_AXIS)))
 
 
-@partial(jax.jit, static_argnums=(0, 1), donate_argnames="out")
+def _group_block(plan, ids, weights, counts):
+    empty = ids.shape[0]
+    first_pass = group_by_expert(ids, weights, plan.size, plan.capacity, plan.first)
+    later = None
+    if plan.later:
+        left = counts[plan.first : plan.first + plan.size] > plan.capacity
+        busy = jnp.nonzero(left, size=plan.busy, fill_value=0)[0]
+        real = (jnp.arange(plan.busy) < left.sum())[:, None]  # the padding repeats expert 0: keep it empty
+        skips = [plan.capacity + p * plan.later_capacity for p in range(plan.later)]
+        grouped = [group_by_expert(ids, weights, plan.size, plan.later_capacity, plan.first, skip) for skip in skips]
+        rows = jnp.stack([jnp.where(real, r[busy], empty) for r, _ in grouped])
+        slot_weights = jnp.stack([jnp.where(real, w[busy], 0) for _, w in grouped])
+        later = (busy, rows, slot_weights)
+    return first_pass, later
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2), donate_argnames="out")
+def _expert_step(mesh, storage: ExpertStorage, dtype, tokens, grouped, out, weights, scales, biases):
+    """One step of blocks, one per device of the mesh (their arrays stacked along the mesh axis), each on its
+    device's tokens as `grouped` ([devices, ...]) says, added into that device's sum in out [devices, tokens, d]."""
+
+    def on_each_device(tokens, grouped, out, weights, scales, biases):
+        first_pass, later = jax.tree.map(lambda a: a[jax.lax.axis_index(PREFILL_AXIS)], grouped)
+        return _expert_block(storage, dtype, tokens, first_pass, later, out[0], weights, scales, biases)[None]
+
+    mine = P(PREFILL_AXIS)
+    return jax.shard_map(on_each_device, mesh=mesh, in_specs=(P(), P(), mine, mine, mine, mine), out_specs=mine)(
+        tokens, grouped, out, weights, scales, biases)
+
+
 def _expert_block(storage: ExpertStorage, dtype, tokens, first_pass, later, out, weights, scales, biases):
     """One block's experts (as stored: weights, scales, biases) on their tokens, added into out: dequantized once,
     then one pass at a time, so only one pass's gathered tokens and hidden states are live; later passes multiply
@@ -232,8 +258,12 @@ def _expert_block(storage: ExpertStorage, dtype, tokens, first_pass, later, out,
     return jax.lax.scan(one_pass, out, (rows, slot_weights))[0]
 
 
-@jax.jit
-def _moe_combine(x, routed, shared):
+@partial(jax.jit, static_argnums=0)
+def _moe_combine(mesh, x, routed, shared):
+    """x plus the shared experts plus the routed ones: each device's sum [devices, tokens, d] added over the mesh
+    (an all-reduce; SmallEP's exchange of partially reduced tensors)."""
+    routed = jax.shard_map(lambda r: jax.lax.psum(r[0], PREFILL_AXIS), mesh=mesh, in_specs=P(PREFILL_AXIS),
+                           out_specs=P())(routed)
     out = routed.astype(x.dtype)
     if shared is not None:
         out = out + shared
@@ -300,45 +330,56 @@ def _block_passes(counts: np.ndarray, first: int, slots: int) -> _BlockPasses:
 # ---------------------------------------------------------------------------------------- the ring
 
 
-class _Ring:
-    """Expert blocks copied to the device in the order the layers read them, at most `depth` resident."""
+Step = tuple[ExpertBlock, ...]  # one expert block per device of the prefill mesh, in the mesh's order
 
-    def __init__(
-        self, blocks: list[ExpertBlock], depth: int, device: jax.Device, while_copying: Callable[[], bool] | None
-    ):
-        self._device, self._sharding = device, SingleDeviceSharding(device, memory_kind="device")
+
+class _Ring:
+    """Steps of expert blocks copied to the devices in the order the layers read them, each block to its own device
+    of the mesh, at most `depth` steps resident: the ring of each device holds at most `depth` blocks."""
+
+    def __init__(self, steps: list[Step], depth: int, mesh: Mesh, while_copying: Callable[[], bool] | None):
+        self.mesh, self._devices = mesh, list(mesh.devices.flat)
+        self._shardings = [SingleDeviceSharding(d, memory_kind="device") for d in self._devices]
+        self._stacked = NamedSharding(mesh, P(PREFILL_AXIS))
         self._while_copying = while_copying
-        self._waiting = collections.deque(blocks)  # not copied yet
-        self._copied: collections.deque = collections.deque()  # (block, device arrays), copies maybe in flight
+        self._waiting = collections.deque(steps)  # not copied yet
+        self._copied: collections.deque = collections.deque()  # (step, device arrays), copies maybe in flight
         self._free = depth
         self._resident: list[tuple[jax.Array, ...]] = []
-        self.peak_bytes = 0  # the most bytes of device buffers the ring ever held (measured: live buffers)
-        self.peak_in_use = None  # the device's bytes in use right after each block's allocation, at most
-        self.streamed_bytes = 0
+        self.peak_bytes = 0  # the most bytes of device buffers one device's ring ever held (measured: live buffers)
+        self.peak_in_use = None  # a device's bytes in use right after each step's allocation, at most
+        self.streamed_bytes = 0  # over all devices
         self.phase_seconds: collections.Counter = collections.Counter()  # wall time per phase since last cleared
 
     def load(self) -> None:
-        """Issues the copies of the next blocks into every free slot."""
+        """Issues the copies of the next steps into every free slot: each device's block from the pinned host copy
+        to that device (an asynchronous DMA over its own link when the block was pinned through it), the copies
+        then joined into arrays along the mesh axis without moving."""
         while self._free and self._waiting:
-            block = self._waiting.popleft()
-            arrays = tuple(jax.device_put(block.arrays, self._sharding))
+            step = self._waiting.popleft()
+            copies = [jax.device_put(block.arrays, s) for block, s in zip(step, self._shardings, strict=True)]
+            arrays = tuple(
+                jax.make_array_from_single_device_arrays((len(parts) * parts[0].shape[0], *parts[0].shape[1:]),
+                                                         self._stacked, list(parts))
+                for parts in zip(*copies, strict=True)
+            )
             self._free -= 1
-            self._copied.append((block, arrays))
+            self._copied.append((step, arrays))
             self._measure(arrays)
 
-    def take(self, block: ExpertBlock) -> tuple[jax.Array, ...]:
-        """The device copy of `block`, the next one in order (its copy may still be in flight, unless
-        while_copying is given: it runs until the copy lands or it has nothing to do)."""
+    def take(self, step: Step) -> tuple[jax.Array, ...]:
+        """The device copies of `step`, the next one in order, along the mesh axis (the copies may still be in
+        flight, unless while_copying is given: it runs until they land or it has nothing to do)."""
         self.load()
         copied, arrays = self._copied.popleft()
-        assert copied is block, "blocks taken out of the order they are copied in"
+        assert copied is step, "steps taken out of the order they are copied in"
         if self._while_copying is not None:
             while not all(a.is_ready() for a in arrays) and self._while_copying():
                 pass
         return arrays
 
     def unload(self, arrays: tuple[jax.Array, ...]) -> None:
-        """Frees the slot of a block whose executables have all finished."""
+        """Frees the slot of a step whose executables have all finished."""
         for a in arrays:
             a.delete()
         self._free += 1
@@ -356,10 +397,11 @@ class _Ring:
     def _measure(self, arrays):
         self._resident = [r for r in self._resident if not r[0].is_deleted()] + [arrays]
         live = sum(a.nbytes for r in self._resident for a in r if not a.is_deleted())
-        self.peak_bytes = max(self.peak_bytes, live)
+        self.peak_bytes = max(self.peak_bytes, live // len(self._devices))
         self.streamed_bytes += sum(a.nbytes for a in arrays)
-        if (stats := self._device.memory_stats()) is not None:  # None on XLA:CPU
-            self.peak_in_use = max(self.peak_in_use or 0, stats["bytes_in_use"])
+        for device in self._devices:
+            if (stats := device.memory_stats()) is not None:  # None on XLA:CPU
+                self.peak_in_use = max(self.peak_in_use or 0, stats["bytes_in_use"])
 
 
 @dataclasses.dataclass
@@ -408,28 +450,37 @@ def stream_prefill(
     so they never wait behind work that waits for a copy.
 
     The contract of the engine's prefill: `cache` (init_cache of at least t positions) is donated and comes
-    back in the layout decode_step reads. The model must have been loaded with Placement(pinned_experts=True).
-    `vram_budget`, `depth` and `attention_chunk` override plan_ring's choices; `stats` receives the plan and
-    the measured figures.
+    back in the layout decode_step reads, on the placement's device. The model must have been loaded with
+    Placement(pinned_experts=True). `vram_budget`, `depth` and `attention_chunk` override plan_ring's choices (the
+    budget and depth are each device's); `stats` receives the plan and the measured figures.
+
+    With several Placement.prefill_devices (distributed stream-loaded prefill, OSDI '26 §3.2), each device streams
+    its share of every layer's experts over its own link and runs them on every token routed to them; the rest of
+    the layer (attention, router, shared experts) runs replicated on each device, and the routed experts' partial
+    sums are added across the devices once per layer (SmallEP's exchange, as an all-reduce over the mesh). The
+    non-expert weights are copied to the other devices at the first such prefill and kept (Model.prefill_weights).
     """
-    cfg, weights, device, dtype = model.config, model.weights, model.placement.device, model.dtype
+    cfg, dtype, mesh = model.config, model.dtype, model.placement.prefill_mesh
+    weights = model.prefill_weights()
     pinned = _pinned_layers(weights)
-    tokens = jax.device_put(np.asarray(tokens, np.int32), device)
-    lengths = jax.device_put(np.asarray(lengths, np.int32), device)
+    steps = {i: _steps(i, layer, mesh.size) for i, layer in pinned.items()}
+    replicated = NamedSharding(mesh, P())
+    tokens = jax.device_put(np.asarray(tokens, np.int32), replicated)
+    lengths = jax.device_put(np.asarray(lengths, np.int32), replicated)
+    cache = jax.device_put(list(cache), replicated)
     plan = plan_ring(
-        cfg, list(pinned.values()), *tokens.shape, dtype, device,
-        vram_budget=vram_budget, depth=depth, attention_chunk=attention_chunk,
+        cfg, list(pinned.values()), *tokens.shape, dtype, _least_free(mesh.devices.flat),
+        vram_budget=vram_budget, depth=depth, attention_chunk=attention_chunk, shards=mesh.size,
     )
     stats = stats if stats is not None else StreamStats()
     stats.plan = plan
     start = time.perf_counter()
-    ring = _Ring([b for layer in pinned.values() for b in layer.blocks], plan.depth, device, while_copying)
+    ring = _Ring([step for layer in steps.values() for step in layer], plan.depth, mesh, while_copying)
     x = ring.run("embed", lambda: weights.embed[tokens])
-    cache = list(cache)
     for i, layer in enumerate(weights.layers):
         ring.phase_seconds.clear()
         if i in pinned:
-            x, cache[i], slots = _moe_layer(cfg, plan, layer, pinned[i], x, cache[i], ring, dtype)
+            x, cache[i], slots = _moe_layer(cfg, plan, layer, pinned[i].storage, steps[i], x, cache[i], ring, dtype)
             stats.expert_slots += sum(map(sum, slots))
             stats.block_passes += sum(map(len, slots))
             stats.largest_pass_slots = max(stats.largest_pass_slots, *map(max, slots))
@@ -442,7 +493,29 @@ def stream_prefill(
     stats.streamed_bytes, stats.peak_ring_bytes, stats.peak_device_bytes = (
         ring.streamed_bytes, ring.peak_bytes, ring.peak_in_use
     )
-    return logits, cache
+    return jax.tree.map(partial(_on, model.placement.device), (logits, cache))
+
+
+def _on(device: jax.Device, array: jax.Array) -> jax.Array:
+    """`device`'s copy of an array replicated over the prefill mesh (no copy made)."""
+    return next(shard.data for shard in array.addressable_shards if shard.device == device)
+
+
+def _least_free(devices) -> jax.Device:
+    return min(devices, key=lambda d: free_device_memory(d) or 0)
+
+
+def _steps(i: int, experts: PinnedExperts, devices: int) -> list[Step]:
+    """A layer's blocks as steps over the prefill mesh: device g takes the g-th of `devices` equal runs of blocks,
+    which are the blocks pinned through it (pinned_experts.register_pinned splits them so)."""
+    blocks, per = experts.blocks, len(experts.blocks) // devices
+    steps = list(zip(*(blocks[g * per : (g + 1) * per] for g in range(devices)), strict=True))
+    if len(blocks) % devices or any(len({b.size for b in step}) > 1 for step in steps):
+        raise ValueError(
+            f"layer {i}: its {len(blocks)} expert blocks of {[b.size for b in blocks]} experts do not split into "
+            f"equal runs over {devices} prefill devices; load the model with this Placement's prefill_devices"
+        )
+    return steps
 
 
 def _pinned_layers(weights) -> dict[int, PinnedExperts]:
@@ -459,28 +532,31 @@ def _pinned_layers(weights) -> dict[int, PinnedExperts]:
     return pinned
 
 
-def _moe_layer(cfg, plan: RingPlan, layer, experts: PinnedExperts, x, cache, ring: _Ring, dtype):
+def _moe_layer(cfg, plan: RingPlan, layer, storage: ExpertStorage, steps: list[Step], x, cache, ring: _Ring, dtype):
     # The expert-bank layer id is static pytree metadata: drop it so that every MoE layer shares executables.
     layer = dataclasses.replace(layer, mlp=dataclasses.replace(layer.mlp, expert_layer=None))
     x, tokens, ids, weights, shared, counts, cache = ring.run(
         "attention+router+shared", _moe_front, cfg, plan.attention, layer, x, cache
     )
     # The routing decides how many slots each block's experts get (dropless), on the host: the one readback of
-    # a layer. Per block, so that one busy expert pads only its own block's GEMMs.
+    # a layer. Per step, so that one busy expert pads only its own step's GEMMs; the blocks of a step share one
+    # shape (one program over the mesh), planned for the busiest of their experts at each position.
     host_counts, plans = np.asarray(counts), []
-    for block in experts.blocks:
-        first = plans[-1].first + plans[-1].size if plans else 0
-        plans.append(_block_passes(host_counts[first : first + block.size], first, plan.block_slots))
-    grouped, out = ring.run("dispatch", _dispatch, tuple(plans), tokens, ids, weights, counts)
-    for block, (first_pass, later) in zip(experts.blocks, grouped, strict=True):
-        arrays = ring.take(block)
+    for step in steps:
+        busiest = np.max([host_counts[b.start : b.start + b.size] for b in step], axis=0)
+        shape = _block_passes(busiest, 0, plan.block_slots)
+        plans.append(tuple(dataclasses.replace(shape, first=b.start) for b in step))
+    mesh = ring.mesh
+    grouped, out = ring.run("dispatch", _dispatch, tuple(plans), mesh, tokens, ids, weights, counts)
+    for step, step_grouped in zip(steps, grouped, strict=True):
+        arrays = ring.take(step)
         out = ring.run(
-            "experts", _expert_block, experts.storage, jnp.dtype(dtype), tokens, first_pass, later, out,
-            *block.parts(arrays),
+            "experts", _expert_step, mesh, storage, jnp.dtype(dtype), tokens, step_grouped, out,
+            *step[0].parts(arrays),
         )
         ring.unload(arrays)
-    slots = [p.pass_slots for p in plans]
-    return ring.run("combine", _moe_combine, x, out, shared), cache, slots
+    slots = [p.pass_slots for step in plans for p in step]
+    return ring.run("combine", _moe_combine, mesh, x, out, shared), cache, slots
 
 
 # ------------------------------------------------------------------------------------- path choice

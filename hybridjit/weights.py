@@ -193,7 +193,7 @@ class WeightLoader:
         """register_layer, or its drop-in that first copies the experts into pinned host memory where the placement
         pins them (for stream-loaded prefill)."""
         if self.placement.pinned_experts:
-            return functools.partial(register_pinned, device=self.placement.device)
+            return functools.partial(register_pinned, devices=self.placement.stream_devices)
         return register_layer
 
     def fused_mxfp4_experts(self, names: FusedMxfp4Experts) -> ExpertLayer:

@@ -90,8 +90,12 @@ def only(case, *cases):
 
 @pytest.fixture(scope="module")
 def checkpoint(case, tmp_path_factory):
+    return write_case_checkpoint(case, tmp_path_factory.mktemp(case))
+
+
+def write_case_checkpoint(case, directory):
+    """The tiny checkpoint of a CASES entry, written under `directory`."""
     family, fmt = case.split("-")
-    directory = tmp_path_factory.mktemp(case)
     if family == "deepseek_v3":
         return write_checkpoint(directory, tiny_config("v3"), seed=5, weight_format=fmt)
     config = family_config(family, **CASES[case])
@@ -339,7 +343,7 @@ def test_bank_reads_the_pinned_copy_and_lives_with_it():
     rng = np.random.default_rng(1)
     gate = [rng.standard_normal((8, 16), np.float32) for _ in range(4)]
     down = [rng.standard_normal((16, 8), np.float32) for _ in range(4)]
-    layer = register_pinned(gate, gate, down, device=jax.devices()[0], experts_per_block=2)
+    layer = register_pinned(gate, gate, down, devices=jax.devices()[:1], experts_per_block=2)
     cpu = jax.devices("cpu")[0]
     x = jax.device_put(rng.standard_normal((3, 16)).astype(np.float32), cpu)
     ids, weights = jax.device_put((np.full((3, 1), 3, np.int32), np.ones((3, 1), np.float32)), cpu)
@@ -373,7 +377,7 @@ def test_pinned_mxfp4_layer_computes_as_the_unpinned_one():
               list(rng.standard_normal((e, d)).astype(np.float32)))
     options = dict(gate_scale=list(gate_up_scales), down_scale=list(down_scales), fmt="mxfp4",
                    gate_up_interleaved=True, biases=biases, activation=activation)
-    layer = register_pinned(*weights, **options, device=jax.devices()[0], experts_per_block=2)
+    layer = register_pinned(*weights, **options, devices=jax.devices()[:1], experts_per_block=2)
     cpu = jax.devices("cpu")[0]
     x = jax.device_put(rng.standard_normal((5, d)).astype(np.float32), cpu)
     ids = jax.device_put(np.stack([rng.choice(e, 2, replace=False) for _ in range(5)]).astype(np.int32), cpu)

@@ -1,0 +1,166 @@
+"""Distributed stream-loaded prefill (Placement.prefill_devices: each device streams its share of every layer's
+routed experts; OSDI '26 §3.2) against the plain prefill and against stream-loaded prefill on one device, on the
+same checkpoints as tests/test_stream_prefill.py, whose tolerances apply (float32: 1e-5 relative RMS; the CPU
+kernels on the pinned copy: 1e-2).
+
+Needs two or more devices: tests/test_distributed_prefill.py runs this module on XLA:CPU with four forced host
+devices (XLA_FLAGS=--xla_force_host_platform_device_count=4, which must be set before JAX starts, hence its own
+process); on a machine with several GPUs run it directly: `pytest tests/distributed_prefill_cases.py`.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from hybrid_placement import hybrid
+from test_stream_prefill import (
+    BANK_RTOL,
+    CHUNK,
+    FLOAT32_RTOL,
+    LENGTHS,
+    cache_error,
+    new_cache,
+    plain_prefill,
+    rel_rms,
+    write_case_checkpoint,
+)
+
+import hybridjit
+from hybridjit import stream_prefill as sp
+from hybridjit.models.common.moe import MoE
+from hybridjit.pinned_experts import pinned_layer
+from hybridjit.placement import Placement
+
+DEVICES = jax.devices()
+pytestmark = pytest.mark.skipif(len(DEVICES) < 2, reason="needs two or more devices")
+# MLA with a shared expert and a dense first layer (16 experts); MXFP4 with biases, sinks and a window (16);
+# int4 groups (16); bf16 with a window and 8 experts (2 a device on four).
+CASES = ["deepseek_v3-fp8", "gpt_oss-mxfp4", "qwen3_moe-int4", "mixtral-bf16"]
+
+
+@pytest.fixture(scope="module", params=CASES)
+def case(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def checkpoint(case, tmp_path_factory):
+    return write_case_checkpoint(case, tmp_path_factory.mktemp(case))
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}-devices")
+def shards(request):
+    if request.param > len(DEVICES):
+        pytest.skip(f"needs {request.param} devices")
+    return request.param
+
+
+def load(checkpoint, devices):
+    return hybridjit.load(checkpoint, placement=hybrid("float32", pinned_experts=True, prefill_devices=devices))
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint, shards):
+    m = load(checkpoint, tuple(DEVICES[:shards]))
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def one_device(checkpoint):
+    m = load(checkpoint, ())
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def exact_model(checkpoint, one_device):
+    layers = frozenset(range(one_device.config.num_hidden_layers))
+    m = hybridjit.load(checkpoint, placement=dataclasses.replace(Placement.default("float32"),
+                                                                 device_expert_layers=layers))
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def tokens(one_device):
+    return np.random.default_rng(0).integers(2, one_device.config.vocab_size, (2, 24)).astype(np.int32)
+
+
+def pinned(model):
+    return [pinned_layer(layer.mlp.expert_layer) for layer in model.weights.layers if isinstance(layer.mlp, MoE)]
+
+
+def streamed(model, tokens, **options):
+    stats = sp.StreamStats()
+    logits, cache = sp.stream_prefill(model, tokens, LENGTHS, new_cache(model, len(tokens)), stats=stats,
+                                      attention_chunk=CHUNK, **options)
+    return np.asarray(logits), cache, stats
+
+
+def test_each_share_is_pinned_through_the_device_that_streams_it(model, shards, exact_model, tokens):
+    """Device g's blocks are the g-th equal run of each layer's, in its pinned host memory; the CPU kernels read
+    the whole layer across the shares (the hybrid prefill matches the plain one)."""
+    for layer in pinned(model):
+        per = len(layer.blocks) // shards
+        assert per * shards == len(layer.blocks)
+        assert [b.home for b in layer.blocks] == [d for d in DEVICES[:shards] for _ in range(per)]
+        assert [b.start for b in layer.blocks] == sorted(b.start for b in layer.blocks)
+        assert sum(b.size for b in layer.blocks) == model.config.n_routed_experts
+    logits, cache = plain_prefill(model, tokens)
+    ref_logits, ref_cache = plain_prefill(exact_model, tokens)
+    assert rel_rms(logits, ref_logits) < BANK_RTOL
+    assert cache_error(cache, ref_cache) < BANK_RTOL
+
+
+@pytest.mark.parametrize("depth", [None, 1])
+@pytest.mark.parametrize("prompt", ["random", "repeated"])
+def test_matches_one_device_and_the_plain_prefill(model, shards, one_device, exact_model, tokens, depth, prompt):
+    """Logits and cache equal the plain prefill's and one device's stream, and come back on the placement's
+    device; a repeated token (every token routed to the same experts) runs the busy steps in several passes."""
+    if prompt == "repeated":
+        tokens = np.full_like(tokens, 7)
+    ref_logits, ref_cache = plain_prefill(exact_model, tokens)
+    logits, cache, stats = streamed(model, tokens, depth=depth)
+    one_logits, one_cache, one_stats = streamed(one_device, tokens, depth=depth)
+    for got in (logits, one_logits):
+        assert rel_rms(got, ref_logits) < FLOAT32_RTOL
+    for got in (cache, one_cache):
+        assert cache_error(got, ref_cache) < FLOAT32_RTOL
+    assert all(leaf.devices() == {DEVICES[0]} for leaf in jax.tree.leaves(cache))
+    layers = pinned(model)
+    assert stats.plan.depth == (depth or len(layers[0].blocks) // shards)
+    assert stats.streamed_bytes == sum(p.nbytes for p in layers)
+    assert 0 < stats.peak_ring_bytes <= stats.plan.ring_bytes
+    assert stats.routed_pairs == one_stats.routed_pairs <= stats.expert_slots
+    if prompt == "repeated":
+        assert stats.block_passes > sum(len(p.blocks) for p in layers)
+        assert stats.largest_pass_slots <= stats.plan.block_slots
+
+
+def test_decode_continues_on_the_first_device(model, one_device):
+    """Generation through the engine with every prompt streamed gives one device's tokens."""
+    prompts = [[5, 17, 42, 99, 3, 250, 7, 8, 9], [11, 12, 13]]
+    for m in (model, one_device):
+        m.stream_prefill_threshold = 1
+    try:
+        assert model.generate(prompts, max_new_tokens=6) == one_device.generate(prompts, max_new_tokens=6)
+    finally:
+        for m in (model, one_device):
+            m.stream_prefill_threshold = None
+
+
+def test_weights_are_copied_once_without_resident_experts(model, shards):
+    weights = model.prefill_weights()
+    assert model.prefill_weights() is weights
+    assert all(leaf.devices() == set(DEVICES[:shards]) for leaf in jax.tree.leaves(weights))
+    assert all(layer.mlp.resident is None for layer in weights.layers if isinstance(layer.mlp, MoE))
+
+
+def test_experts_that_do_not_split_evenly_are_a_clear_error(checkpoint, one_device):
+    if len(DEVICES) < 3:
+        pytest.skip("needs three devices")
+    experts = one_device.config.n_routed_experts
+    with pytest.raises(ValueError, match=f"the {experts} routed experts of a layer do not split evenly over the 3"):
+        load(checkpoint, tuple(DEVICES[:3]))
