@@ -52,6 +52,7 @@ from hybridjit.models.common.expert_storage import ExpertStorage
 from hybridjit.models.common.experts import experts_grouped, group_by_expert
 from hybridjit.models.common.layers import linear, mlp, rms_norm
 from hybridjit.models.common.moe import MoE
+from hybridjit.models.common.prefill_cores import HeadsSplit
 from hybridjit.models.common.routing import route
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.pinned_experts import ExpertBlock, PinnedExperts, pinned_layer
@@ -80,7 +81,8 @@ class RingPlan:
     depth: int  # expert blocks resident on the device at once
     block_bytes: int  # bytes of the largest block, as streamed
     activation_bytes: int  # estimated peak of everything else: activations, scores, dequantized weights
-    attention: Callable  # the attention core: the family's ChunkedAttention or its fused one
+    attention: Callable  # the attention core: the family's ChunkedAttention or its fused one; over several
+    # devices, that core with its heads split over them (HeadsSplit)
     block_slots: int  # the most token slots one pass of an expert block may take (the estimate's assumption)
 
     @property
@@ -123,13 +125,15 @@ def plan_ring(
     vram_budget: int | None = None,
     depth: int | None = None,
     attention_chunk: int | None = None,
-    shards: int = 1,
+    mesh: Mesh | None = None,
 ) -> RingPlan:
     """The ring of each device for a prompt batch: `depth` if given, else a whole layer of blocks (its share of
-    them when a layer's blocks are spread over `shards` devices), fewer when the VRAM budget (bytes for ring and
-    activations; default: the device's free memory, unbounded on a CPU) cannot hold them next to this prompt's
-    activations. `device` is the one with the least memory to spare. Raises ValueError when not even one block
+    them when a layer's blocks are spread over the devices of a prefill `mesh`), fewer when the VRAM budget (bytes
+    for ring and activations; default: the device's free memory, unbounded on a CPU) cannot hold them next to this
+    prompt's activations. `device` is the one with the least memory to spare. Over a mesh the attention core runs
+    with its heads split over the devices (prefill_cores.HeadsSplit). Raises ValueError when not even one block
     fits."""
+    shards = 1 if mesh is None else mesh.size
     blocks = [b for layer in experts for b in layer.blocks]
     block_bytes = max(b.nbytes for b in blocks)
     attention = _attention(cfg, batch, length, dtype, device, attention_chunk)
@@ -150,6 +154,8 @@ def plan_ring(
             f"activations plus {depth} expert block(s) of {block_bytes * gib:.2f} GiB; the VRAM budget is "
             f"{vram_budget * gib:.2f} GiB. Use the hybrid prefill, a shorter prompt, or smaller expert blocks"
         )
+    if shards > 1:
+        attention = HeadsSplit(attention, mesh, PREFILL_AXIS, family_of(cfg).model.CORE_HEAD_AXES)
     return RingPlan(depth, block_bytes, activations, attention, block_slots(cfg, batch * length, experts_per_block))
 
 
@@ -470,7 +476,7 @@ def stream_prefill(
     cache = jax.device_put(list(cache), replicated)
     plan = plan_ring(
         cfg, list(pinned.values()), *tokens.shape, dtype, _least_free(mesh.devices.flat),
-        vram_budget=vram_budget, depth=depth, attention_chunk=attention_chunk, shards=mesh.size,
+        vram_budget=vram_budget, depth=depth, attention_chunk=attention_chunk, mesh=mesh,
     )
     stats = stats if stats is not None else StreamStats()
     stats.plan = plan
@@ -498,6 +504,7 @@ def stream_prefill(
 
 def _on(device: jax.Device, array: jax.Array) -> jax.Array:
     """`device`'s copy of an array replicated over the prefill mesh (no copy made)."""
+    assert array.sharding.is_fully_replicated, array.sharding
     return next(shard.data for shard in array.addressable_shards if shard.device == device)
 
 

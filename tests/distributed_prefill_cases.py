@@ -14,11 +14,13 @@ import jax
 import numpy as np
 import pytest
 from hybrid_placement import hybrid
+from jax.sharding import Mesh
 from test_stream_prefill import (
     BANK_RTOL,
     CHUNK,
     FLOAT32_RTOL,
     LENGTHS,
+    _gqa_operands,
     cache_error,
     new_cache,
     plain_prefill,
@@ -28,7 +30,10 @@ from test_stream_prefill import (
 
 import hybridjit
 from hybridjit import stream_prefill as sp
+from hybridjit.models import deepseek_v3
+from hybridjit.models.common import gqa
 from hybridjit.models.common.moe import MoE
+from hybridjit.models.common.prefill_cores import HeadsSplit
 from hybridjit.pinned_experts import pinned_layer
 from hybridjit.placement import Placement
 
@@ -114,7 +119,7 @@ def test_each_share_is_pinned_through_the_device_that_streams_it(model, shards, 
     assert cache_error(cache, ref_cache) < BANK_RTOL
 
 
-@pytest.mark.parametrize("depth", [None, 1])
+@pytest.mark.parametrize("depth", [None, 1], ids=["whole-layer-ring", "ring-of-1"])
 @pytest.mark.parametrize("prompt", ["random", "repeated"])
 def test_matches_one_device_and_the_plain_prefill(model, shards, one_device, exact_model, tokens, depth, prompt):
     """Logits and cache equal the plain prefill's and one device's stream, and come back on the placement's
@@ -131,6 +136,7 @@ def test_matches_one_device_and_the_plain_prefill(model, shards, one_device, exa
     assert all(leaf.devices() == {DEVICES[0]} for leaf in jax.tree.leaves(cache))
     layers = pinned(model)
     assert stats.plan.depth == (depth or len(layers[0].blocks) // shards)
+    assert isinstance(stats.plan.attention, HeadsSplit) and stats.plan.attention.mesh.size == shards
     assert stats.streamed_bytes == sum(p.nbytes for p in layers)
     assert 0 < stats.peak_ring_bytes <= stats.plan.ring_bytes
     assert stats.routed_pairs == one_stats.routed_pairs <= stats.expert_slots
@@ -164,3 +170,32 @@ def test_experts_that_do_not_split_evenly_are_a_clear_error(checkpoint, one_devi
     experts = one_device.config.n_routed_experts
     with pytest.raises(ValueError, match=f"the {experts} routed experts of a layer do not split evenly over the 3"):
         load(checkpoint, tuple(DEVICES[:3]))
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no-sinks", "sinks"])
+def test_gqa_core_with_heads_split_equals_the_core(devices, window, with_sinks):
+    """6 query heads over 2 key/value heads: split over 2 devices; over 4 (the heads do not divide) run whole."""
+    if devices > len(DEVICES):
+        pytest.skip(f"needs {devices} devices")
+    q, k, v, sinks = _gqa_operands()
+    sinks = sinks if with_sinks else None
+    core = gqa.ChunkedAttention(8)
+    split = HeadsSplit(core, Mesh(np.array(DEVICES[:devices]), ("x",)), "x", gqa.CORE_HEAD_AXES)
+    expected = jax.jit(lambda *a: core(*a[:3], 0.3, a[3], window))(q, k, v, sinks)
+    got = jax.jit(lambda *a: split(*a[:3], 0.3, a[3], window))(q, k, v, sinks)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-6, atol=1e-6)
+    assert got.sharding.is_fully_replicated
+
+
+def test_mla_core_with_heads_split_equals_the_core():
+    b, t, h, n, p, dv = 2, 19, 4, 8, 4, 6
+    rng = np.random.default_rng(3)
+    operands = [rng.standard_normal(shape).astype(np.float32)
+                for shape in ((b, t, h, n), (b, t, h, p), (b, t, h, n), (b, t, p), (b, t, h, dv))]
+    core = deepseek_v3.model.ChunkedAttention(8)
+    split = HeadsSplit(core, Mesh(np.array(DEVICES[:2]), ("x",)), "x", deepseek_v3.model.CORE_HEAD_AXES)
+    expected = jax.jit(lambda *a: core(*a, 0.25))(*operands)
+    got = jax.jit(lambda *a: split(*a, 0.25))(*operands)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-6, atol=1e-6)

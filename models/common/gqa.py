@@ -150,6 +150,11 @@ class ChunkedAttention:
         return over_query_chunks(self.chunk, (q,), one)
 
 
+# The heads axis of each operand of the cores above (q, k, v, scale, sinks, window): how prefill_cores.HeadsSplit
+# splits them over several devices (contiguous shares of the query heads go with those of the key/value heads).
+CORE_HEAD_AXES = (2, 2, 2, None, 0, None)
+
+
 @dataclasses.dataclass(frozen=True)
 class CudnnAttention:
     """`causal` as cuDNN's fused attention (a GPU, 16-bit): windows as cuDNN's sliding window. Sinks, which cuDNN

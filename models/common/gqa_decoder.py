@@ -6,6 +6,7 @@ from hybridjit.models.common import decoder, gqa
 
 init_cache = gqa.init_cache
 ChunkedAttention, CudnnAttention, fused_attention = gqa.ChunkedAttention, gqa.CudnnAttention, gqa.fused_attention
+CORE_HEAD_AXES = gqa.CORE_HEAD_AXES
 (
     forward, forward_layer, finite_stages, prefill, extend, decode_step, decode_step_dual, decode_step_grouped,
     prefill_attention_layer,

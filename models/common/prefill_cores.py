@@ -5,10 +5,13 @@ attention on a GPU. Each family's attention module builds its ChunkedAttention a
 Einsum dimension names: b batch, t query tokens, s key positions, h query heads, k key/value heads, e head dims.
 """
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 def over_query_chunks(chunk: int, queries: tuple[jax.Array, ...], attend_chunk: Callable) -> jax.Array:
@@ -53,3 +56,38 @@ def cudnn_causal(q, k, v, scale: float, window: int | None = None, stats: bool =
         q, k, v, scale=scale, mask_type=MaskType.CAUSAL, qkv_layout="BTNH", sliding_window_length=window,
         return_residual=stats,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadsSplit:
+    """An attention core (a family's ChunkedAttention or CudnnAttention) run with the heads split over a mesh axis:
+    each device scores its share of the heads, then the outputs [b, t, h, e] are gathered onto every device. Heads
+    are independent, so the masks, windows and sinks need nothing new, and the shares are equal whatever the
+    causal mask (unlike splitting the queries). `head_axes` gives, per positional operand of the core, the axis of
+    an array operand that holds the heads (None: every head reads it whole, e.g. MLA's shared rope key); operands
+    that are not arrays (the scale, a window, absent sinks) pass as they are. Where the heads (or a GQA layer's
+    key/value heads) do not divide over the mesh, the core runs whole on every device."""
+
+    core: Callable
+    mesh: Mesh
+    axis: str
+    head_axes: tuple[int | None, ...]
+
+    def __call__(self, *operands):
+        size = self.mesh.shape[self.axis]
+        split = [i for i, op in enumerate(operands) if isinstance(op, jax.Array)]
+        if any(self.head_axes[i] is not None and operands[i].shape[self.head_axes[i]] % size for i in split):
+            return self.core(*operands)
+        specs = tuple(P() if self.head_axes[i] is None else P(*[None] * self.head_axes[i], self.axis) for i in split)
+        # Operands and output stay whole on every device: the keys and values also go into the cache, and the
+        # sharding would otherwise spread from the split core into it and into the layer's output.
+        whole = NamedSharding(self.mesh, P())
+        operands = [jax.lax.with_sharding_constraint(op, whole) if i in split else op for i, op in enumerate(operands)]
+
+        def on_each_device(*local):
+            given = dict(zip(split, local, strict=True))
+            return self.core(*(given.get(i, op) for i, op in enumerate(operands)))
+
+        out = jax.shard_map(on_each_device, mesh=self.mesh, in_specs=specs, out_specs=P(None, None, self.axis))(
+            *(operands[i] for i in split))
+        return jax.lax.with_sharding_constraint(out, whole)

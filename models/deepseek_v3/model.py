@@ -154,6 +154,11 @@ class ChunkedAttention:
         return over_query_chunks(self.chunk, (q_nope, q_rope), one)
 
 
+# The heads axis of each operand of the cores above (q_nope, q_rope, k_nope, k_rope, values, scale): how
+# prefill_cores.HeadsSplit splits them over several devices.
+CORE_HEAD_AXES = (2, 2, 2, None, 2, None)
+
+
 @dataclasses.dataclass(frozen=True)
 class CudnnAttention:
     """The causal core of ChunkedAttention's signature as cuDNN's fused (flash) attention, which takes the
