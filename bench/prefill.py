@@ -46,12 +46,15 @@ import zlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from bench_model import add_model_arguments, load_model
 from hybridjit import engine, machine_floors
 from hybridjit import stream_prefill as sp
 from hybridjit.machine_floors import best_seconds, concurrent_h2d_gbps, gemm_tflops, pinned_h2d_gbps
 from hybridjit.models.common.moe import MoE
+from hybridjit.models.common.prefill_cores import HeadsSplit
 from hybridjit.models.registry import ModelConfig
 from hybridjit.pinned_experts import pinned_layer
 from hybridjit.placement import Placement
@@ -151,7 +154,9 @@ def _core_seconds(attention, operands: list, device, repeats: int) -> float:
     """`attention` on `operands` with random arrays for the ShapeDtypeStructs among them: best of `repeats`."""
     where = [i for i, o in enumerate(operands) if isinstance(o, jax.ShapeDtypeStruct)]
     keys = jax.random.split(jax.random.key(len(operands)), len(where))
-    arrays = [jax.device_put(jax.random.normal(k, operands[i].shape, operands[i].dtype), device)
+    # A core split over the prefill devices takes its operands whole on each of them, as the prefill has them.
+    place = NamedSharding(attention.mesh, P()) if isinstance(attention, HeadsSplit) else device
+    arrays = [jax.device_put(jax.random.normal(k, operands[i].shape, operands[i].dtype), place)
               for k, i in zip(keys, where, strict=True)]
 
     def core(*arrays):
