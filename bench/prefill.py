@@ -9,8 +9,8 @@ hybrid prefill for the crossover.
 With --devices N the prefill is distributed over the first N GPUs (Placement.prefill_devices: each streams its
 share of every layer's experts over its own link, everything else replicated; OSDI '26 §3.2): the H2D floor is
 then each link's rate while all N copy at once (measured alone too, and a copy from another GPU's pinned memory),
-and the transfer floor divides a layer's bytes over the N links. Compare with the same command at --devices 1 on
-the same machine.
+and the floors divide a layer's bytes over the N links and its FLOPs over the N GPUs. Compare with the same
+command at --devices 1 on the same machine.
 
 A geometry builds a random checkpoint of that model's real shapes in memory (--format: FP8 by default; gpt-oss's
 experts stay MXFP4 as released), loaded by the same loader with the routed experts in one pinned host copy
@@ -212,11 +212,12 @@ def stream_case(model: engine.Model, full: ModelConfig, length: int, floors: dic
     link_gbps = floors["h2d_gbps_each_concurrent"] if shards > 1 else floors["h2d_gbps"]
     transfer_s = full_moe * layer_bytes / (shards * link_gbps * 1e9)
     gemm = floors["gemm_tflops"] * 1e12
-    compute_s = sum(sp.prefill_flops(full, 1, length).values()) / gemm
+    compute_s = sum(sp.prefill_flops(full, 1, length).values()) / (shards * gemm)  # the machine's GEMM rate
     floor = max(transfer_s, compute_s)
     # The same floor with the attention core at the rate it reaches alone, everything else at the GEMM rate:
     # how far the rest of the step is from its floor once the attention kernel's own speed is granted.
-    kernel_floor = max(transfer_s, compute_s + full.num_hidden_layers * (core_s - part["attention core"] / gemm))
+    core_floor_s = part["attention core"] / (shards * gemm)
+    kernel_floor = max(transfer_s, compute_s + full.num_hidden_layers * (core_s - core_floor_s))
     h2d = layer_bytes / shards / steady / 1e9  # each link's
     memory = device.memory_stats()
     return {
