@@ -176,7 +176,8 @@ def cmd_info(args) -> int:
         f"routed experts  {_gib(expert_bytes)} in host memory; the rest {_gib(ckpt.total_bytes() - expert_bytes)}",
     ]
     if args.placement:
-        lines += _placement_lines(cfg, Placement.default(args.dtype), args.kv_tokens, n_moe)
+        lines += _placement_lines(cfg, Placement.default(args.dtype, experts=cfg.n_routed_experts), args.kv_tokens,
+                                  n_moe)
     print("\n".join(lines))
     return 0
 
@@ -197,6 +198,9 @@ def _placement_lines(cfg: ModelConfig, placement: Placement, kv_tokens: int, n_m
         f"{_gib(plan.prefill_ring)}, activations {_gib(plan.activations)}",
         f"  resident      {n} of {e} routed experts per MoE layer ({_gib(n * n_moe * plan.per_expert)}, "
         f"{plan.per_expert / 2**20:.1f} MiB each): {where}",
+        f"  long prompts  streamed over {', '.join(map(str, placement.stream_devices))}"
+        + (" (distributed: each streams its share of every layer's experts)" if len(placement.stream_devices) > 1
+           else ""),
     ]
 
 

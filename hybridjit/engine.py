@@ -459,7 +459,8 @@ def load(
     """Loads a checkpoint by path, Hugging Face repo id or known name; no argument loads the embedded model.
 
     `placement` says where the parts run (default: Placement.default(dtype): the first accelerator, else
-    the CPU, with routed experts in host memory); `dtype` ("float32" or "bfloat16", or jnp.float32,
+    the CPU, with routed experts in host memory; long prompts streamed over every GPU that the experts split
+    evenly over); `dtype` ("float32" or "bfloat16", or jnp.float32,
     jnp.bfloat16) sets its compute dtype.
     """
     if dtype is not None:
@@ -470,7 +471,7 @@ def load(
     config, ckpt = open_checkpoint(path)
     if placement is None or placement.pinned_experts:  # before Placement.default touches a device
         size_host_memory_pool(routed_expert_bytes(config, ckpt), placement and placement.device)
-    placement = placement or Placement.default(dtype)
+    placement = placement or Placement.default(dtype, experts=config.n_routed_experts)
     loader = WeightLoader(config, ckpt, placement, progress)
     weights, expert_layers = loader.load()
     model = Model(path, config, weights, expert_layers, tokenizer=open_tokenizer(path, config, ckpt),

@@ -30,6 +30,13 @@ def compute_dtype(dtype) -> jnp.dtype:
     return resolved
 
 
+def even_share(first, devices, experts: int) -> tuple:
+    """`first` and as many more of `devices` as split `experts` routed experts evenly: the devices that
+    Placement.default streams long prompts over."""
+    ordered = [first, *(d for d in devices if d != first)]
+    return tuple(ordered[: max(n for n in range(1, len(ordered) + 1) if experts % n == 0)])
+
+
 @dataclasses.dataclass(frozen=True)
 class Placement:
     device: jax.Device
@@ -50,17 +57,21 @@ class Placement:
     prefill_devices: tuple[jax.Device, ...] = ()
 
     @classmethod
-    def default(cls, dtype=None, device: jax.Device | None = None) -> "Placement":
+    def default(cls, dtype=None, device: jax.Device | None = None, experts: int | None = None) -> "Placement":
         """The first accelerator if there is one, else the CPU; float32 on CPU (exact, and XLA:CPU bf16
-        dots are no faster), bfloat16, pinned experts and automatic expert residency on a GPU."""
+        dots are no faster), bfloat16, pinned experts and automatic expert residency on a GPU. Given the routed
+        experts a layer has, long prompts stream over as many of the machine's GPUs as split them evenly."""
         device = device or jax.devices()[0]
         on_gpu = device.platform == "gpu"
         if dtype is None:
             dtype = jnp.bfloat16 if on_gpu else jnp.float32
         # On a GPU the routed experts live in one pinned host copy, read by the CPU kernels during decode
-        # and streamed to the GPU for long prompts (stream-loaded prefill).
+        # and streamed to the GPU(s) for long prompts (stream-loaded prefill).
+        prefill = ()
+        if on_gpu and experts:
+            prefill = even_share(device, jax.local_devices(backend=device.platform), experts)
         return cls(device=device, dtype=compute_dtype(dtype), pinned_experts=on_gpu,
-                   resident_experts="auto" if on_gpu else None)
+                   resident_experts="auto" if on_gpu else None, prefill_devices=prefill)
 
     def put(self, array: np.ndarray, dtype=None) -> jax.Array:
         """A host array on the device in `dtype` (default: the compute dtype), converted on the host."""

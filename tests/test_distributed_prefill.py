@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hybridjit.placement import even_share
+
 CASES = Path(__file__).with_name("distributed_prefill_cases.py")
 
 
@@ -24,3 +26,10 @@ def test_distributed_prefill_on_four_host_devices():
     summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
     assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-4000:]
     assert "passed" in summary and "skipped" not in summary, summary
+
+
+def test_default_prefill_devices_split_the_experts_evenly():
+    assert even_share("b", ["a", "b", "c"], 256) == ("b", "a")  # the decoding device first; 256 % 3 != 0
+    assert even_share("a", ["a", "b", "c", "d"], 256) == ("a", "b", "c", "d")
+    assert even_share("a", ["a", "b", "c"], 384) == ("a", "b", "c")
+    assert even_share("a", ["a"], 7) == ("a",)

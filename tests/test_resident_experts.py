@@ -278,7 +278,7 @@ def test_the_plan_before_loading_counts_the_weights_loading_places(embedded):
 def test_info_shows_the_placement(monkeypatch, capsys):
     cpu = Placement.default(device=jax.devices("cpu")[0])
     with monkeypatch.context() as patch:  # as on a machine without an accelerator, wherever the test runs
-        patch.setattr(cli.Placement, "default", classmethod(lambda cls, dtype=None: cpu))
+        patch.setattr(cli.Placement, "default", classmethod(lambda cls, dtype=None, experts=None: cpu))
         assert cli.main(["info", "--placement"]) == 0
     assert "no accelerator; the routed experts stay in host memory" in capsys.readouterr().out
     # On a device with room for a few experts per layer: the numbers loading would use.
@@ -291,11 +291,12 @@ def test_info_shows_the_placement(monkeypatch, capsys):
     limit = int(needed / (1 - FRAGMENTATION_SHARE))
     device = _DeviceWithMemory(limit=limit, in_use=0)
     gpu = Placement(device=device, dtype=jnp.bfloat16, resident_experts="auto")
-    monkeypatch.setattr(cli.Placement, "default", classmethod(lambda cls, dtype=None: gpu))
+    monkeypatch.setattr(cli.Placement, "default", classmethod(lambda cls, dtype=None, experts=None: gpu))
     assert cli.main(["info", "--placement", "--kv-tokens", "0"]) == 0
     out = capsys.readouterr().out
     assert "placement       gpu:0" in out and "KV cache 0.0 MiB (0 tokens in 8 slots)" in out
     assert f"resident      3 of {cfg.n_routed_experts} routed experts per MoE layer" in out
+    assert "long prompts  streamed over gpu:0\n" in out
 
 
 def test_fp8_experts_stay_fp8_on_the_device_and_match():
