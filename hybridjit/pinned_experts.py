@@ -16,7 +16,7 @@ import functools
 import math
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -220,9 +220,11 @@ def register_pinned(
     devices: Sequence[jax.Device],
     experts_per_block: int | None = None,
     biases: tuple[Sequence[np.ndarray], Sequence[np.ndarray] | None, Sequence[np.ndarray]] | None = None,
+    register: Callable[..., ExpertLayer] = register_layer,
     **options,
 ) -> ExpertLayer:
-    """register_layer's drop-in for one layer (same arguments and options, same checks by the bank), with the
+    """`register`'s drop-in for one layer (register_layer's, or ops.gguf_experts.register_gguf_layer's arguments:
+    the scales, block and biases passed on only where given; same options, same checks by the bank), with the
     experts first copied into pinned host memory in blocks of `experts_per_block` (default: the layer in
     BLOCKS_PER_LAYER blocks), biases too. The experts are split evenly over `devices` (the devices of stream-loaded
     prefill, Placement.stream_devices), in order: each share is pinned through the device that streams it and cut
@@ -261,10 +263,9 @@ def register_pinned(
             for j, a in enumerate(group_of(blocks[0]))
         )
 
-    layer = register_layer(
-        *views(lambda b: b.weights), *(views(lambda b: b.scales) or (None,) * 3), block=block,
-        biases=views(lambda b: b.biases), **options,
-    )
+    given = {"block": block, "biases": views(lambda b: b.biases)}
+    layer = register(*views(lambda b: b.weights), *(views(lambda b: b.scales) or ()),
+                     **{k: v for k, v in given.items() if v is not None}, **options)
     storage = ExpertStorage(
         layer.format, layer.block, options.get("gate_up_interleaved", False), options.get("activation", ("silu",))
     )

@@ -619,14 +619,18 @@ def expert_bytes(cfg: ModelConfig) -> int:
     return total
 
 
-def prefill_seconds(cfg: ModelConfig, batch: int, length: int, rates: PrefillRates) -> dict[str, float]:
+def prefill_seconds(
+    cfg: ModelConfig, batch: int, length: int, rates: PrefillRates, streamed_bytes: int | None = None
+) -> dict[str, float]:
     """Modelled prefill time of both paths: stream-loaded (the larger of streaming every expert over PCIe and
     computing everything on the GPU: they overlap) and hybrid (the GPU's part, then the routed experts on the
-    CPU: they alternate layer by layer)."""
+    CPU: they alternate layer by layer). `streamed_bytes`: the experts' bytes as a loaded model holds them (a GGUF
+    file's blocks), default expert_bytes(cfg)."""
     flops = prefill_flops(cfg, batch, length)
     gpu = rates.gpu_tflops * 1e12
+    streamed = expert_bytes(cfg) if streamed_bytes is None else streamed_bytes
     return {
-        "stream": max(expert_bytes(cfg) / (rates.pcie_gbps * 1e9), (flops["other"] + flops["routed"]) / gpu),
+        "stream": max(streamed / (rates.pcie_gbps * 1e9), (flops["other"] + flops["routed"]) / gpu),
         "hybrid": flops["other"] / gpu + flops["routed"] / (rates.cpu_expert_tflops * 1e12),
     }
 
@@ -652,18 +656,19 @@ def crossover_length(cfg: ModelConfig, rates: PrefillRates, batch: int = 1) -> i
 def choose_prefill_path(
     model, batch: int, length: int, *, rates: PrefillRates | None = None, threshold: int | None = None
 ) -> str:
-    """"stream" or "hybrid" for a prompt batch [batch, length]. Streaming needs the routed experts pinned (GGUF
-    experts never are: the device has no dequantization of their blocks); then `threshold` (prompt tokens,
-    batch * length) overrides the cost model; without it, streaming is chosen on a GPU when prefill_seconds models
-    it faster with `rates` (default: the machine's, model.prefill_rates())."""
+    """"stream" or "hybrid" for a prompt batch [batch, length]. Streaming needs the routed experts pinned; then
+    `threshold` (prompt tokens, batch * length) overrides the cost model; without it, streaming is chosen on a GPU
+    when prefill_seconds models it faster with `rates` (default: the machine's, model.prefill_rates())."""
     try:
-        if not _pinned_layers(model.weights):
-            return "hybrid"
+        pinned = _pinned_layers(model.weights)
     except ValueError:  # experts not pinned
+        return "hybrid"
+    if not pinned:
         return "hybrid"
     if threshold is not None:
         return "stream" if batch * length >= threshold else "hybrid"
     if model.placement.device.platform != "gpu":
         return "hybrid"
-    t = prefill_seconds(model.config, batch, length, rates or model.prefill_rates())
+    streamed = sum(layer.nbytes for layer in pinned.values())
+    t = prefill_seconds(model.config, batch, length, rates or model.prefill_rates(), streamed)
     return "stream" if t["stream"] < t["hybrid"] else "hybrid"

@@ -248,17 +248,15 @@ class WeightLoader:
                 f"{names[0][0]}...: routed experts stored as gate/up {sorted(gate_up)}, down {sorted(down)}; one "
                 f"GGUF block type for gate and up and one for down ({', '.join(GGUF_EXPERT_FORMATS)}) is needed"
             )
-        # Pinned experts feed stream-loaded prefill, which has no GGUF block dequantisation on the device yet: GGUF
-        # experts stay in the file's memory mapping even where the placement pins (a GPU's default), and
-        # choose_prefill_path keeps their model on the hybrid path.
+        # Where the placement pins (a GPU's default), the blocks are copied into the pinned host copy, which the CPU
+        # kernels read and stream-loaded prefill streams (dequantised on the device); else they stay in the file's
+        # memory mapping.
         weights = [[self._take(n) for n in ns] for ns in names]
-        return register_gguf_layer(
-            *weights,
-            gguf_type=gate_up.pop(),
-            down_type=down.pop(),
-            hidden=self.cfg.hidden_size,
-            inter=self.cfg.moe_intermediate_size,
-        )
+        register = functools.partial(register_gguf_layer, gguf_type=gate_up.pop(), down_type=down.pop(),
+                                     hidden=self.cfg.hidden_size, inter=self.cfg.moe_intermediate_size)
+        if self.placement.pinned_experts:
+            return self._register()(*weights, register=register)
+        return register(*weights)
 
     def resident_experts(self, names: tuple[list[str], ...] | FusedMxfp4Experts, ids) -> ResidentExperts | None:
         """Copies of experts `ids` of a layer (the names of every expert's gate, up and down matrices, or

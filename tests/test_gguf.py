@@ -288,8 +288,9 @@ def check_quantised_gguf(tmp_path):
     save_file({k: np.ascontiguousarray(v, np.float32) for k, v in dequantised.items()}, str(ref_dir / "m.safetensors"))
     assert rel_rms(logits(path), logits(ref_dir)) < 3e-2
     assert rel_rms(logits(path), logits(src)) > 1e-4  # the quantisation is there
-    # A placement that pins routed experts (a GPU's default) keeps GGUF blocks in the file's mapping instead; both
-    # on the CPU (on a GPU host the default placement would also make experts resident on the GPU).
+    # A placement that pins routed experts (a GPU's default) copies the GGUF blocks into the pinned host copy, which
+    # the CPU kernels then read: the same logits. Both on the CPU (on a GPU host the default placement would also
+    # make experts resident on the GPU).
     on_cpu = Placement.default("float32", jax.devices("cpu")[0])
     pinning = dataclasses.replace(on_cpu, pinned_experts=True)
     assert np.array_equal(logits(path, placement=pinning), logits(path, placement=on_cpu))

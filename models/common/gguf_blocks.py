@@ -1,0 +1,85 @@
+"""GGUF expert blocks dequantised by XLA: what stream-loaded prefill does on the GPU with the GGUF experts it streams
+in as stored. The layouts are llama.cpp's (ggml-common.h: block_q8_0, block_q4_K, block_q5_K, block_q6_K): a matrix
+row of `cols` elements is cols / 32 (Q8_0) or cols / 256 (the K-quants) blocks of bytes, one after the other, so a
+matrix is uint8 [..., rows, row bytes]. The CPU kernels read the same bytes (ffi/gguf_blocks.h).
+
+  Q8_0  34 bytes per 32:  float16 d, 32 int8 q                        w = d * q
+  Q4_K 144 bytes per 256: float16 d, dmin, 12 bytes of 6-bit scales
+                          and mins of 8 sub-blocks of 32, 128 bytes
+                          of 4-bit q (64 elements per 32 bytes: low
+                          nibbles the first 32, high the next)       w = d * sc * q - dmin * m
+  Q5_K 176 bytes per 256: as Q4_K, then 32 bytes of fifth bits       w = d * sc * (q + 16 * bit) - dmin * m
+                          (bit j of byte l: element 32 j + l) before
+                          the 4-bit q
+  Q6_K 210 bytes per 256: 128 bytes of low 4 bits, 64 of high 2
+                          bits, 16 int8 scales of 16 elements,
+                          float16 d                                   w = d * sc * (q - 32)
+"""
+
+import jax
+import jax.numpy as jnp
+
+# Format (the bank's name) -> (elements, bytes) of one block.
+BLOCKS = {"q8_0": (32, 34), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}
+
+
+def dequantize(w: jax.Array, fmt: str, dtype) -> jax.Array:
+    """uint8 [..., rows, row bytes] of `fmt` blocks -> dtype [..., rows, cols]."""
+    elements, nbytes = BLOCKS[fmt]
+    blocks = w.reshape(*w.shape[:-1], w.shape[-1] // nbytes, nbytes)
+    values = {"q8_0": _q8_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}[fmt](blocks)
+    return values.reshape(*w.shape[:-1], -1).astype(dtype)
+
+
+def _float16(b: jax.Array, at: int) -> jax.Array:
+    """The little-endian float16 at byte `at` of each block, as float32 [..., 1]."""
+    bits = b[..., at].astype(jnp.uint16) | (b[..., at + 1].astype(jnp.uint16) << 8)
+    return jax.lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)[..., None]
+
+
+def _q8_0(b):
+    return _float16(b, 0) * jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8).astype(jnp.float32)
+
+
+def _k_scales(b):
+    """The 8 sub-blocks' 6-bit scales and mins of a Q4_K / Q5_K block (bytes 4-15), each float32 [..., 8, 1]: bytes
+    0-3 hold scales 0-3 and bytes 4-7 mins 0-3 in their low 6 bits; bytes 8-11 the low 4 bits of scales 4-7 (low
+    nibble) and mins 4-7 (high nibble), whose top 2 bits are the top bits of bytes 0-3 and 4-7."""
+    s = b[..., 4:16]
+    first, second, third = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    scales = jnp.concatenate([first & 63, (third & 0xF) | ((first >> 6) << 4)], axis=-1)
+    mins = jnp.concatenate([second & 63, (third >> 4) | ((second >> 6) << 4)], axis=-1)
+    return scales.astype(jnp.float32)[..., None], mins.astype(jnp.float32)[..., None]
+
+
+def _nibbles(qs):
+    """128 bytes of 4-bit q -> [..., 8, 32]: each 32 bytes give a sub-block of low nibbles, then one of high."""
+    qs = qs.reshape(*qs.shape[:-1], 4, 1, 32)
+    return jnp.concatenate([qs & 0xF, qs >> 4], axis=-2).reshape(*qs.shape[:-3], 8, 32)
+
+
+def _q4_k(b):
+    scales, mins = _k_scales(b)
+    q = _nibbles(b[..., 16:144]).astype(jnp.float32)
+    return _float16(b, 0)[..., None] * scales * q - _float16(b, 2)[..., None] * mins
+
+
+def _q5_k(b):
+    scales, mins = _k_scales(b)
+    fifth = (b[..., None, 16:48] >> jnp.arange(8, dtype=jnp.uint8)[:, None]) & 1  # [..., 8, 32]
+    q = (_nibbles(b[..., 48:176]) | (fifth << 4)).astype(jnp.float32)
+    return _float16(b, 0)[..., None] * scales * q - _float16(b, 2)[..., None] * mins
+
+
+def _q6_k(b):
+    # Two halves of 128 elements; a half's 64 low bytes give elements l and l + 64 (low / high nibble) of byte l
+    # < 32, l + 32 and l + 96 of byte l + 32; its 32 high bytes give element 32 k + l bits 4-5 from bits 2k.
+    low = b[..., :128].reshape(*b.shape[:-1], 2, 2, 32)
+    high = b[..., 128:192].reshape(*b.shape[:-1], 2, 1, 32)
+    low4 = jnp.concatenate([low & 0xF, low >> 4], axis=-2)  # [..., 2, 4, 32]: quarters 0-3 of a half
+    high2 = (high >> (2 * jnp.arange(4, dtype=jnp.uint8))[:, None]) & 3
+    q = (low4 | (high2 << 4)).astype(jnp.float32) - 32
+    scales = jax.lax.bitcast_convert_type(b[..., 192:208], jnp.int8).astype(jnp.float32)
+    scales = scales.reshape(*b.shape[:-1], 2, 4, 2, 1)  # per 16 elements: half, quarter, which 16
+    d = _float16(b, 208)[..., None, None, None]
+    return (d * scales * q.reshape(*q.shape[:-1], 2, 16)).reshape(*b.shape[:-1], 256)
