@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hybridjit import expert_residency, machine_floors
@@ -114,19 +114,32 @@ class Model:
             layer.id, layer.hidden, layer.inter, layer.n_experts, k))
         return PrefillRates(floors.pcie_gbps, floors.gpu_tflops, cpu)
 
-    def prefill_weights(self):
-        """The weights stream-loaded prefill runs on. With one prefill device, `weights`; with several
-        (Placement.prefill_devices), a copy replicated on every one of them, resident experts left out (the
-        prefill streams every routed expert), made at the first call and kept while the model lives."""
-        mesh = self.placement.prefill_mesh
-        if mesh.size == 1:
+    def prefill_weights(self, devices: tuple[jax.Device, ...] | None = None):
+        """The weights stream-loaded prefill runs on over `devices` (default Placement.stream_devices). On the
+        placement's device alone, `weights`; else copies replicated on each of them, resident experts left out (the
+        prefill streams every routed expert): made once for all the stream devices at the first call and kept while
+        the model lives, a subset of them taking its devices' copies."""
+        everywhere = self.placement.stream_devices
+        devices = devices or everywhere
+        if not set(devices) <= set(everywhere):
+            raise ValueError(f"devices: {devices} are not among the placement's prefill devices {everywhere}")
+        if devices == (self.placement.device,):
             return self.weights
         if self._prefill_weights is None:
             layers = [dataclasses.replace(layer, mlp=dataclasses.replace(layer.mlp, resident=None))
                       if isinstance(layer.mlp, MoE) else layer for layer in self.weights.layers]
             streamed = dataclasses.replace(self.weights, layers=layers)
-            self._prefill_weights = jax.device_put(streamed, NamedSharding(mesh, P()))
-        return self._prefill_weights
+            self._prefill_weights = jax.device_put(streamed, NamedSharding(Mesh(np.array(everywhere), ("d",)), P()))
+        if devices == everywhere:
+            return self._prefill_weights
+        mesh = Mesh(np.array(devices), ("d",))
+
+        def on_devices(a):
+            shards = {s.device: s.data for s in a.addressable_shards}
+            return jax.make_array_from_single_device_arrays(a.shape, NamedSharding(mesh, P()),
+                                                            [shards[d] for d in devices])
+
+        return jax.tree.map(on_devices, self._prefill_weights)
 
     # ----------------------------------------------------------------------------- residency
 

@@ -446,6 +446,7 @@ def stream_prefill(
     attention_chunk: int | None = None,
     stats: StreamStats | None = None,
     while_copying: Callable[[], bool] | None = None,
+    devices: tuple[jax.Device, ...] | None = None,
 ):
     """Prefill of right-padded prompts tokens [b, t] with their lengths [b], with the routed experts streamed
     to the device: (float32 logits [b, vocab] of each prompt's last token, the filled cache).
@@ -465,9 +466,13 @@ def stream_prefill(
     the layer (attention, router, shared experts) runs replicated on each device, and the routed experts' partial
     sums are added across the devices once per layer (SmallEP's exchange, as an all-reduce over the mesh). The
     non-expert weights are copied to the other devices at the first such prefill and kept (Model.prefill_weights).
+    `devices` overrides Placement.stream_devices: prefill-decode disaggregation streams on the devices that do not
+    decode while the placement's device decodes (OSDI '26 §3.3.2); the results then come back to that device.
     """
-    cfg, dtype, mesh = model.config, model.dtype, model.placement.prefill_mesh
-    weights = model.prefill_weights()
+    cfg, dtype = model.config, model.dtype
+    devices = devices or model.placement.stream_devices
+    mesh = Mesh(np.array(devices), (PREFILL_AXIS,))
+    weights = model.prefill_weights(devices)
     pinned = _pinned_layers(weights)
     steps = {i: _steps(i, layer, mesh.size) for i, layer in pinned.items()}
     replicated = NamedSharding(mesh, P())
@@ -503,9 +508,11 @@ def stream_prefill(
 
 
 def _on(device: jax.Device, array: jax.Array) -> jax.Array:
-    """`device`'s copy of an array replicated over the prefill mesh (no copy made)."""
+    """`device`'s copy of an array replicated over the prefill mesh (no copy made where the mesh has `device`; else
+    the first device's copy, copied there)."""
     assert array.sharding.is_fully_replicated, array.sharding
-    return next(shard.data for shard in array.addressable_shards if shard.device == device)
+    shards = {shard.device: shard.data for shard in array.addressable_shards}
+    return shards[device] if device in shards else jax.device_put(array.addressable_shards[0].data, device)
 
 
 def _least_free(devices) -> jax.Device:
@@ -515,14 +522,34 @@ def _least_free(devices) -> jax.Device:
 def _steps(i: int, experts: PinnedExperts, devices: int) -> list[Step]:
     """A layer's blocks as steps over the prefill mesh: device g takes the g-th of `devices` equal runs of blocks,
     which are the blocks pinned through it (pinned_experts.register_pinned splits them so)."""
-    blocks, per = experts.blocks, len(experts.blocks) // devices
-    steps = list(zip(*(blocks[g * per : (g + 1) * per] for g in range(devices)), strict=True))
-    if len(blocks) % devices or any(len({b.size for b in step}) > 1 for step in steps):
+    steps = _equal_runs(experts, devices)
+    if steps is None:
+        blocks = experts.blocks
         raise ValueError(
             f"layer {i}: its {len(blocks)} expert blocks of {[b.size for b in blocks]} experts do not split into "
             f"equal runs over {devices} prefill devices; load the model with this Placement's prefill_devices"
         )
     return steps
+
+
+def _equal_runs(experts: PinnedExperts, devices: int) -> list[Step] | None:
+    blocks, per = experts.blocks, len(experts.blocks) // devices
+    if len(blocks) % devices:
+        return None
+    steps = list(zip(*(blocks[g * per : (g + 1) * per] for g in range(devices)), strict=True))
+    return None if any(len({b.size for b in step}) > 1 for step in steps) else steps
+
+
+def streaming_devices(model, devices: tuple[jax.Device, ...]) -> tuple[jax.Device, ...]:
+    """The most of `devices` (in order) that every MoE layer's pinned blocks split over in equal runs: where a
+    disaggregated prefill streams, `devices` being those that do not decode. Empty when the experts are not
+    pinned."""
+    try:
+        layers = list(_pinned_layers(model.weights).values())
+    except ValueError:
+        return ()
+    fits = [n for n in range(len(devices), 0, -1) if all(_equal_runs(layer, n) for layer in layers)]
+    return tuple(devices[: fits[0]]) if fits else ()
 
 
 def _pinned_layers(weights) -> dict[int, PinnedExperts]:

@@ -9,12 +9,14 @@ process); on a machine with several GPUs run it directly: `pytest tests/distribu
 """
 
 import dataclasses
+import threading
 
 import jax
 import numpy as np
 import pytest
 from hybrid_placement import hybrid
 from jax.sharding import Mesh
+from test_scheduler import Collector, solo
 from test_stream_prefill import (
     BANK_RTOL,
     CHUNK,
@@ -36,6 +38,7 @@ from hybridjit.models.common.moe import MoE
 from hybridjit.models.common.prefill_cores import HeadsSplit
 from hybridjit.pinned_experts import pinned_layer
 from hybridjit.placement import Placement
+from hybridjit.serving.scheduler import Request, Scheduler
 
 DEVICES = jax.devices()
 pytestmark = pytest.mark.skipif(len(DEVICES) < 2, reason="needs two or more devices")
@@ -199,3 +202,37 @@ def test_mla_core_with_heads_split_equals_the_core():
     expected = jax.jit(lambda *a: core(*a, 0.25))(*operands)
     got = jax.jit(lambda *a: split(*a, 0.25))(*operands)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-6, atol=1e-6)
+
+
+def test_scheduler_disaggregates_a_long_prompt_that_arrives_while_another_decodes(model, one_device):
+    """A prompt long enough to stream, submitted while another request decodes, streams on the devices that do not
+    decode, in the prefill thread; the same prompt with nothing decoding streams over all of them. Every request's
+    tokens are what it gets alone on one device."""
+    short, long = [5, 17, 42], [int(t) for t in np.random.default_rng(1).integers(2, 200, 24)]
+    for m in (model, one_device):
+        m.stream_prefill_threshold = 16  # the 24-token prompt streams, the 3-token one does not
+    try:
+        expected_short, _ = solo(one_device, short, 24)
+        expected_long, _ = solo(one_device, long, 6)
+        assert len(expected_short) >= 8, "the short request must still decode when the long one arrives"
+        scheduler = Scheduler(model, slots=2, cache_len=64)
+        scheduler.start()
+        try:
+            decoding, arriving = Collector(), Collector()
+            first_token = threading.Event()
+            scheduler.submit(Request(short, 24), lambda e: (decoding(e), first_token.set()))
+            assert first_token.wait(60)
+            scheduler.submit(Request(long, 6), arriving)
+            decoding.wait(), arriving.wait()
+            assert scheduler.stats()["disaggregated_prefills"] == 1
+            alone = Collector()
+            scheduler.submit(Request(long, 6), alone)
+            alone.wait()
+            assert scheduler.stats()["disaggregated_prefills"] == 1  # nothing decoded: over all the devices
+        finally:
+            scheduler.shutdown()
+        assert decoding.tokens == expected_short
+        assert arriving.tokens == alone.tokens == expected_long
+    finally:
+        for m in (model, one_device):
+            m.stream_prefill_threshold = None

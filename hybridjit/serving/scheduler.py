@@ -10,6 +10,10 @@ How a prompt is prefilled (policy "slo", the seed's):
 - a prompt the cost model streams (stream_prefill.choose_prefill_path: long prompts on a GPU) runs
   stream-loaded, with decode steps of the running requests while its expert blocks' copies are in flight: the
   GPU idles for most of each streamed layer below ~32K tokens, so decodes go on while the experts stream in;
+- with several prefill devices (Placement.stream_devices), a streamed prompt that arrives while requests decode
+  runs on the devices that do not decode, in a thread of its own, while the decode steps go on undisturbed on the
+  placement's device (intra-node prefill-decode disaggregation, §3.3.2: both read the one pinned copy of the
+  experts); with no decodes running it streams over all of them (distributed stream-loaded prefill, §3.2);
 - otherwise, while requests are decoding, the prompt runs in chunks of `chunk_tokens`, one chunk per decode
   step, so that neither stalls the other for long; with no decodes running it runs whole.
 Policy "chunked" is KTransformers' (one chunk of `chunk_tokens` per decode step, whatever the length), kept
@@ -22,6 +26,7 @@ then reset; the loop goes on serving.
 """
 
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -36,7 +41,7 @@ from hybridjit.sampling import SamplingParams
 from hybridjit.serving.engine import Engine, Prefilled, Step, bucket
 from hybridjit.serving.online_placement import OnlinePlacement
 from hybridjit.serving.prefix_cache import PrefixCache
-from hybridjit.stream_prefill import choose_prefill_path, stream_prefill
+from hybridjit.stream_prefill import choose_prefill_path, stream_prefill, streaming_devices
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +101,7 @@ class _Job:
     tokens: list[int]  # the prompt, then every token sampled
     slot: int | None = None
     cache: list | None = None  # the prompt's own cache while it is prefilled
+    apart: concurrent.futures.Future | None = None  # its disaggregated stream-loaded prefill, while in flight
     done: int = 0  # prompt tokens in that cache
     cached_tokens: int = 0
     generated: int = 0
@@ -107,7 +113,9 @@ class Scheduler:
     room for `cache_len` positions (default: the model's context, at most 32768), and at most `max_queue`
     requests waiting. `prefix_cache_bytes` bounds the prefix cache (0 turns it off). `online_placement` re-places
     the model's resident experts by the traffic's use of them (serving.online_placement; default: when some of its
-    experts are resident on the device and some are not; `self.online`)."""
+    experts are resident on the device and some are not; `self.online`). `disaggregate` streams long prompts that
+    arrive while others decode on the prefill devices that do not decode (default: when the placement has more
+    than one)."""
 
     def __init__(
         self,
@@ -121,6 +129,7 @@ class Scheduler:
         chunk_tokens: int = 256,
         policy: str = "slo",
         online_placement: bool | None = None,
+        disaggregate: bool | None = None,
     ):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -143,6 +152,12 @@ class Scheduler:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.steps = 0
+        others = streaming_devices(model, model.placement.stream_devices[1:])
+        self._apart = others if (disaggregate is None or disaggregate) else ()
+        if disaggregate and not others:
+            raise ValueError("disaggregate: the placement has no prefill device besides the one that decodes")
+        self._prefiller = concurrent.futures.ThreadPoolExecutor(1, "hybridjit-prefill") if self._apart else None
+        self.disaggregated_prefills = 0
 
     # --------------------------------------------------------------------------- the public side
 
@@ -173,6 +188,7 @@ class Scheduler:
             "prefix_cache_hit_tokens": cache.hit_tokens if cache else 0,
             "prefix_cache_bytes": cache.bytes if cache else 0,
             "steps": self.steps,
+            "disaggregated_prefills": self.disaggregated_prefills,
         }
 
     def shutdown(self, timeout: float = 5.0):
@@ -225,6 +241,8 @@ class Scheduler:
             self._cancel_everything()
             if self.online is not None:
                 self.online.close()
+            if self._prefiller is not None:
+                self._prefiller.shutdown(wait=False, cancel_futures=True)
 
     def _end_cancelled_and_late(self):
         now = time.monotonic()
@@ -270,7 +288,17 @@ class Scheduler:
         params = job.request.sampling
         try:
             decoding = bool(self._active)
-            if job.done == 0 and self.policy == "slo" and self._streams(len(prompt)):
+            if job.apart is not None:
+                if not job.apart.done():
+                    if not decoding:  # nothing else to do meanwhile
+                        concurrent.futures.wait([job.apart], timeout=0.05)
+                    return
+                prefilled = job.apart.result()
+            elif job.done == 0 and self.policy == "slo" and self._streams(len(prompt)):
+                if decoding and self._apart:
+                    job.apart = self._prefiller.submit(self._stream_prefill, job, self._apart)
+                    self.disaggregated_prefills += 1
+                    return
                 prefilled = self._stream_prefill(job)
             elif job.done == 0 and self.policy == "slo" and not decoding and len(prompt) <= MAX_CHUNK:
                 prefilled = engine.prefill([prompt], [params])
@@ -308,15 +336,17 @@ class Scheduler:
         m = self.model
         return choose_prefill_path(m, 1, length, threshold=m.stream_prefill_threshold) == "stream"
 
-    def _stream_prefill(self, job: _Job) -> Prefilled:
-        """Stream-loaded prefill of the job's whole prompt, with decode steps of the running requests while its
+    def _stream_prefill(self, job: _Job, devices: tuple | None = None) -> Prefilled:
+        """Stream-loaded prefill of the job's whole prompt: on `devices` (the disaggregated prefill's, in the
+        prefill thread), or on the placement's prefill devices with decode steps of the running requests while its
         expert blocks' copies are in flight."""
         engine, prompt = self.engine, job.tokens
         cache = engine.new_prompt_cache(len(prompt))
         tokens = np.zeros((1, jax.tree.leaves(cache)[0].shape[1]), np.int32)
         tokens[0, : len(prompt)] = prompt
         lengths = np.array([len(prompt)], np.int32)
-        logits, cache = stream_prefill(self.model, tokens, lengths, cache, while_copying=self._decode_between_copies)
+        decodes = None if devices else self._decode_between_copies
+        logits, cache = stream_prefill(self.model, tokens, lengths, cache, while_copying=decodes, devices=devices)
         first, finite = engine.sample(logits, job.request.sampling)
         return Prefilled(cache, first, finite, lengths)
 
