@@ -8,7 +8,6 @@ devices (XLA_FLAGS=--xla_force_host_platform_device_count=4, which must be set b
 process); on a machine with several GPUs run it directly: `pytest tests/distributed_prefill_cases.py`.
 """
 
-import dataclasses
 import threading
 
 import jax
@@ -24,6 +23,7 @@ from test_stream_prefill import (
     LENGTHS,
     _gqa_operands,
     cache_error,
+    load_exact,
     new_cache,
     plain_prefill,
     rel_rms,
@@ -37,7 +37,6 @@ from hybridjit.models.common import gqa
 from hybridjit.models.common.moe import MoE
 from hybridjit.models.common.prefill_cores import HeadsSplit
 from hybridjit.pinned_experts import pinned_layer
-from hybridjit.placement import Placement
 from hybridjit.serving.scheduler import Request, Scheduler
 
 DEVICES = jax.devices()
@@ -84,9 +83,7 @@ def one_device(checkpoint):
 
 @pytest.fixture(scope="module")
 def exact_model(checkpoint, one_device):
-    layers = frozenset(range(one_device.config.num_hidden_layers))
-    m = hybridjit.load(checkpoint, placement=dataclasses.replace(Placement.default("float32"),
-                                                                 device_expert_layers=layers))
+    m = load_exact(checkpoint, one_device.config.num_hidden_layers)
     yield m
     m.close()
 

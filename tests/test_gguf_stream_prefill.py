@@ -3,7 +3,6 @@
 its experts dequantised on the host (float32 XLA: exact math). Tolerances: the blocks bit-exact (the same float32
 products); a whole model's logits and cache 1e-5 relative RMS (summation order, as tests/test_stream_prefill.py)."""
 
-import dataclasses
 import json
 
 import gguf
@@ -20,12 +19,20 @@ from checkpoint_factory import (
 )
 from gguf_factory import write_gguf
 from hybrid_placement import hybrid
-from test_stream_prefill import CHUNK, FLOAT32_RTOL, LENGTHS, cache_error, new_cache, plain_prefill, rel_rms
+from test_stream_prefill import (
+    CHUNK,
+    FLOAT32_RTOL,
+    LENGTHS,
+    cache_error,
+    load_exact,
+    new_cache,
+    plain_prefill,
+    rel_rms,
+)
 
 import hybridjit
 from hybridjit import stream_prefill as sp
 from hybridjit.models.common.expert_storage import ExpertStorage
-from hybridjit.placement import Placement
 from hybridjit.synthetic_gguf import block_pool
 
 Q = gguf.GGMLQuantizationType
@@ -80,10 +87,7 @@ def gguf_path(request, tmp_path_factory):
 
 def test_streamed_prefill_of_a_gguf_matches_the_plain_prefill(gguf_path):
     with hybridjit.load(str(gguf_path), placement=hybrid("float32", pinned_experts=True)) as model:
-        layers = frozenset(range(model.config.num_hidden_layers))
-        exact = hybridjit.load(str(gguf_path), placement=dataclasses.replace(Placement.default("float32"),
-                                                                             device_expert_layers=layers))
-        with exact:
+        with load_exact(gguf_path, model.config.num_hidden_layers) as exact:
             tokens = np.random.default_rng(0).integers(2, model.config.vocab_size, (2, 24)).astype(np.int32)
             ref_logits, ref_cache = plain_prefill(exact, tokens)
             assert sp.choose_prefill_path(model, 2, 24, threshold=1) == "stream"

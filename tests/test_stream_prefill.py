@@ -146,12 +146,15 @@ def cache_error(cache, reference):
 
 @pytest.fixture(scope="module")
 def exact_model(checkpoint, model):
-    """The checkpoint with its routed experts held as JAX arrays (routed_experts_dense): float32 XLA throughout."""
-    layers = frozenset(range(model.config.num_hidden_layers))
-    m = hybridjit.load(checkpoint, placement=dataclasses.replace(Placement.default("float32"),
-                                                                 device_expert_layers=layers))
+    m = load_exact(checkpoint, model.config.num_hidden_layers)
     yield m
     m.close()
+
+
+def load_exact(checkpoint, layers: int):
+    """The checkpoint with its routed experts held as JAX arrays (routed_experts_dense): float32 XLA throughout."""
+    placement = dataclasses.replace(Placement.default("float32"), device_expert_layers=frozenset(range(layers)))
+    return hybridjit.load(str(checkpoint), placement=placement)
 
 
 @pytest.fixture(scope="module")
