@@ -2,7 +2,7 @@
 policy and under a KTransformers-like one (one 256-token chunk of prefill per decode step), in one run.
 
     XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=100 python bench/serve.py --geometry deepseek-v3 --layers 5 \
-        [--prefill-tokens 16384] [--chunked-prefill-tokens 1024] [--decode-tokens 0]
+        [--prefill-tokens 16384] [--chunked-prefill-tokens 1024] [--decode-tokens 0] [--devices 2]
 
 P is one long prompt with a few outputs, D a 10-token prompt decoding `--decode-tokens` tokens (0: as many as
 make D alone last as long as P alone, which is how the seed sets its workloads up: "requests that each last
@@ -16,7 +16,9 @@ KTransformers' does, and the seed likewise gave KTransformers a shorter prompt (
 The model is a geometry's random FP8 weights (hybridjit.synthetic: normal values block-scaled as released, not
 random bytes, whose many subnormal codes the CPU kernels decode far slower; routed experts in one pinned host
 copy, shared by the CPU kernels and the stream-loaded prefill), truncated to --layers: both P's streamed
-layers and D's decode steps keep their per-layer cost, which is what the ratios compare. Ends with one JSON line.
+layers and D's decode steps keep their per-layer cost, which is what the ratios compare. With --devices N (N GPUs)
+P streams over all N while nothing decodes and, arriving while D decodes, on the N - 1 that do not decode
+(prefill-decode disaggregation, seed 000 §3.3.2; D decodes on the first). Ends with one JSON line.
 """
 
 import argparse
@@ -125,8 +127,12 @@ def main(argv=None):
     parser.add_argument("--prefill-outputs", type=int, default=4)
     parser.add_argument("--chunk", type=int, default=256, help="the chunked policy's chunk")
     parser.add_argument("--policies", nargs="+", default=["slo", "chunked"], choices=("slo", "chunked"))
+    parser.add_argument("--devices", type=int, default=1, help="GPUs to prefill on (Placement.prefill_devices)")
     args = parser.parse_args(argv)
-    placement = Placement(jax.devices()[0], jnp.dtype("bfloat16"), pinned_experts=True)
+    if args.devices > len(jax.devices()):
+        parser.error(f"--devices {args.devices}, but this machine has {len(jax.devices())}")
+    placement = Placement(jax.devices()[0], jnp.dtype("bfloat16"), pinned_experts=True,
+                          prefill_devices=tuple(jax.devices()[: args.devices]))
     model, name, full = load_model(args, placement, "fp8")
     h2d = h2d_gbps(model.placement.device) if model.placement.device.platform == "gpu" else None
     rng = np.random.default_rng(0)
@@ -142,7 +148,7 @@ def main(argv=None):
                   f"{r.get('tpot_ratio', '-'):>6} {r['total_s']:8.3f} {r['total_ratio']:6.3f}", flush=True)
         results += rows
     print(json.dumps({"bench": "serve", "model": name, "layers": model.config.num_hidden_layers,
-                      "full_layers": full.num_hidden_layers, "machine": machine(),
+                      "devices": args.devices, "full_layers": full.num_hidden_layers, "machine": machine(),
                       "floors": {"h2d_gbps": h2d}, "results": results}))
 
 
