@@ -13,12 +13,13 @@ and the floors divide a layer's bytes over the N links and its FLOPs over the N 
 command at --devices 1 on the same machine.
 
 A geometry builds a random checkpoint of that model's real shapes in memory (--format: FP8 by default; gpt-oss's
-experts stay MXFP4 as released), loaded by the same loader with the routed experts in one pinned host copy
-(Placement(pinned_experts=True)), which both paths read. Any family: the attention core and the cache are the
-family's. With --layers the model is truncated; figures at full depth are projections, labelled so: the measured
-TTFT plus the missing layers at the steady per-layer time (the mean time between consecutive MoE layers' outputs
-after the first MoE layer: with gpt-oss's alternating sliding and full layers, give --layers an odd count so that
-the steady layers hold as many of each).
+experts stay MXFP4 as released; a GGUF format (q4_k, q5_k, q6_k, q8_0, q4_k_m) writes the truncated geometry as a
+GGUF file, as bench/decode.py does, whose blocks are pinned as stored and dequantised on the GPU), loaded by the
+same loader with the routed experts in one pinned host copy (Placement(pinned_experts=True)), which both paths read.
+Any family: the attention core and the cache are the family's. With --layers the model is truncated; figures at full
+depth are projections, labelled so: the measured TTFT plus the missing layers at the steady per-layer time (the mean
+time between consecutive MoE layers' outputs after the first MoE layer: with gpt-oss's alternating sliding and full
+layers, give --layers an odd count so that the steady layers hold as many of each).
 
 Floors, measured by the same run: pinned host-to-device bandwidth (one 2 GiB copy, best of 5), a dense bf16
 GEMM (8192^3, best of 10 back-to-back), and the CPU expert kernels' rate (one routed-expert layer on a batch of
@@ -48,8 +49,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from moe_cpu import GGUF_FORMATS
 
 from bench_model import add_model_arguments, load_model
+from decode import load_gguf_geometry, write_gguf_geometry
 from hybridjit import engine, machine_floors
 from hybridjit import stream_prefill as sp
 from hybridjit.machine_floors import best_seconds, concurrent_h2d_gbps, gemm_tflops, pinned_h2d_gbps
@@ -94,6 +97,8 @@ def load(args):
         raise SystemExit(f"prefill: --devices {args.devices}, but this machine has {len(devices)}")
     placement = Placement(devices[0], jnp.dtype(args.dtype), pinned_experts=True,
                           prefill_devices=tuple(devices[: args.devices]))
+    if args.format in GGUF_FORMATS:
+        return load_gguf_geometry(write_gguf_geometry(args), args, placement)
     return load_model(args, placement, args.format, synthetic=PooledExperts)
 
 
@@ -278,8 +283,10 @@ def main(argv=None):
     parser.add_argument("--cpu-tokens", type=int, default=4096, help="batch of the CPU expert-rate floor")
     parser.add_argument("--vram-budget-gib", type=float, help="stream_prefill's VRAM budget (default: free memory)")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--format", default="fp8", choices=("fp8", "bf16"),
+    parser.add_argument("--format", default="fp8", choices=("fp8", "bf16", *GGUF_FORMATS),
                         help="a geometry's weights (gpt-oss's experts stay MXFP4, as released)")
+    parser.add_argument("--gguf-dir", help="where a GGUF format's file is written (default: a temporary directory)")
+    parser.add_argument("--keep-gguf", action="store_true", help="keep a GGUF format's file (default: removed at exit)")
     parser.add_argument("--prompts", nargs="+", default=["random"], choices=("random", "repeated"),
                         help="random tokens, or one token repeated (skewed routing); each runs every length")
     parser.add_argument("--devices", type=int, default=1,
@@ -287,6 +294,8 @@ def main(argv=None):
     parser.add_argument("--time-limit", type=float, default=float("inf"),
                         help="seconds after which no new case starts (the JSON line still comes)")
     args = parser.parse_args(argv)
+    if args.format in GGUF_FORMATS and not args.geometry:
+        parser.error(f"--format {args.format} writes a GGUF file of a --geometry (a --checkpoint has its own format)")
     if args.geometry and args.layers:
         cfg = geometry_config(args.geometry, layers=args.layers)
         if not any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
