@@ -697,5 +697,9 @@ def choose_prefill_path(
     if model.placement.device.platform != "gpu":
         return "hybrid"
     streamed = sum(layer.nbytes for layer in pinned.values())
-    t = prefill_seconds(model.config, batch, length, rates or model.prefill_rates(), streamed)
+    rates = rates or model.prefill_rates()
+    # Over several prefill devices each streams its share over its own link (distributed stream-loaded prefill).
+    n = len(streaming_devices(model, model.placement.stream_devices))
+    rates = dataclasses.replace(rates, pcie_gbps=n * rates.pcie_gbps)
+    t = prefill_seconds(model.config, batch, length, rates, streamed)
     return "stream" if t["stream"] < t["hybrid"] else "hybrid"
