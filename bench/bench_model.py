@@ -30,10 +30,12 @@ def load_model(args, placement: Placement, weight_format: str, synthetic=Synthet
     else:
         cfg = geometry_config(args.geometry, layers=args.layers, weight_format=weight_format)
         full = geometry_config(args.geometry, weight_format=weight_format)
-        ckpt, name = synthetic(cfg), f"{args.geometry} ({weight_format}, random weights)"
+        ckpt, name = synthetic(cfg), args.geometry
     start = time.perf_counter()
     loader = WeightLoader(cfg, ckpt, placement)
     weights, expert_layers = loader.load()
+    if not args.checkpoint:  # named by the routed experts' format as loaded (gpt-oss's stay MXFP4 whatever the rest)
+        name += f" ({expert_layers[0].format if expert_layers else weight_format}, random weights)"
     print(f"loaded {name}, {cfg.num_hidden_layers} of {full.num_hidden_layers} layers, in "
           f"{time.perf_counter() - start:.1f} s")
     return engine.Model(ckpt.directory, cfg, weights, expert_layers, None, placement, loader), name, full
