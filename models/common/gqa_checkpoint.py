@@ -32,15 +32,16 @@ def gqa_layout(cfg, *, qk_norm: str | None, o_bias: bool | None = None) -> Calla
 
 
 def gqa_weights(
-    cfg, tensor: Callable[..., Any], *, qk_norm: str | None, window: int | None = None, o_bias: bool | None = None
+    cfg, tensor: Callable[..., Any], *, qk_norm: str | None, o_bias: bool | None = None
 ):
-    """attention for build_decoder_weights: one layer's GQA weights from its tensors (arguments as gqa_layout's)."""
+    """attention for build_decoder_weights: one layer's GQA weights from its tensors (arguments as gqa_layout's),
+    windowed as the config says of the layer (cfg.window)."""
     o_bias = cfg.attention_bias if o_bias is None else o_bias
 
     def optional(name, present):
         return tensor(name) if present else None
 
-    def attention(a: str, _layer: int) -> GQA:
+    def attention(a: str, layer: int) -> GQA:
         bias = cfg.attention_bias
         return GQA(
             q=tensor(f"{a}.q_proj.weight"),
@@ -53,7 +54,7 @@ def gqa_weights(
             o_bias=optional(f"{a}.o_proj.bias", o_bias),
             q_norm=optional(f"{a}.q_norm.weight", qk_norm is not None),
             k_norm=optional(f"{a}.k_norm.weight", qk_norm is not None),
-            window=window,
+            window=cfg.window(layer),
         )
 
     return attention

@@ -63,7 +63,7 @@ def build_weights(cfg: GptOssConfig, tensor: Callable[..., Any], routed: Callabl
 
     def attention(a: str, layer: int) -> GQA:
         w = gqa(a, layer)
-        w.sinks, w.window = tensor(f"{a}.sinks", jnp.float32), cfg.window(layer)
+        w.sinks = tensor(f"{a}.sinks", jnp.float32)
         return w
 
     def moe(layer_prefix: str, layer: int) -> MoE:

@@ -20,5 +20,5 @@ def checkpoint_layout(cfg: MixtralConfig) -> dict[str, TensorSpec]:
 def build_weights(cfg: MixtralConfig, tensor: Callable[..., Any], routed: Callable) -> Weights:
     """The weights pytree (models/common/checkpoint_map.build_decoder_weights) with GQA attention, every layer
     windowed when the config sets a sliding window."""
-    attention = gqa_weights(cfg, tensor, qk_norm=None, window=cfg.sliding_window)
+    attention = gqa_weights(cfg, tensor, qk_norm=None)
     return build_decoder_weights(cfg, tensor, routed, attention, MOE_NAMES)
