@@ -8,6 +8,7 @@ devices (XLA_FLAGS=--xla_force_host_platform_device_count=4, which must be set b
 process); on a machine with several GPUs run it directly: `pytest tests/distributed_prefill_cases.py`.
 """
 
+import gc
 import threading
 
 import jax
@@ -72,6 +73,10 @@ def model(checkpoint, shards):
     m = load(checkpoint, tuple(DEVICES[:shards]))
     yield m
     m.close()
+    # This module compiles programs for every case and device count in one process: drop each one's, as conftest.py
+    # does after each module (a process runs out of memory mappings for compiled code, and XLA crashes, otherwise).
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="module")
