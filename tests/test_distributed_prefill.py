@@ -5,7 +5,7 @@ To keep CI short the selection is MLA over two devices through the scheduler (a 
 same prompt over both devices, each decoding from its streamed cache to its solo tokens) and gpt-oss (MXFP4,
 biases, sinks, window; skewed routing) over four, with the whole-layer ring, plus the split attention cores and the
 uneven split; the whole module (every family
-case, ring of one) runs with `pytest tests/distributed_prefill_cases.py` under the same XLA_FLAGS (about 4 minutes
+case, ring of one) runs with `pytest tests/distributed_prefill_cases.py` under the same XLA_FLAGS (about 8 minutes
 on two cores) and on a machine with several GPUs."""
 
 import os
