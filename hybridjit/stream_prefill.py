@@ -545,9 +545,12 @@ def streaming_devices(model, devices: tuple[jax.Device, ...]) -> tuple[jax.Devic
     disaggregated prefill streams, `devices` being those that do not decode. Empty when the experts are not
     pinned."""
     try:
-        layers = list(_pinned_layers(model.weights).values())
+        return _fitting(_pinned_layers(model.weights).values(), devices)
     except ValueError:
         return ()
+
+
+def _fitting(layers, devices: tuple[jax.Device, ...]) -> tuple[jax.Device, ...]:
     fits = [n for n in range(len(devices), 0, -1) if all(_equal_runs(layer, n) for layer in layers)]
     return tuple(devices[: fits[0]]) if fits else ()
 
@@ -699,7 +702,7 @@ def choose_prefill_path(
     streamed = sum(layer.nbytes for layer in pinned.values())
     rates = rates or model.prefill_rates()
     # Over several prefill devices each streams its share over its own link (distributed stream-loaded prefill).
-    n = len(streaming_devices(model, model.placement.stream_devices))
+    n = len(_fitting(pinned.values(), model.placement.stream_devices))
     rates = dataclasses.replace(rates, pcie_gbps=n * rates.pcie_gbps)
     t = prefill_seconds(model.config, batch, length, rates, streamed)
     return "stream" if t["stream"] < t["hybrid"] else "hybrid"
