@@ -25,7 +25,7 @@ from hybridjit.models.common.resident_experts import ResidentExperts
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.ops.async_experts import raise_gpu_errors
 from hybridjit.pinned_experts import pinned_layer, size_host_memory_pool
-from hybridjit.placement import Placement, compute_dtype
+from hybridjit.placement import PREFILL_AXIS, Placement, compute_dtype
 from hybridjit.resolve import resolve_model
 from hybridjit.sampling import SamplingParams, integer, is_integer
 from hybridjit.serving.engine import Engine, bucket
@@ -129,10 +129,10 @@ class Model:
             layers = [dataclasses.replace(layer, mlp=dataclasses.replace(layer.mlp, resident=None))
                       if isinstance(layer.mlp, MoE) else layer for layer in self.weights.layers]
             streamed = dataclasses.replace(self.weights, layers=layers)
-            self._prefill_weights = jax.device_put(streamed, NamedSharding(Mesh(np.array(everywhere), ("d",)), P()))
+            self._prefill_weights = jax.device_put(streamed, NamedSharding(self.placement.prefill_mesh, P()))
         if devices == everywhere:
             return self._prefill_weights
-        mesh = Mesh(np.array(devices), ("d",))
+        mesh = Mesh(np.array(devices), (PREFILL_AXIS,))
 
         def on_devices(a):
             shards = {s.device: s.data for s in a.addressable_shards}

@@ -42,6 +42,18 @@ def rel_rms(a, b):
     return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b**2)))
 
 
+def assert_greedy_up_to_ties(reference, prompt: list[int], tokens: list[int]):
+    """Each of `tokens` (greedy from `prompt`) is the reference's choice, or within FLOAT32_RTOL of the logits'
+    scale from it: float32 on the GPU and on the CPU differ by summation order, which can flip a near-tie (the
+    tiny random model has one of 9e-5 after 5 tokens of PROMPTS[0] in FP8); a decode error moves logits by far
+    more. Judged on the reference's logits teacher-forced on `tokens`, so one flip does not derail the rest."""
+    logits = np.asarray(reference.logits([prompt + tokens]))[0, len(prompt) - 1 : -1]
+    for step, (row, token) in enumerate(zip(logits, tokens, strict=True)):
+        best = int(np.argmax(row))
+        gap = float(row[best] - row[token])
+        assert gap <= FLOAT32_RTOL * float(np.abs(row).max()), f"step {step}: {token} where {best}, {gap:.3g} behind"
+
+
 def test_hybrid_matches_cpu_only_in_float32(checkpoint, cpu_model):
     gpu = hybridjit.load(checkpoint, placement=hybrid("float32"))
     try:
@@ -49,10 +61,11 @@ def test_hybrid_matches_cpu_only_in_float32(checkpoint, cpu_model):
         reference, logits = cpu_model.logits(PROMPTS), gpu.logits(PROMPTS)
         for i, p in enumerate(PROMPTS):
             assert rel_rms(logits[i, : len(p)], reference[i, : len(p)]) < FLOAT32_RTOL
-        assert gpu.generate(PROMPTS, max_new_tokens=8) == cpu_model.generate(PROMPTS, max_new_tokens=8)
+        for prompt, tokens in zip(PROMPTS, gpu.generate(PROMPTS, max_new_tokens=8), strict=True):
+            assert_greedy_up_to_ties(cpu_model, prompt, tokens)
         # One sequence alone decodes several steps a call around the hand-off (3 calls, the last cut short).
         assert Engine(gpu, 1, 64).steps == SINGLE_SLOT_HYBRID_DECODE_STEPS > 1
-        assert gpu.generate(PROMPTS[0], max_new_tokens=10) == cpu_model.generate(PROMPTS[0], max_new_tokens=10)
+        assert_greedy_up_to_ties(cpu_model, PROMPTS[0], gpu.generate(PROMPTS[0], max_new_tokens=10))
     finally:
         gpu.close()
 
