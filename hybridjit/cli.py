@@ -25,6 +25,7 @@ from hybridjit.model_files import open_checkpoint
 from hybridjit.models.registry import ModelConfig
 from hybridjit.placement import Placement
 from hybridjit.resolve import resolve_model
+from hybridjit.tokenizer import check_unicode
 from hybridjit.weights import routed_expert_bytes
 
 MAX_SEED = 2**64  # the API's seeds: non-negative integers below this
@@ -119,11 +120,12 @@ def cmd_generate(args) -> int:
 
 def cmd_serve(args) -> int:
     import hybridjit  # deferred, as in generate
-    from hybridjit.serving.server import serve
+    from hybridjit.serving.server import listening_socket, serve
 
+    sock = listening_socket(args.host, args.port)
     model = hybridjit.load(args.model, dtype=args.dtype, progress=None if args.quiet else LoadingProgress())
     serve(
-        model, model_name=args.model or DEFAULT_MODEL_NAME, host=args.host, port=args.port, api_key=args.api_key,
+        model, model_name=args.model or DEFAULT_MODEL_NAME, sock=sock, api_key=args.api_key,
         slots=args.slots, max_queue=args.max_queue, cache_len=args.cache_len,
         prefix_cache_bytes=args.prefix_cache_mib << 20, online_placement=False if args.fixed_placement else None,
     )  # fmt: skip
@@ -144,7 +146,15 @@ def cmd_batch(args) -> int:
     return 0
 
 
-def _weight_format(cfg: ModelConfig) -> str:
+def _weight_format(cfg: ModelConfig, ckpt) -> str:
+    by_projection = collections.defaultdict(set)  # a GGUF file's routed experts, in the types stored
+    for name, info in ckpt.tensors.items():
+        if ".experts." in name and hasattr(info, "stored"):
+            by_projection[name.rsplit(".", 2)[-2]].add(info.stored)
+    if by_projection:
+        return "GGUF, routed experts as stored: " + ", ".join(
+            f"{projection} {'/'.join(sorted(types))}" for projection, types in sorted(by_projection.items())
+        )
     if cfg.fp8:
         return "fp8 e4m3, block " + "x".join(map(str, cfg.fp8.block))
     if cfg.int_quant:
@@ -170,7 +180,7 @@ def cmd_info(args) -> int:
         f"experts         {cfg.n_routed_experts} routed (top-{cfg.num_experts_per_tok}, {cfg.topk_method}, "
         f"{cfg.n_group} groups keep {cfg.topk_group}), {cfg.n_shared_experts} shared, "
         f"intermediate {cfg.moe_intermediate_size}",
-        f"format          {_weight_format(cfg)}",
+        f"format          {_weight_format(cfg, ckpt)}",
         f"tensors         {len(ckpt.tensors)}, {_gib(ckpt.total_bytes())} "
         f"({', '.join(f'{k} {_gib(v)}' for k, v in by_dtype.most_common())})",
         f"routed experts  {_gib(expert_bytes)} in host memory; the rest {_gib(ckpt.total_bytes() - expert_bytes)}",
@@ -224,10 +234,9 @@ def cmd_convert(args) -> int:
 def utf8_text(value: str) -> str:
     """Text from the command line: bytes that are not UTF-8 arrive as surrogate escapes, which are no text."""
     try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
+        return check_unicode(value)
+    except ValueError:
         raise argparse.ArgumentTypeError("not valid UTF-8 text") from None
-    return value
 
 
 def _integer(value: str) -> int:

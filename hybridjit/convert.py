@@ -25,6 +25,7 @@ import numpy as np
 from hybridjit.checkpoint import Checkpoint
 from hybridjit.config import INT_QUANT_METHOD, read_config_json
 from hybridjit.export import save_checkpoint
+from hybridjit.gguf_file import is_gguf
 from hybridjit.models.registry import config_from_hf, family_of
 from hybridjit.quant import dequantize_fp8_blocks, dequantize_int_groups, quantize_fp8_blocks
 from hybridjit.weights import SCALE_SUFFIX, check_checkpoint
@@ -76,6 +77,9 @@ def convert_checkpoint(
     if bits and (group_size <= 0 or group_size % 128):
         raise ValueError(f"group_size must be a positive multiple of 128, got {group_size}")
     src, dst = Path(src), Path(dst)
+    if is_gguf(src):
+        raise ValueError(f"{src}: a GGUF file is loaded as it is (hybridjit.load, --model); convert takes a "
+                         "safetensors checkpoint directory")
     _check_destination(src, dst, overwrite)
     raw = read_config_json(src / "config.json")
     cfg = config_from_hf(raw, source=str(src / "config.json"))

@@ -30,7 +30,7 @@ from hybridjit.resolve import resolve_model
 from hybridjit.sampling import SamplingParams, integer, is_integer
 from hybridjit.serving.engine import Engine, bucket
 from hybridjit.stream_prefill import PrefillRates
-from hybridjit.tokenizer import IncrementalDecoder, first_stop
+from hybridjit.tokenizer import IncrementalDecoder, first_stop, no_tokenizer
 from hybridjit.weights import Progress, WeightLoader, routed_expert_bytes
 
 
@@ -261,8 +261,12 @@ class Model:
 
     def _tokenize(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError(f"{self.path} has no tokenizer.json: pass token ids instead of text")
-        return self._check_ids([self.tokenizer.encode(text)])[0]
+            raise ValueError(f"{no_tokenizer(self.path)}: pass token ids instead of text")
+        try:
+            ids = self.tokenizer.encode(text)
+        except ValueError as e:
+            raise ValueError(f"prompt: {e}") from None
+        return self._check_ids([ids])[0]
 
     # ------------------------------------------------------------------------------- research
 
@@ -435,7 +439,7 @@ class Model:
         if not all(stops):
             raise ValueError(f"stop strings must not be empty (one would match at once), got {stop!r:.60}")
         if stops and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this checkpoint has no tokenizer.json")
+            raise ValueError(f"stop strings need a tokenizer; {no_tokenizer(self.path)}")
         return list(stops)
 
 

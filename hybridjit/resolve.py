@@ -58,10 +58,12 @@ def _is_name(text: str) -> bool:
     """Whether an argument is a bare name or an org/name repo id, the two things that are looked up.
 
     Anything else is written as a path (`/...`, `./...`, `../...`, `~...`, `.`, `..`, `a/b/c`, `dir/`) and
-    means that path only: a typo must not find a model of that name, nor be suggested for download.
+    means that path only: a typo must not find a model of that name, nor be suggested for download. A name
+    ending in .gguf is a file, where it stands (`model.gguf` as `./model.gguf`).
     """
     parts = text.split("/")
-    return len(parts) <= 2 and not {"", os.curdir, os.pardir} & set(parts) and not text.startswith("~")
+    return (len(parts) <= 2 and not {"", os.curdir, os.pardir} & set(parts) and not text.startswith("~")
+            and not is_gguf(text))
 
 
 def resolve_model(name_or_path: str | os.PathLike | None) -> Path:
@@ -76,7 +78,8 @@ def resolve_model(name_or_path: str | os.PathLike | None) -> Path:
     repo_id = ALIASES.get(name.lower(), name if "/" in name else None)
     candidates = [models_dir() / name]
     if repo_id:
-        candidates += [models_dir() / repo_id.split("/")[-1], models_dir() / repo_id]
+        more = (models_dir() / repo_id.split("/")[-1], models_dir() / repo_id)
+        candidates += [c for c in more if c not in candidates]
     for candidate in candidates:
         if (candidate / "config.json").is_file():
             return candidate

@@ -6,6 +6,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from hybridjit.gguf_file import is_gguf
+
 
 class Tokenizer:
     def __init__(self, directory: Path, bos_token_id: int | None):
@@ -31,7 +33,7 @@ class Tokenizer:
         return self
 
     def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=True).ids
+        ids = self._tok.encode(check_unicode(text), add_special_tokens=True).ids
         if self.add_bos and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
         return ids
@@ -44,6 +46,24 @@ class Tokenizer:
 
     def token_text(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
+
+
+def no_tokenizer(path) -> str:
+    """What a checkpoint without a tokenizer lacks, for the errors that need one: tokenizer.json in a checkpoint
+    directory, the tokenizer.ggml.* metadata in a GGUF file."""
+    lacking = "tokenizer.ggml.* metadata" if is_gguf(path) else "tokenizer.json"
+    return f"{path} has no tokenizer ({lacking})"
+
+
+def check_unicode(text: str) -> str:
+    """`text`, if it is valid Unicode; else a ValueError naming its first lone surrogate (JSON's "\\ud800" escape
+    decodes to one, which no tokenizer or UTF-8 writer takes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        where = f"a lone surrogate \\u{ord(text[e.start]):04x} at character {e.start}"
+        raise ValueError(f"not valid Unicode: {where}") from None
+    return text
 
 
 class IncrementalDecoder:

@@ -81,19 +81,23 @@ def test_bad_lines_are_all_listed_with_line_and_field_before_anything_runs(model
         {"prompt": "no id"},
         {"id": "b", "prompt": "x", "messages": []},
         {"id": "c", "prompt": "x", "max_tokens": 0},
+        {"id": "d", "prompt": "x\ud800"},  # json.dumps writes the escape; no tokenizer or UTF-8 writer takes it
+        {"id": "\udc00", "prompt": "x"},
     ]
     source = tmp_path / "in.jsonl"
     source.write_text("\n".join(map(json.dumps, lines)) + "\n\nnot json\n")
     with pytest.raises(BatchInputError) as error:
         run(model, source, tmp_path / "out.jsonl")
     assert str(error.value).splitlines() == [
-        f"{source}: 6 bad lines, nothing was run:",
+        f"{source}: 8 bad lines, nothing was run:",
         "  line 1: temperature: Input should be less than or equal to 2",
         "  line 2: id: 'a' repeats the id of line 1",
         "  line 3: id: Field required",
         "  line 4: needs exactly one of prompt (text or token ids) and messages (a chat)",
         "  line 5: max_tokens: Input should be greater than or equal to 1",
-        "  line 7: not valid JSON (Expecting value: line 1 column 1 (char 0))",
+        "  line 6: prompt: not valid Unicode: a lone surrogate \\ud800 at character 1",
+        "  line 7: id: not valid Unicode: a lone surrogate \\udc00 at character 0",
+        "  line 9: not valid JSON (Expecting value: line 1 column 1 (char 0))",
     ]
     assert not (tmp_path / "out.jsonl").exists()
 
@@ -128,3 +132,9 @@ def test_an_output_file_of_something_else_is_refused(tmp_path):
     out.write_text('{"id": 1}\n[1, 2]\n')
     with pytest.raises(ValueError, match=f"{out} line 2: not an output line of hybridjit batch"):
         ResumableOutput(out)
+
+
+def test_an_input_that_is_not_a_file_is_named_before_the_model_loads(tmp_path):
+    for path, what in ((tmp_path, "is a directory"), (tmp_path / "none.jsonl", "no such file")):
+        with pytest.raises(FileNotFoundError, match=f"^{path}: {what}; the input is a JSONL file$"):
+            hybridjit.batch("no-such-model", path, tmp_path / "out.jsonl")

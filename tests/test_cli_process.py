@@ -1,13 +1,16 @@
-"""The `hybridjit` command as a process: Ctrl-C, a reader that goes away early, and argv bytes that are not
-UTF-8. Each ends with one line on stderr (or none) and a conventional exit status, never a traceback."""
+"""The `hybridjit` command as a process: Ctrl-C, a reader that goes away early, argv bytes that are not UTF-8,
+and a server that cannot start. Each ends with one line on stderr (or none) and a conventional exit status, never
+a traceback."""
 
 import contextlib
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from server_process import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG_RUN = ["generate", "--max-new-tokens", "2000", "def fibonacci(n):"]  # seconds of output on a CPU
@@ -63,7 +66,19 @@ def test_argv_bytes_that_are_not_utf8_are_a_usage_error(argv, argument):
 
 
 def test_serve_refuses_a_cache_longer_than_the_context_in_one_line():
-    with hybridjit("serve", "--quiet", "--cache-len", "99999", "--port", "1") as proc:
+    with hybridjit("serve", "--quiet", "--cache-len", "99999", "--port", str(free_port())) as proc:
         _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2
     assert err.decode().splitlines()[-1] == "hybridjit: error: cache_len must be in [1, 2048], got 99999"
+
+
+def test_serve_on_a_port_in_use_says_so_in_one_line_before_loading():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with hybridjit("serve", "--port", str(port)) as proc:
+            _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    message = f"--host 127.0.0.1 --port {port}: cannot listen there (Address already in use)"
+    assert err.decode() == f"hybridjit: error: {message}\n"

@@ -101,3 +101,13 @@ def test_a_failed_conversion_leaves_the_destination_as_it_was(source, tmp_path, 
     assert status == 1 and err == "hybridjit: error: OSError: [Errno 28] No space left on device\n"
     assert os.listdir(dst) == ["old-file"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]
+
+
+def test_a_gguf_source_is_refused_in_one_line(tmp_path, capsys):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")  # refused by what it is, before it is read
+    status, err = convert(capsys, gguf, tmp_path / "out", "--format", "bf16")
+    assert status == 2
+    assert err == (f"hybridjit: error: {gguf}: a GGUF file is loaded as it is (hybridjit.load, --model); convert takes "
+                   "a safetensors checkpoint directory\n")
+    assert not (tmp_path / "out").exists()

@@ -145,7 +145,7 @@ def test_generation_stops_at_eos(model):
         (lambda m: m.generate([[1, 2], []]), "sequence 1 is empty"),
         (lambda m: m.generate([1, 2], temperature=-1.0), "temperature must be a finite number >= 0"),
         (lambda m: m.generate([1, 2], top_p=0.0), r"top_p must be in \(0, 1\]"),
-        (lambda m: m.generate("text"), "has no tokenizer.json: pass token ids"),
+        (lambda m: m.generate("text"), r"has no tokenizer \(tokenizer.json\): pass token ids"),
     ],
 )
 def test_bad_requests_raise_clear_errors(model, call, message):

@@ -342,6 +342,7 @@ def test_info_describes_a_gguf(tmp_path, capsys):
     assert main(["info", str(path)]) == 0
     out = capsys.readouterr().out
     assert "model type      qwen3_moe" in out and "BF16" in out
+    assert "format          GGUF, routed experts as stored: down_proj BF16, gate_proj BF16, up_proj BF16\n" in out
 
 
 # --- bad files ----------------------------------------------------------------------------------------------

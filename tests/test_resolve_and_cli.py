@@ -3,6 +3,7 @@
 import argparse
 import os
 import re
+from pathlib import Path
 
 import pytest
 from checkpoint_factory import tiny_config, write_checkpoint
@@ -156,6 +157,20 @@ def test_bare_names_are_looked_up_after_a_directory_of_that_name(my_model):
     local.mkdir()
     (local / "config.json").write_text("{}")
     assert resolve_model("mymodel").resolve() == local
+
+
+def test_a_bare_gguf_file_name_is_that_file_in_the_working_directory(my_model):
+    (Path.cwd() / "tiny.gguf").write_bytes(b"GGUF")
+    assert resolve_model("tiny.gguf") == Path("tiny.gguf")
+    with pytest.raises(ModelNotFoundError, match="^other.gguf does not exist: a checkpoint is a directory"):
+        resolve_model("other.gguf")  # not looked up as a name in the models directory
+
+
+def test_a_repo_id_is_looked_for_once_in_each_place(isolated_dirs):
+    with pytest.raises(ModelNotFoundError) as e:
+        resolve_model("org/name")
+    looked = str(e.value).split("Looked in: ")[1].split(". To provide it")[0].split("; ")
+    assert len(looked) == len(set(looked)) == 3  # models/org/name, models/name, the hub cache's snapshots
 
 
 def test_cli_path_that_does_not_exist(my_model, capsys):

@@ -142,6 +142,19 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "pass\n" * CONTEXT}]}, "messages"),
+    # JSON's escape of a lone surrogate is no text: no tokenizer takes it, no reply could carry it back
+    ("/v1/completions", {"prompt": "a\ud800", "max_tokens": 2}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udc00"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "reasoning": "\ud800"}]}, "messages"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages"),
+    # what we do not implement is refused, not ignored
+    ("/v1/completions", {"prompt": "x", "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, "response_format"),
 ]  # fmt: skip
 
 

@@ -140,6 +140,22 @@ def test_without_tools_or_with_tool_choice_none_the_text_is_content():
         assert (message.content, message.tool_calls, choice.finish_reason) == (TOOL_CALL_TEXT, None, "stop")
 
 
+def test_fields_we_do_not_implement_are_taken_at_their_neutral_values():
+    neutral = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "logprobs": False,
+               "response_format": {"type": "text"}}  # fmt: skip
+    assert call(scripted("Sunny."), chat(**neutral)).choices[0].message.content == "Sunny."
+    # an assistant's tool calls go without content
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
+
+    async def request(client):
+        return await client.chat.completions.create(model="scripted", messages=history, tools=[WEATHER_TOOL])
+
+    assert call(scripted("Sunny."), request).choices[0].message.content == "Sunny."
+
+
 def test_a_stop_string_ends_the_text_before_it_and_cancels_the_request():
     scheduler = scripted("x = 1\nSTOP here")
     for stream in (False, True):

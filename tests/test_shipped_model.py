@@ -98,3 +98,9 @@ def test_bad_stop_strings(shipped, stop, error, message):
 def test_stream_stop_strings_need_a_text_prompt(shipped):
     with pytest.raises(ValueError, match=r"stop strings need a text prompt in stream"):
         shipped.stream([5, 6, 7], max_new_tokens=2, stop="x")
+
+
+def test_a_prompt_that_is_not_valid_unicode_is_refused_by_name(shipped):
+    # A lone surrogate: what json.loads makes of the escape "\ud800"; the tokenizer raised a bare TypeError on it.
+    with pytest.raises(ValueError, match=r"^prompt: not valid Unicode: a lone surrogate \\ud800 at character 3$"):
+        shipped.generate("def\ud800", max_new_tokens=2)

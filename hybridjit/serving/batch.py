@@ -81,7 +81,8 @@ def _lines(requests) -> tuple[str, Iterable[tuple[str, str | dict]]]:
     if isinstance(requests, str | Path):
         path = Path(requests)
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: no such file")
+            raise FileNotFoundError(f"{path}: {'is a directory' if path.is_dir() else 'no such file'}; the input is a "
+                                    "JSONL file")
         with open(path, encoding="utf-8", errors="strict") as f:
             try:
                 text = f.read()

@@ -22,10 +22,12 @@ from hybridjit.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerationParams,
+    error_text,
     field_name,
     field_path,
 )
 from hybridjit.serving.throughput import Job
+from hybridjit.tokenizer import no_tokenizer
 
 # Bad lines listed in one error; more are counted.
 MAX_LISTED = 20
@@ -76,7 +78,7 @@ def check_defaults(defaults: dict) -> dict:
         GenerationParams(**defaults)
     except ValidationError as e:
         error = e.errors()[0]
-        raise ValueError(f"{field_name(field_path(error['loc']))} (the batch's default): {error['msg']}") from None
+        raise ValueError(f"{field_name(field_path(error['loc']))} (the batch's default): {error_text(error)}") from None
     if "max_tokens" in defaults and defaults["max_tokens"] is None:
         raise ValueError("max_tokens: a batch needs a default number of tokens per request")
     return defaults
@@ -120,7 +122,7 @@ def _body(raw, defaults: dict) -> PromptLine | ChatLine:
     try:
         return kind(**body)
     except ValidationError as e:
-        messages = [f"{field_name(field_path(error['loc']))}: {error['msg']}" for error in e.errors()]
+        messages = [f"{field_name(field_path(error['loc']))}: {error_text(error)}" for error in e.errors()]
         raise ValueError("; ".join(messages)) from None
 
 
@@ -159,7 +161,7 @@ def _job(model, template: ChatTemplate | None, request: BatchRequest) -> Job:
     else:
         if isinstance(body.prompt, str):
             if tokenizer is None:
-                raise ValueError(f"prompt: {model.path} has no tokenizer.json: send token ids instead of text")
+                raise ValueError(f"prompt: {no_tokenizer(model.path)}: send token ids instead of text")
             prompt = tokenizer.encode(body.prompt)
         else:
             prompt = body.prompt
@@ -171,7 +173,7 @@ def _job(model, template: ChatTemplate | None, request: BatchRequest) -> Job:
     if max_tokens is None:  # a chat line, in a batch without a default
         raise ValueError(f"{max_tokens_field}: is required")
     if body.stops and tokenizer is None:
-        raise ValueError(f"stop: stop strings need a tokenizer; {model.path} has no tokenizer.json")
+        raise ValueError(f"stop: stop strings need a tokenizer; {no_tokenizer(model.path)}")
     if len(prompt) + max_tokens > (context := cfg.max_position_embeddings):
         raise ValueError(
             f"{max_tokens_field}: the prompt's {len(prompt)} tokens + {max_tokens_field} {max_tokens} exceed the "

@@ -5,9 +5,11 @@ API checks. Fields a client may send that change nothing here (user, metadata, .
 """
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from hybridjit.tokenizer import check_unicode
 
 MAX_SEED = 2**64  # the seeds of SamplingParams' keys: non-negative integers below this
 # pydantic's names for the members of a union, which it puts in an error's location after the field.
@@ -25,8 +27,47 @@ def field_name(path: list) -> str:
     return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in path)[1:]
 
 
+def error_text(error: dict) -> str:
+    """A pydantic error's message, without the "Value error, " it puts before our validators' messages."""
+    return error["msg"].removeprefix("Value error, ")
+
+
 class Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value):
+        """Every string in the body, at any depth: a lone surrogate (JSON's "\\ud800") would reach the tokenizer or
+        the reply's UTF-8 and fail there."""
+        _check_strings(value)
+        return value
+
+    @model_validator(mode="after")
+    def _valid_unicode_extras(self):
+        """The same for fields of a body's own that are kept (Message's, which templates may read)."""
+        _check_strings(self.model_extra or {})
+        return self
+
+
+def _check_strings(value):
+    if isinstance(value, str):
+        check_unicode(value)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _check_strings(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_strings(key)
+            _check_strings(item)
+
+
+# Fields of OpenAI's API that change what is generated or returned and that this server does not implement: taken at
+# their neutral values (what clients send by default), refused otherwise, never ignored. None is always neutral.
+UNSUPPORTED = {
+    "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "logprobs": (False, 0),
+    "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "suffix": ("",), "response_format": ({"type": "text"},),
+}  # fmt: skip
 
 
 class StreamOptions(Body):
@@ -46,6 +87,24 @@ class GenerationParams(Body):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    logit_bias: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+    response_format: Any = None
+
+    @field_validator(*UNSUPPORTED)
+    @classmethod
+    def _neutral(cls, value, info):
+        # True == 1 and False == 0: a bool is neutral only where the neutral value is that bool.
+        if value is not None and not any(value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
+                                         for neutral in UNSUPPORTED[info.field_name]):
+            raise ValueError(f"{value!r} is not supported by this server (only {UNSUPPORTED[info.field_name][0]!r})")
+        return value
 
     @field_validator("n")
     @classmethod
@@ -74,6 +133,13 @@ class CompletionRequest(GenerationParams):
     prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for completions
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt):
+        if isinstance(prompt, list) and any(isinstance(p, str | list) for p in prompt):
+            raise ValueError("a list of prompts is not supported: send one prompt (a string or token ids) a request")
+        return prompt
+
 
 class TextPart(Body):
     type: Literal["text"]
@@ -99,6 +165,12 @@ class Message(Body):
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None
     tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"content: a {self.role} message needs content (only an assistant's tool calls don't)")
+        return self
 
     def for_template(self) -> dict:
         """The message as chat templates read it: content as one string (text parts joined, as vLLM does for

@@ -12,6 +12,7 @@ import asyncio
 import json
 import math
 import secrets
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -33,10 +34,11 @@ from hybridjit.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerationParams,
+    error_text,
     field_name,
     field_path,
 )
-from hybridjit.tokenizer import IncrementalDecoder
+from hybridjit.tokenizer import IncrementalDecoder, no_tokenizer
 
 # After SIGTERM, requests in flight have this long to finish before they are cancelled.
 GRACEFUL_SHUTDOWN_SECONDS = 5
@@ -214,7 +216,7 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         return ApiError(400, f"the body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])}")
     if not path:
         return ApiError(400, f"the body must be a JSON object: {error['msg']}")
-    return ApiError(400, f"{field_name(path)}: {error['msg']}", param=path[0], code=error["type"])
+    return ApiError(400, f"{field_name(path)}: {error_text(error)}", param=path[0], code=error["type"])
 
 
 class JsonBodies:
@@ -237,7 +239,7 @@ def create_app(scheduler, *, model_name: str, api_key: str | None = None) -> Fas
     on shutdown, shuts it down."""
     model = scheduler.model
     if model.tokenizer is None:
-        raise ValueError(f"{model.path} has no tokenizer: the server needs one to read and write text")
+        raise ValueError(f"{no_tokenizer(model.path)}: the server needs one to read and write text")
     tokenizer, context = model.tokenizer, model.config.max_position_embeddings
     template = ChatTemplate.of_model(model)
     metrics = ServerMetrics(scheduler)
@@ -362,12 +364,24 @@ def create_app(scheduler, *, model_name: str, api_key: str | None = None) -> Fas
     return app
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port for `serve`: made before the model loads, a port in use is an error at once
+    rather than after minutes of loading."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: restarts reuse the port at once
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
+    return sock
+
+
 def serve(
     model,
     *,
     model_name: str,
-    host: str,
-    port: int,
+    sock: socket.socket,
     api_key: str | None,
     slots: int,
     max_queue: int,
@@ -375,10 +389,13 @@ def serve(
     prefix_cache_bytes: int | None = None,
     online_placement: bool | None = None,
 ):
-    """Serves `model` until SIGINT or SIGTERM; then requests in flight get GRACEFUL_SHUTDOWN_SECONDS to end."""
+    """Serves `model` on `sock` (listening_socket) until SIGINT or SIGTERM; then requests in flight get
+    GRACEFUL_SHUTDOWN_SECONDS to end."""
     scheduler = sched.Scheduler(
         model, slots=slots, max_queue=max_queue, cache_len=cache_len, prefix_cache_bytes=prefix_cache_bytes,
         online_placement=online_placement,
     )
     app = create_app(scheduler, model_name=model_name, api_key=api_key)
-    uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
+    uvicorn.Server(config).run(sockets=[sock])
