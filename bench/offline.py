@@ -60,16 +60,20 @@ def measured_floors(model, memory: dict) -> Floors:
 def decode_step_seconds(model, slots: int, micro_batches: int | None, context: int, steps: int, rng) -> float:
     """Median seconds of a decode step of `slots` sequences each at `context` cached positions, run as the runner
     runs them (the next step dispatched before this one's tokens are read). The caches hold zeros: a step's time
-    depends on how much cache it reads, not on what is in it."""
+    depends on how much cache it reads, not on what is in it; its routing depends on the tokens, which differ."""
     cfg = model.config
     most = model.decode_steps or DEVICE_ONLY_DECODE_STEPS  # decode steps a call may run
     engine = Engine(model, slots, -(-(context + (steps + 2) * most + 4) // 256) * 256, micro_batches)  # as decode.py
     calls = -(-steps // engine.steps)
     one = model.family.model.init_cache(cfg, 1, context, model.dtype, model.placement.device)
-    token = jnp.asarray(rng.integers(2, cfg.vocab_size, 1), jnp.int32)
-    filled = Prefilled(one, token, jnp.ones(1, bool), np.array([context], np.int32))
+    tokens = rng.integers(2, cfg.vocab_size, slots)
     for slot in range(slots):
-        engine.insert(filled, 0, slot, SamplingParams())
+        # Each slot its own token, sampled at temperature 1 with its own seed (as decode.py): identical greedy slots
+        # would route every token to the same experts, and the CPU would read k experts a layer whatever the slots
+        # (the session-15 figures, which did so).
+        filled = Prefilled(one, jnp.asarray(tokens[slot : slot + 1], jnp.int32), jnp.ones(1, bool),
+                           np.array([context], np.int32))
+        engine.insert(filled, 0, slot, SamplingParams(temperature=1.0, seed=slot))
     times, previous, last = [], None, time.perf_counter()
     for i in range(calls + 2):  # the first two compile and record the graphs
         step = engine.generate()

@@ -34,6 +34,7 @@ import numpy as np
 from bench_model import add_model_arguments, load_model
 from floors import machine
 from hybridjit.placement import Placement
+from hybridjit.sampling import SamplingParams
 from hybridjit.serving.scheduler import Finished, Request, Scheduler, Token
 from prefill import h2d_gbps
 
@@ -60,10 +61,14 @@ class Timeline:
         return (self.times[-1] - self.times[0]) / max(1, len(self.times) - 1)
 
 
-def run_workload(scheduler: Scheduler, name: str, prefill: list[int], decode: list[int], decode_tokens: int,
+def run_workload(scheduler: Scheduler, name: str, prefill: list[int], decode: list[list[int]], decode_tokens: int,
                  prefill_outputs: int) -> dict:
     n_decode = {"1P": 0, "1D": 1, "1P+1D": 1, "2D": 2, "1P+2D": 2}[name]
-    requests = [(Request(decode, decode_tokens), "D") for _ in range(n_decode)]
+    # Each D its own prompt, sampled at temperature 1 with its own seed: two identical greedy requests would route
+    # every token to the same experts (the CPU reads one request's), and a random model's greedy tokens settle on a
+    # few that route alike step after step (decode.py).
+    requests = [(Request(decode[i], decode_tokens, SamplingParams(temperature=1.0, seed=i)), "D")
+                for i in range(n_decode)]
     if "P" in name:
         requests.append((Request(prefill, prefill_outputs), "P"))
     start = time.perf_counter()
@@ -89,7 +94,7 @@ def run_policy(model, policy: str, prefill_tokens: int, decode_tokens: int, args
     returns (results with ratios to the baselines, the decode tokens used)."""
     vocab = model.config.vocab_size
     prefill = rng.integers(2, vocab, prefill_tokens).tolist()
-    decode = rng.integers(2, vocab, 10).tolist()
+    decode = rng.integers(2, vocab, (2, 10)).tolist()
     context = min(prefill_tokens + max(decode_tokens, 1024) + 16, model.config.max_position_embeddings)
     scheduler = Scheduler(model, slots=4, cache_len=context, prefix_cache_bytes=0, policy=policy,
                           chunk_tokens=args.chunk)
