@@ -41,16 +41,18 @@ import json
 import os
 import platform
 import statistics
+import threading
 import time
 import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 from moe_cpu import GGUF_FORMATS
 
+import hybridjit_ffi as _ffi
 from bench_model import add_model_arguments, load_model
 from decode import load_gguf_geometry, write_gguf_geometry
 from hybridjit import engine, machine_floors
@@ -120,6 +122,36 @@ def link_floors(devices) -> dict:
     experts are pinned through would get)."""
     return {"h2d_gbps_each_concurrent": round(concurrent_h2d_gbps(devices, 2 * GIB, 5), 2),
             "h2d_gbps_across": round(pinned_h2d_gbps(devices[1], 2 * GIB, 3, source=devices[0]), 2)}
+
+
+def read_while_copying(devices, read_pattern: str, passes: int = 5) -> dict:
+    """The host read floor (one pattern of floors.memory_floors, on the kernels' pool) alone and while `devices`
+    copy pinned host memory to themselves back to back, as a disaggregated prefill streams its experts beside a
+    decode (OSDI '26 §3.3.2): how much of the host's memory bandwidth the CPU kernels keep, and each link's rate
+    meanwhile. The median of `passes` 512 MiB read passes each way."""
+    reader = _ffi.MemoryReader(1 << 29, 0)
+    alone = statistics.median(reader.read_gbps(read_pattern) for _ in range(passes))
+    buffers = [jax.device_put(np.zeros(GIB, np.uint8), SingleDeviceSharding(d, memory_kind="pinned_host"))
+               for d in devices]
+    targets = [SingleDeviceSharding(d, memory_kind="device") for d in devices]
+    stop, copies = threading.Event(), []
+
+    def copy_back_to_back():
+        start = time.perf_counter()
+        while not stop.is_set():
+            jax.block_until_ready([jax.device_put(b, t) for b, t in zip(buffers, targets, strict=True)])
+            copies.append(time.perf_counter())
+        copies.insert(0, start)
+
+    copier = threading.Thread(target=copy_back_to_back)
+    copier.start()
+    time.sleep(0.5)  # copies under way
+    under = statistics.median(reader.read_gbps(read_pattern) for _ in range(passes))
+    stop.set()
+    copier.join()
+    link = GIB * (len(copies) - 1) / (copies[-1] - copies[0]) / 1e9
+    return {"read_gbps_alone": round(alone, 1), "read_gbps_while_copying": round(under, 1),
+            "h2d_gbps_each_while_reading": round(link, 1)}
 
 
 def cpu_expert_tflops(model: engine.Model, tokens: int, repeats=3) -> float:

@@ -32,11 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench_model import add_model_arguments, load_model
-from floors import machine
+from floors import floors_line, machine, memory_floors
 from hybridjit.placement import Placement
 from hybridjit.sampling import SamplingParams
 from hybridjit.serving.scheduler import Finished, Request, Scheduler, Token
-from prefill import h2d_gbps
+from prefill import h2d_gbps, read_while_copying
 
 WORKLOADS = ("1P", "1D", "1P+1D", "2D", "1P+2D")
 
@@ -140,6 +140,14 @@ def main(argv=None):
                           prefill_devices=tuple(jax.devices()[: args.devices]))
     model, name, full = load_model(args, placement, "fp8")
     h2d = h2d_gbps(model.placement.device) if model.placement.device.platform == "gpu" else None
+    memory = memory_floors()
+    print(floors_line(memory))
+    # What a disaggregated prefill's copies leave the CPU kernels of the decode (the devices that do not decode copy).
+    sharing = None
+    if args.devices > 1:
+        sharing = read_while_copying(model.placement.stream_devices[1:], memory["read_pattern"])
+        print(f"host read {sharing['read_gbps_alone']} GB/s alone, {sharing['read_gbps_while_copying']} while "
+              f"{args.devices - 1} GPU(s) copy pinned memory at {sharing['h2d_gbps_each_while_reading']} GB/s each")
     rng = np.random.default_rng(0)
     results = []
     print(f"{'policy':>8} {'workload':>8} {'P tokens':>8} {'D tokens':>8} {'TTFT P s':>9} {'x 1P':>6} "
@@ -154,7 +162,8 @@ def main(argv=None):
         results += rows
     print(json.dumps({"bench": "serve", "model": name, "layers": model.config.num_hidden_layers,
                       "devices": args.devices, "full_layers": full.num_hidden_layers, "machine": machine(),
-                      "floors": {"h2d_gbps": h2d}, "results": results}))
+                      "floors": {"h2d_gbps": h2d, "read_gbps": memory["read_gbps"], "read_while_copying": sharing},
+                      "results": results}))
 
 
 if __name__ == "__main__":
