@@ -63,9 +63,10 @@ def _check_strings(value):
 
 
 # Fields of OpenAI's API that change what is generated or returned and that this server does not implement: taken at
-# their neutral values (what clients send by default), refused otherwise, never ignored. None is always neutral.
+# their neutral values (what clients send by default), refused otherwise, never ignored. None is always neutral;
+# a completion's logprobs=0 is not (OpenAI returns the chosen tokens' log probabilities).
 UNSUPPORTED = {
-    "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "logprobs": (False, 0),
+    "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "logprobs": (False,),
     "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "suffix": ("",), "response_format": ({"type": "text"},),
 }  # fmt: skip
 
