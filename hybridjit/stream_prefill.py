@@ -339,12 +339,18 @@ def _block_passes(counts: np.ndarray, first: int, slots: int) -> _BlockPasses:
 Step = tuple[ExpertBlock, ...]  # one expert block per device of the prefill mesh, in the mesh's order
 
 
+class PrefillAbandoned(Exception):
+    """A stream-loaded prefill stopped between two of its executables because its `abandon` said so."""
+
+
 class _Ring:
     """Steps of expert blocks copied to the devices in the order the layers read them, each block to its own device
     of the mesh, at most `depth` steps resident: the ring of each device holds at most `depth` blocks."""
 
-    def __init__(self, steps: list[Step], depth: int, mesh: Mesh, while_copying: Callable[[], bool] | None):
+    def __init__(self, steps: list[Step], depth: int, mesh: Mesh, while_copying: Callable[[], bool] | None,
+                 abandon: Callable[[], bool] | None = None):
         self.mesh, self._devices = mesh, list(mesh.devices.flat)
+        self._abandon = abandon
         self._shardings = [SingleDeviceSharding(d, memory_kind="device") for d in self._devices]
         self._stacked = NamedSharding(mesh, P(PREFILL_AXIS))
         self._while_copying = while_copying
@@ -393,7 +399,9 @@ class _Ring:
     def run(self, phase: str, executable, *args):
         """Dispatches one executable after issuing every copy there is room for, and waits for it: the next
         copies then find the compute queue empty and start at once. Its wall time, waits for its blocks'
-        copies included, is added to phase_seconds[phase]."""
+        copies included, is added to phase_seconds[phase]. Raises PrefillAbandoned first where `abandon` says."""
+        if self._abandon is not None and self._abandon():
+            raise PrefillAbandoned(f"abandoned before {phase}")
         self.load()
         start = time.perf_counter()
         out = jax.block_until_ready(executable(*args))
@@ -446,6 +454,7 @@ def stream_prefill(
     attention_chunk: int | None = None,
     stats: StreamStats | None = None,
     while_copying: Callable[[], bool] | None = None,
+    abandon: Callable[[], bool] | None = None,
     devices: tuple[jax.Device, ...] | None = None,
 ):
     """Prefill of right-padded prompts tokens [b, t] with their lengths [b], with the routed experts streamed
@@ -454,7 +463,8 @@ def stream_prefill(
     `while_copying`, when given, is called again and again while the next expert block's copy is in flight,
     until the copy lands or it returns False (nothing to do): the serving scheduler runs decode steps of other
     requests there, on the GPU time a streamed layer leaves idle. They run before the block's GEMMs are queued,
-    so they never wait behind work that waits for a copy.
+    so they never wait behind work that waits for a copy. `abandon`, when given, is asked before each executable:
+    True stops the prefill there with PrefillAbandoned (its request was cancelled, or the server is stopping).
 
     The contract of the engine's prefill: `cache` (init_cache of at least t positions) is donated and comes
     back in the layout decode_step reads, on the placement's device. The model must have been loaded with
@@ -486,7 +496,7 @@ def stream_prefill(
     stats = stats if stats is not None else StreamStats()
     stats.plan = plan
     start = time.perf_counter()
-    ring = _Ring([step for layer in steps.values() for step in layer], plan.depth, mesh, while_copying)
+    ring = _Ring([step for layer in steps.values() for step in layer], plan.depth, mesh, while_copying, abandon)
     x = ring.run("embed", lambda: weights.embed[tokens])
     for i, layer in enumerate(weights.layers):
         ring.phase_seconds.clear()

@@ -10,6 +10,7 @@ process); on a machine with several GPUs run it directly: `pytest tests/distribu
 
 import gc
 import threading
+import time
 
 import jax
 import numpy as np
@@ -38,6 +39,7 @@ from hybridjit.models.common import gqa
 from hybridjit.models.common.moe import MoE
 from hybridjit.models.common.prefill_cores import HeadsSplit
 from hybridjit.pinned_experts import pinned_layer
+from hybridjit.serving import scheduler as scheduler_module
 from hybridjit.serving.scheduler import Request, Scheduler
 
 DEVICES = jax.devices()
@@ -238,3 +240,77 @@ def test_scheduler_disaggregates_a_long_prompt_that_arrives_while_another_decode
     finally:
         for m in (model, one_device):
             m.stream_prefill_threshold = None
+
+
+class HeldDisaggregatedPrefill:
+    """The scheduler's stream_prefill, with its first disaggregated call (the prefill thread's) held until the
+    scheduler abandons it, then going on to the real one (which then stops at its first executable)."""
+
+    def __init__(self, monkeypatch):
+        self.real, self.started, self.abandoned = scheduler_module.stream_prefill, threading.Event(), threading.Event()
+        self.thread = None
+        monkeypatch.setattr(scheduler_module, "stream_prefill", self)
+
+    def __call__(self, *args, abandon=None, devices=None, **options):
+        if devices is not None and not self.started.is_set():
+            self.thread = threading.current_thread()
+            self.started.set()
+            while not abandon():
+                time.sleep(0.005)
+            self.abandoned.set()
+        return self.real(*args, abandon=abandon, devices=devices, **options)
+
+
+def decoding_then_long(model, scheduler, short, long):
+    """Submits `short`, waits for its first token, then submits `long` (disaggregated): their Collectors and
+    the long request's ticket."""
+    decoding, arriving, first_token = Collector(), Collector(), threading.Event()
+    scheduler.submit(Request(short, 24), lambda e: (decoding(e), first_token.set()))
+    assert first_token.wait(60)
+    return decoding, arriving, scheduler.submit(Request(long, 6), arriving)
+
+
+def test_a_cancelled_disaggregated_prefill_stops_and_the_prompts_after_it_get_their_own_tokens(model, one_device,
+                                                                                                monkeypatch):
+    short, long = [5, 17, 42], [int(t) for t in np.random.default_rng(2).integers(2, 200, 24)]
+    held = HeldDisaggregatedPrefill(monkeypatch)
+    for m in (model, one_device):
+        m.stream_prefill_threshold = 16
+    try:
+        expected_short, _ = solo(one_device, short, 24)
+        expected_long, _ = solo(one_device, long, 6)
+        scheduler = Scheduler(model, slots=2, cache_len=64)
+        scheduler.start()
+        try:
+            decoding, cancelled, ticket = decoding_then_long(model, scheduler, short, long)
+            assert held.started.wait(60)
+            ticket.cancel()
+            assert cancelled.wait().reason == "cancelled" and cancelled.tokens == []
+            assert held.abandoned.wait(60), "the prefill thread went on with a cancelled request"
+            again = Collector()
+            scheduler.submit(Request(long, 6), again)  # streamed in the thread again or over every device
+            decoding.wait(), again.wait()
+            assert scheduler.stats()["disaggregated_prefills"] <= 1  # the abandoned one does not count
+        finally:
+            scheduler.shutdown()
+        assert decoding.tokens == expected_short and again.tokens == expected_long
+        assert cancelled.after_finished == decoding.after_finished == again.after_finished == 0
+    finally:
+        for m in (model, one_device):
+            m.stream_prefill_threshold = None
+
+
+def test_shutdown_during_a_disaggregated_prefill_ends_every_request_and_the_prefill_thread(model, monkeypatch):
+    long = [int(t) for t in np.random.default_rng(3).integers(2, 200, 24)]
+    held = HeldDisaggregatedPrefill(monkeypatch)
+    model.stream_prefill_threshold = 16
+    try:
+        scheduler = Scheduler(model, slots=2, cache_len=64)
+        scheduler.start()
+        decoding, arriving, _ = decoding_then_long(model, scheduler, [5, 17, 42], long)
+        assert held.started.wait(60)
+        scheduler.shutdown(timeout=60)
+        assert arriving.wait().reason == "cancelled" and decoding.wait().reason == "cancelled"
+        assert held.abandoned.is_set() and not held.thread.is_alive()
+    finally:
+        model.stream_prefill_threshold = None

@@ -328,6 +328,20 @@ def test_budget_below_one_block_is_a_clear_error(case, model, tokens):
         streamed(model, tokens, attention_chunk=CHUNK, vram_budget=plan.activation_bytes + plan.block_bytes - 1)
 
 
+def test_abandon_stops_the_prefill_before_its_next_executable(case, model, tokens):
+    only(case, FULL)
+    asked = []
+
+    def abandon():  # the serving scheduler's: the request ended, or the server stops
+        asked.append(len(asked))
+        return len(asked) > 3
+
+    with pytest.raises(sp.PrefillAbandoned, match="^abandoned before "):
+        streamed(model, tokens, abandon=abandon)
+    assert len(asked) == 4  # asked before each executable, none run after it said so
+    assert streamed(model, tokens, abandon=lambda: False)[0].shape == (len(tokens), model.config.vocab_size)
+
+
 def test_unpinned_model_is_refused(case, checkpoint, tokens):
     only(case, FULL)
     unpinned = hybrid("float32", pinned_experts=False)

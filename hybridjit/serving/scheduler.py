@@ -157,7 +157,11 @@ class Scheduler:
         if disaggregate and not others:
             raise ValueError("disaggregate: the placement has no prefill device besides the one that decodes")
         self._prefiller = concurrent.futures.ThreadPoolExecutor(1, "hybridjit-prefill") if self._apart else None
-        self.disaggregated_prefills = 0
+        # The prefill thread's last job: one whose request ended while it ran stops at its next executable
+        # (stream_prefill's abandon), and a prefill on every device waits for that first (no two on one GPU).
+        self._last_apart: concurrent.futures.Future | None = None
+        self._abandoning = False  # set as the loop ends: the prefill thread's work stops
+        self.disaggregated_prefills = 0  # completed ones
 
     # --------------------------------------------------------------------------- the public side
 
@@ -242,7 +246,8 @@ class Scheduler:
             if self.online is not None:
                 self.online.close()
             if self._prefiller is not None:
-                self._prefiller.shutdown(wait=False, cancel_futures=True)
+                self._abandoning = True
+                self._prefiller.shutdown(wait=True, cancel_futures=True)
 
     def _end_cancelled_and_late(self):
         now = time.monotonic()
@@ -262,6 +267,8 @@ class Scheduler:
                     self._queue.remove(job)
                 self._finish(job, why)
         if self._prefilling is not None and (why := reason(self._prefilling)):
+            if self._prefilling.apart is not None:
+                self._prefilling.apart.cancel()  # not started yet: never runs; else it abandons (job.finished)
             self._finish(self._prefilling, why)
             self._prefilling = None
         for job in list(self._active.values()):
@@ -294,11 +301,13 @@ class Scheduler:
                         concurrent.futures.wait([job.apart], timeout=0.05)
                     return
                 prefilled = job.apart.result()
+                self.disaggregated_prefills += 1
             elif job.done == 0 and self.policy == "slo" and self._streams(len(prompt)):
                 if decoding and self._apart:
-                    job.apart = self._prefiller.submit(self._stream_prefill, job, self._apart)
-                    self.disaggregated_prefills += 1
+                    job.apart = self._last_apart = self._prefiller.submit(self._stream_prefill, job, self._apart)
                     return
+                if self._last_apart is not None:
+                    concurrent.futures.wait([self._last_apart])  # an abandoned one, ending at its next executable
                 prefilled = self._stream_prefill(job)
             elif job.done == 0 and self.policy == "slo" and not decoding and len(prompt) <= MAX_CHUNK:
                 prefilled = engine.prefill([prompt], [params])
@@ -312,7 +321,8 @@ class Scheduler:
                 if job.done < len(prompt):
                     return
             first, finite = int(np.asarray(prefilled.tokens)[0]), bool(np.asarray(prefilled.finite)[0])
-            raise_gpu_errors()
+            if job.apart is None:  # else no CPU kernel ran for it: a flagged error is a decode step's, read there
+                raise_gpu_errors()
         except Exception as e:
             log.exception("prefill failed")
             self._finish(job, "error", f"prefill failed: {e}")
@@ -346,7 +356,9 @@ class Scheduler:
         tokens[0, : len(prompt)] = prompt
         lengths = np.array([len(prompt)], np.int32)
         decodes = None if devices else self._decode_between_copies
-        logits, cache = stream_prefill(self.model, tokens, lengths, cache, while_copying=decodes, devices=devices)
+        abandon = (lambda: job.finished or self._abandoning) if devices else None
+        logits, cache = stream_prefill(self.model, tokens, lengths, cache, while_copying=decodes, abandon=abandon,
+                                       devices=devices)
         first, finite = engine.sample(logits, job.request.sampling)
         return Prefilled(cache, first, finite, lengths)
 
