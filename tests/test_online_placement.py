@@ -110,7 +110,7 @@ def test_a_scheduler_that_re_places_between_steps_gives_what_each_request_gets_a
     counts match the tokens decoded, and every request gets its solo greedy tokens."""
     cfg = split.config
     rng = np.random.default_rng(2)
-    batch = prompts(split, 8, rng)
+    batch = prompts(split, 5, rng)  # more than the slots: slots are refilled between re-placements
     lengths = [int(n) for n in rng.integers(8, 24, len(batch))]
     expected = [solo(split, p, n) for p, n in zip(batch, lengths, strict=True)]
     before = split.residency
