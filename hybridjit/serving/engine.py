@@ -346,11 +346,12 @@ class Engine:
             (first, finite), cache = _prefill_program(m.config, m.weights, tokens, lengths, cache, keys, *sampling)
         return Prefilled(cache, first, finite, lengths)
 
-    def new_prompt_cache(self, length: int) -> list:
-        """An empty cache of one row with room for a prompt of `length` tokens (bucketed), for extend."""
+    def new_prompt_cache(self, length: int, device: jax.Device | None = None) -> list:
+        """An empty cache of one row with room for a prompt of `length` tokens (bucketed), for extend; on `device`
+        (default: the placement's)."""
         m = self.model
         width = min(bucket(length), self.cache_len)
-        return m.family.model.init_cache(m.config, 1, width, m.dtype, m.placement.device)
+        return m.family.model.init_cache(m.config, 1, width, m.dtype, device or m.placement.device)
 
     def extend(self, cache: list, tokens: list[int], start: int, params: SamplingParams, chunk: int) -> Prefilled:
         """One row's prompt tokens at positions [start, start + len(tokens)) added to `cache` (donated),

@@ -351,7 +351,8 @@ class Scheduler:
         prefill thread), or on the placement's prefill devices with decode steps of the running requests while its
         expert blocks' copies are in flight."""
         engine, prompt = self.engine, job.tokens
-        cache = engine.new_prompt_cache(len(prompt))
+        # A disaggregated prefill's empty cache on a device it streams on: the decoding one gets only the result.
+        cache = engine.new_prompt_cache(len(prompt), devices[0] if devices else None)
         tokens = np.zeros((1, jax.tree.leaves(cache)[0].shape[1]), np.int32)
         tokens[0, : len(prompt)] = prompt
         lengths = np.array([len(prompt)], np.int32)
