@@ -134,14 +134,13 @@ def read_while_copying(devices, read_pattern: str, passes: int = 5) -> dict:
     buffers = [jax.device_put(np.zeros(GIB, np.uint8), SingleDeviceSharding(d, memory_kind="pinned_host"))
                for d in devices]
     targets = [SingleDeviceSharding(d, memory_kind="device") for d in devices]
-    stop, copies = threading.Event(), []
+    stop, times = threading.Event(), []  # the start, then the end of each round of copies
 
     def copy_back_to_back():
-        start = time.perf_counter()
+        times.append(time.perf_counter())
         while not stop.is_set():
             jax.block_until_ready([jax.device_put(b, t) for b, t in zip(buffers, targets, strict=True)])
-            copies.append(time.perf_counter())
-        copies.insert(0, start)
+            times.append(time.perf_counter())
 
     copier = threading.Thread(target=copy_back_to_back)
     copier.start()
@@ -149,7 +148,7 @@ def read_while_copying(devices, read_pattern: str, passes: int = 5) -> dict:
     under = statistics.median(reader.read_gbps(read_pattern) for _ in range(passes))
     stop.set()
     copier.join()
-    link = GIB * (len(copies) - 1) / (copies[-1] - copies[0]) / 1e9
+    link = GIB * (len(times) - 1) / (times[-1] - times[0]) / 1e9
     return {"read_gbps_alone": round(alone, 1), "read_gbps_while_copying": round(under, 1),
             "h2d_gbps_each_while_reading": round(link, 1)}
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hybridjit import expert_residency, machine_floors
@@ -25,7 +25,7 @@ from hybridjit.models.common.resident_experts import ResidentExperts
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.ops.async_experts import raise_gpu_errors
 from hybridjit.pinned_experts import pinned_layer, size_host_memory_pool
-from hybridjit.placement import PREFILL_AXIS, Placement, compute_dtype
+from hybridjit.placement import Placement, compute_dtype, prefill_mesh
 from hybridjit.resolve import resolve_model
 from hybridjit.sampling import SamplingParams, integer, is_integer
 from hybridjit.serving.engine import Engine, bucket
@@ -132,7 +132,7 @@ class Model:
             self._prefill_weights = jax.device_put(streamed, NamedSharding(self.placement.prefill_mesh, P()))
         if devices == everywhere:
             return self._prefill_weights
-        mesh = Mesh(np.array(devices), (PREFILL_AXIS,))
+        mesh = prefill_mesh(devices)
 
         def on_devices(a):
             shards = {s.device: s.data for s in a.addressable_shards}

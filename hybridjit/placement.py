@@ -19,6 +19,12 @@ COMPUTE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 PREFILL_AXIS = "experts"
 
 
+def prefill_mesh(devices) -> Mesh:
+    """`devices` as a mesh along PREFILL_AXIS: every array of one stream-loaded prefill shares its axis name (XLA on
+    a GPU refuses a program whose arguments sit on meshes that differ only by it)."""
+    return Mesh(np.array(devices), (PREFILL_AXIS,))
+
+
 def compute_dtype(dtype) -> jnp.dtype:
     """`dtype` as a compute dtype: "float32" or "bfloat16", or jnp.float32 / jnp.bfloat16; else a ValueError."""
     try:
@@ -86,7 +92,7 @@ class Placement:
     @property
     def prefill_mesh(self) -> Mesh:
         """stream_devices as a mesh along PREFILL_AXIS."""
-        return Mesh(np.array(self.stream_devices), (PREFILL_AXIS,))
+        return prefill_mesh(self.stream_devices)
 
     def experts_on_device(self, layer: int) -> bool:
         return layer in self.device_expert_layers

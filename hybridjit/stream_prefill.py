@@ -56,7 +56,7 @@ from hybridjit.models.common.prefill_cores import HeadsSplit
 from hybridjit.models.common.routing import route
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.pinned_experts import ExpertBlock, PinnedExperts, pinned_layer
-from hybridjit.placement import PREFILL_AXIS
+from hybridjit.placement import PREFILL_AXIS, prefill_mesh
 from hybridjit.quant import scale_shape
 
 # Scores of one query chunk of ChunkedAttention ([b, h, chunk, s] float32, about three live copies) stay
@@ -481,7 +481,7 @@ def stream_prefill(
     """
     cfg, dtype = model.config, model.dtype
     devices = devices or model.placement.stream_devices
-    mesh = Mesh(np.array(devices), (PREFILL_AXIS,))
+    mesh = prefill_mesh(devices)
     weights = model.prefill_weights(devices)
     pinned = _pinned_layers(weights)
     steps = {i: _steps(i, layer, mesh.size) for i, layer in pinned.items()}
