@@ -69,9 +69,34 @@ def _plain(value: Any) -> Any:
     return value.item() if isinstance(value, np.generic) else value
 
 
+class _Reader(gguf.GGUFReader):
+    """GGUFReader that names a tensor whose bytes run past the end of its file: the reader maps every tensor
+    as it opens the file, and its own error for a short one is numpy's reshape error, naming nothing. The
+    check runs in its private `_build_tensors` step (gguf 0.19); should a release rename that, a short file
+    is still refused, by _read's generic error."""
+
+    def __init__(self, file: Path):
+        self.file = file
+        super().__init__(file)
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        for field in fields:
+            _, name, _, dims, raw_type, offset = field.parts
+            block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(raw_type[0])]
+            end = int(start_offs + offset[0]) + int(np.prod(dims)) * block_bytes // block
+            if end > self.data.size:
+                raise GGUFError(
+                    f"{self.file}: truncated: tensor {bytes(name).decode()} ends at byte {end} "
+                    f"but the file has {self.data.size} bytes"
+                )
+        super()._build_tensors(start_offs, fields)
+
+
 def _read(file: Path) -> gguf.GGUFReader:
     try:
-        return gguf.GGUFReader(file)
+        return _Reader(file)
+    except GGUFError:
+        raise
     except (ValueError, IndexError, KeyError, OSError) as e:
         size = file.stat().st_size if file.exists() else 0
         raise GGUFError(f"{file}: not a readable GGUF file ({size} bytes; {e})") from None
@@ -96,11 +121,8 @@ class GGUFFile:
             raise GGUFError(f"{self.parts[0]}: no general.architecture key: not a llama.cpp model file")
 
     def _add_tensors(self, file: Path, reader: gguf.GGUFReader) -> None:
-        size = reader.data.size
         for t in reader.tensors:
             end = int(t.data_offset) + int(t.n_bytes)
-            if end > size:
-                raise GGUFError(f"{file}: truncated: tensor {t.name} ends at byte {end} but the file has {size} bytes")
             if t.name in self.tensors:
                 raise GGUFError(f"tensor {t.name} is stored twice: {self.tensors[t.name].file} and {file}")
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
