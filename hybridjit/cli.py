@@ -3,8 +3,9 @@
 this machine's measured `floors`.
 
 Only the completion goes to stdout; progress, statistics and errors go to stderr. An error is one line,
-`hybridjit: error: ...`, and the exit status says what kind: 2 bad input (arguments, files, checkpoints),
-1 a failure nobody foresaw (the line names its exception), 130 Ctrl-C, 141 stdout closed early (`| head`).
+`hybridjit: error: ...` (a checkpoint that does not match its config.json lists its further problems under
+it), and the exit status says what kind: 2 bad input (arguments, files, checkpoints), 1 a failure nobody
+foresaw (the line names its exception), 130 Ctrl-C, 141 stdout closed early (`| head`).
 """
 
 import argparse

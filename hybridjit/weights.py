@@ -99,13 +99,18 @@ def check_checkpoint(cfg: ModelConfig, ckpt) -> None:
     unexpected = [n for n in ckpt.tensors if n not in layout and n not in expected_scales and not skipped(n)]
     problems += [f"unexpected tensor {n}" for n in sorted(unexpected)]
     if problems:
-        shown = "\n  ".join(problems[:12]) + (f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else "")
+        # The first problem is on the first line, which alone then says what is wrong (a log keeps only it).
+        message = f"{ckpt.directory} does not match its config.json: {problems[0]}"
+        if len(problems) > 1:
+            message += f"; {len(problems) - 1} more:" + "".join(f"\n  {p}" for p in problems[1:12])
+        if len(problems) > 12:
+            message += f"\n  ... and {len(problems) - 12} more"
         if any(_layer_index(n, -1) >= layers for n in unexpected):
-            shown += (
+            message += (
                 f"\n  (layers past the {layers} that config.json declares: num_hidden_layers "
                 f"{cfg.num_hidden_layers} + num_nextn_predict_layers {cfg.num_nextn_predict_layers})"
             )
-        raise CheckpointError(f"{ckpt.directory} does not match its config.json ({len(problems)} problems):\n  {shown}")
+        raise CheckpointError(message)
 
 
 def routed_expert_bytes(cfg: ModelConfig, ckpt) -> int:

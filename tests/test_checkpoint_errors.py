@@ -1,6 +1,7 @@
 """Bad checkpoints and configs fail with errors that name the file, tensor or field at fault."""
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -125,6 +126,20 @@ def _edit_config(ckpt, **changes):
     config = json.loads((ckpt / "config.json").read_text())
     config.update(changes)
     (ckpt / "config.json").write_text(json.dumps(config))
+
+
+def test_a_mismatch_with_config_names_its_first_problem_on_the_first_line(ckpt):
+    _edit_config(ckpt, n_routed_experts=8)  # 16 experts stored: misshapen gates, unexpected experts
+    with pytest.raises(CheckpointError) as error:
+        hybridjit.load(ckpt)
+    first, *listed = str(error.value).splitlines()
+    head = re.fullmatch(
+        rf"{re.escape(str(ckpt))} does not match its config\.json: model-\d+-of-\d+\.safetensors: "
+        r"model\.layers\.1\.mlp\.gate\.weight has shape \[16, 200\], config\.json implies \[8, 200\]; (\d+) more:",
+        first,
+    )
+    assert head, first
+    assert len(listed) == 12 and listed[-1] == f"  ... and {int(head[1]) - 11} more"
 
 
 def test_too_few_layers_in_the_config_is_not_a_silent_truncation(ckpt):
