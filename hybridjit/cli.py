@@ -222,8 +222,17 @@ def cmd_floors(args) -> int:
 
     cache = machine_floors.FloorCache()
     floors = cache.floors(jax.devices()[0], remeasure=args.remeasure)
-    print(json.dumps({**dataclasses.asdict(floors), "cache": str(cache.path),
-                      "cpu_experts_tflops": cache.cpu_expert_rates(floors.machine)}, indent=1))
+    rates = cache.cpu_expert_rates(floors.machine)
+    print(json.dumps({**dataclasses.asdict(floors), "cache": str(cache.path), "cpu_experts_tflops": rates}, indent=1))
+    if not rates:  # a rate is of a model's expert format and shapes: measured by a model, not by this command
+        why = (
+            "the rate only decides whether a prompt's routed experts are streamed to an accelerator, and this "
+            "machine has none"
+            if floors.pcie_gbps is None
+            else "a model's is measured the first time it chooses a prompt's prefill path, its routed experts in "
+            "pinned host memory"
+        )
+        print(f"cpu_experts_tflops: none measured: {why}", file=sys.stderr)
     return 0
 
 

@@ -13,7 +13,7 @@ import pytest
 from hybrid_placement import hybrid
 
 import hybridjit
-from hybridjit import machine_floors
+from hybridjit import cli, machine_floors
 from hybridjit.machine_floors import FloorCache, MachineFloors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +81,19 @@ def test_the_floors_command_prints_them_as_json(tmp_path):
     shown = json.loads(out.stdout)
     assert shown["host_read_gbps"] > 0 and shown["cache"] == str(tmp_path / machine_floors.CACHE_FILE)
     assert (tmp_path / machine_floors.CACHE_FILE).exists()
+    assert shown["cpu_experts_tflops"] == {}  # said why on stderr, not left an unexplained empty dict
+    why = "the rate only decides whether a prompt's routed experts are streamed to an accelerator, and this machine"
+    assert f"cpu_experts_tflops: none measured: {why} has none" in out.stderr
+
+
+def test_the_floors_command_on_a_gpu_machine_says_when_a_cpu_expert_rate_is_measured(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HYBRIDJIT_CACHE", str(tmp_path))
+    gpu_machine = MachineFloors("a gpu", host_read_gbps=30.0, pcie_gbps=50.0, gpu_tflops=900.0, gpu_hbm_gbps=3e3)
+    monkeypatch.setattr(machine_floors, "measure", lambda device: gpu_machine)
+    assert cli.main(["floors"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["cpu_experts_tflops"] == {}
+    assert "none measured: a model's is measured the first time it chooses a prompt's prefill path" in captured.err
 
 
 @pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="the accelerator's floors need one")
