@@ -200,37 +200,57 @@ def _moe_front(cfg, attention, layer, x, cache):
     return x, tokens, ids, weights, shared, counts, cache
 
 
-@partial(jax.jit, static_argnums=(0, 1))
-def _dispatch(steps, mesh, tokens, ids, weights, counts):
+def _dispatch(plans, firsts, mesh, tokens, ids, weights, counts):
     """The routed pairs grouped by expert for each step, per device of the step as its block's _BlockPasses plan
     says, stacked [devices, ...]: (rows, slot weights) of the first pass over all the block's experts, and for the
     later passes (None without) the busy experts' indices in the block and their rows and slot weights [passes,
     busy, capacity]; then each device's zero sum of its routed experts [devices, tokens, d]. Every device groups
-    the pairs of every device's blocks (SmallEP's redundant local sorting: cheaper than sending tokens). All here
-    so that no block's executable needs an argument from the host: a host-to-device copy would queue behind the
-    block copies on the transfer stream and hold the GPU up."""
-    grouped = []
-    for step in steps:
-        per_device = [_group_block(plan, ids, weights, counts) for plan in step]
-        grouped.append(jax.tree.map(lambda *a: jnp.stack(a), *per_device))
-    sums = jnp.zeros((mesh.size, *tokens.shape), jnp.float32)
-    return grouped, jax.lax.with_sharding_constraint(sums, NamedSharding(mesh, P(PREFILL_AXIS)))
+    the pairs of every device's blocks (SmallEP's redundant local sorting: cheaper than sending tokens). All
+    before the layer's first block, so that no block's executable needs an argument from the host: a
+    host-to-device copy would queue behind the block copies on the transfer stream and hold the GPU up.
+
+    One program per step shape, the blocks' first experts an argument (`firsts`: each step's, on the mesh): one
+    program over a layer's plans, or with the blocks' positions static, was compiled again for nearly every new
+    prompt (seconds a layer), as its routing moves the busiest expert of some step to another capacity."""
+    grouped = [_group_step(tuple(dataclasses.replace(p, first=0) for p in step), ids, weights, counts,
+                           firsts[tuple(p.first for p in step)]) for step in plans]  # fmt: skip
+    return grouped, _zero_sums(mesh, tokens.shape)
 
 
-def _group_block(plan, ids, weights, counts):
+@partial(jax.jit, static_argnums=0)
+def _group_step(shapes, ids, weights, counts, firsts):
+    per_device = [_group_block(shape, first, ids, weights, counts) for shape, first in zip(shapes, firsts, strict=True)]
+    return jax.tree.map(lambda *a: jnp.stack(a), *per_device)
+
+
+@partial(jax.jit, static_argnums=(0, 1))
+def _zero_sums(mesh, shape):
+    sums = jnp.zeros((mesh.size, *shape), jnp.float32)
+    return jax.lax.with_sharding_constraint(sums, NamedSharding(mesh, P(PREFILL_AXIS)))
+
+
+def _group_block(plan, first, ids, weights, counts):
     empty = ids.shape[0]
-    first_pass = group_by_expert(ids, weights, plan.size, plan.capacity, plan.first)
+    first_pass = group_by_expert(ids, weights, plan.size, plan.capacity, first)
     later = None
     if plan.later:
-        left = counts[plan.first : plan.first + plan.size] > plan.capacity
+        left = jax.lax.dynamic_slice(counts, (first,), (plan.size,)) > plan.capacity
         busy = jnp.nonzero(left, size=plan.busy, fill_value=0)[0]
         real = (jnp.arange(plan.busy) < left.sum())[:, None]  # the padding repeats expert 0: keep it empty
         skips = [plan.capacity + p * plan.later_capacity for p in range(plan.later)]
-        grouped = [group_by_expert(ids, weights, plan.size, plan.later_capacity, plan.first, skip) for skip in skips]
+        grouped = [group_by_expert(ids, weights, plan.size, plan.later_capacity, first, skip) for skip in skips]
         rows = jnp.stack([jnp.where(real, r[busy], empty) for r, _ in grouped])
         slot_weights = jnp.stack([jnp.where(real, w[busy], 0) for _, w in grouped])
         later = (busy, rows, slot_weights)
     return first_pass, later
+
+
+def _step_firsts(steps: dict, replicated: NamedSharding) -> dict[tuple[int, ...], jax.Array]:
+    """Each distinct step's first experts (one per device) as an int32 array on the prefill mesh, copied before any
+    expert block is: `steps` {layer: [Step]}; the layers of a model mostly share their steps, so a handful of tiny
+    copies."""
+    starts = sorted({tuple(b.start for b in step) for layer in steps.values() for step in layer})
+    return dict(zip(starts, jax.device_put([np.array(s, np.int32) for s in starts], replicated), strict=True))
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2), donate_argnames="out")
@@ -489,6 +509,7 @@ def stream_prefill(
     tokens = jax.device_put(np.asarray(tokens, np.int32), replicated)
     lengths = jax.device_put(np.asarray(lengths, np.int32), replicated)
     cache = jax.device_put(list(cache), replicated)
+    firsts = _step_firsts(steps, replicated)
     plan = plan_ring(
         cfg, list(pinned.values()), *tokens.shape, dtype, _least_free(mesh.devices.flat),
         vram_budget=vram_budget, depth=depth, attention_chunk=attention_chunk, mesh=mesh,
@@ -501,7 +522,8 @@ def stream_prefill(
     for i, layer in enumerate(weights.layers):
         ring.phase_seconds.clear()
         if i in pinned:
-            x, cache[i], slots = _moe_layer(cfg, plan, layer, pinned[i].storage, steps[i], x, cache[i], ring, dtype)
+            x, cache[i], slots = _moe_layer(cfg, plan, layer, pinned[i].storage, steps[i], firsts, x, cache[i], ring,
+                                            dtype)
             stats.expert_slots += sum(map(sum, slots))
             stats.block_passes += sum(map(len, slots))
             stats.largest_pass_slots = max(stats.largest_pass_slots, *map(max, slots))
@@ -579,7 +601,8 @@ def _pinned_layers(weights) -> dict[int, PinnedExperts]:
     return pinned
 
 
-def _moe_layer(cfg, plan: RingPlan, layer, storage: ExpertStorage, steps: list[Step], x, cache, ring: _Ring, dtype):
+def _moe_layer(cfg, plan: RingPlan, layer, storage: ExpertStorage, steps: list[Step], firsts, x, cache, ring: _Ring,
+               dtype):
     # The expert-bank layer id is static pytree metadata: drop it so that every MoE layer shares executables.
     layer = dataclasses.replace(layer, mlp=dataclasses.replace(layer.mlp, expert_layer=None))
     x, tokens, ids, weights, shared, counts, cache = ring.run(
@@ -594,7 +617,7 @@ def _moe_layer(cfg, plan: RingPlan, layer, storage: ExpertStorage, steps: list[S
         shape = _block_passes(busiest, 0, plan.block_slots)
         plans.append(tuple(dataclasses.replace(shape, first=b.start) for b in step))
     mesh = ring.mesh
-    grouped, out = ring.run("dispatch", _dispatch, tuple(plans), mesh, tokens, ids, weights, counts)
+    grouped, out = ring.run("dispatch", _dispatch, plans, firsts, mesh, tokens, ids, weights, counts)
     for step, step_grouped in zip(steps, grouped, strict=True):
         arrays = ring.take(step)
         out = ring.run(

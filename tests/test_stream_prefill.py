@@ -19,6 +19,7 @@ FULL only; skewed routing and generation through the engine also on gpt-oss (exp
 windows and sinks through the serving engine).
 """
 
+import collections
 import dataclasses
 import gc
 
@@ -220,6 +221,10 @@ def test_grouping_by_block_places_each_pair_once(capacity, skip):
     ids = np.stack([rng.choice(n, k, replace=False) for _ in range(t)]).astype(np.int32)
     weights = rng.random((t, k)).astype(np.float32)
     rows, slot_weights = map(np.asarray, group_by_expert(ids, weights, size, capacity, first, skip))
+    # The block's first expert traced (stream_prefill's grouping programs take it as an argument): the same slots.
+    traced = jax.jit(group_by_expert, static_argnums=(2, 3, 5))(ids, weights, size, capacity, np.int32(first), skip)
+    np.testing.assert_array_equal(np.asarray(traced[0]), rows)
+    np.testing.assert_array_equal(np.asarray(traced[1]), slot_weights)
     assert rows.shape == slot_weights.shape == (size, capacity)
     for e in range(size):
         token, j = np.nonzero(ids == first + e)  # in token order
@@ -340,6 +345,25 @@ def test_abandon_stops_the_prefill_before_its_next_executable(case, model, token
         streamed(model, tokens, abandon=abandon)
     assert len(asked) == 4  # asked before each executable, none run after it said so
     assert streamed(model, tokens, abandon=lambda: False)[0].shape == (len(tokens), model.config.vocab_size)
+
+
+def test_new_prompts_reuse_the_grouping_programs(case, model, monkeypatch):
+    """The programs that group a layer's routed pairs are keyed by their steps' shapes alone, never by the blocks'
+    positions or a whole layer's plans: prompts routed differently share them (one program over a layer's plans
+    was compiled again for nearly every new prompt, seconds a layer on the GPU)."""
+    only(case, FULL)
+    positions, group_step = collections.defaultdict(set), sp._group_step
+
+    def recording(shapes, ids, weights, counts, firsts):
+        positions[shapes].add(tuple(np.asarray(firsts)))
+        return group_step(shapes, ids, weights, counts, firsts)
+
+    monkeypatch.setattr(sp, "_group_step", recording)
+    rng = np.random.default_rng(7)
+    for _ in range(3):
+        streamed(model, rng.integers(2, model.config.vocab_size, (2, 24)).astype(np.int32))
+    assert all(plan.first == 0 for shapes in positions for plan in shapes)
+    assert max(map(len, positions.values())) > 1  # one program for blocks at several positions
 
 
 def test_unpinned_model_is_refused(case, checkpoint, tokens):

@@ -83,16 +83,19 @@ def grouped_pairs(ids: jax.Array, weights: jax.Array, n_experts: int, capacity: 
     order from its `skip`-th on (so calls with skip = 0, capacity, 2 x capacity, ... cover an expert's pairs
     in passes of bounded size); pairs beyond skip + capacity are dropped, never written into another expert's
     slots: dropless when skip = 0 and capacity >= the largest count among these experts. Calls on the same ids
-    in one jit share their sort.
+    in one jit share their sort. `first` may be traced: one program then serves every block of n_experts.
     """
     t, k = ids.shape
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
-    expert = flat[order]
-    counts = jnp.zeros(max(first + n_experts, 1), jnp.int32).at[flat].add(1, mode="drop")
-    rank = jnp.arange(t * k) - (jnp.cumsum(counts) - counts)[jnp.clip(expert, 0, counts.shape[0] - 1)] - skip
-    local = expert - first
-    keep = (local >= 0) & (local < n_experts) & (rank >= 0) & (rank < capacity)
+    local = flat[order] - first
+    ours = (local >= 0) & (local < n_experts)
+    counts = jnp.zeros(n_experts, jnp.int32).at[jnp.where(ours, local, n_experts)].add(1, mode="drop")
+    # A pair's rank within its expert: its place in the sorted pairs less those of lower experts (the pairs of
+    # experts before `first`, then this block's experts before its own).
+    below = jnp.sum(flat < first)
+    rank = jnp.arange(t * k) - below - (jnp.cumsum(counts) - counts)[jnp.clip(local, 0, n_experts - 1)] - skip
+    keep = ours & (rank >= 0) & (rank < capacity)
     slot = jnp.where(keep, local * capacity + rank, n_experts * capacity)
     rows = jnp.full(n_experts * capacity, t, jnp.int32).at[slot].set(order // k, mode="drop")
     slot_weights = jnp.zeros(n_experts * capacity, jnp.float32).at[slot].set(weights.reshape(-1)[order], mode="drop")
