@@ -124,33 +124,47 @@ def link_floors(devices) -> dict:
             "h2d_gbps_across": round(pinned_h2d_gbps(devices[1], 2 * GIB, 3, source=devices[0]), 2)}
 
 
-def read_while_copying(devices, read_pattern: str, passes: int = 5) -> dict:
+def read_while_copying(devices, read_pattern: str, seconds: float = 0.5) -> dict:
     """The host read floor (one pattern of floors.memory_floors, on the kernels' pool) alone and while `devices`
     copy pinned host memory to themselves back to back, as a disaggregated prefill streams its experts beside a
     decode (OSDI '26 §3.3.2): how much of the host's memory bandwidth the CPU kernels keep, and each link's rate
-    meanwhile. The median of `passes` 512 MiB read passes each way."""
+    meanwhile. The median of 512 MiB read passes over `seconds` each way; the links' rate from the rounds of copies
+    that ended while the passes ran (a round: 1 GiB to each device)."""
     reader = _ffi.MemoryReader(1 << 29, 0)
-    alone = statistics.median(reader.read_gbps(read_pattern) for _ in range(passes))
-    buffers = [jax.device_put(np.zeros(GIB, np.uint8), SingleDeviceSharding(d, memory_kind="pinned_host"))
-               for d in devices]
+
+    def median_read() -> tuple[float, float, float]:
+        rates, start = [], time.perf_counter()
+        while (now := time.perf_counter()) - start < seconds or len(rates) < 3:
+            rates.append(reader.read_gbps(read_pattern))
+        return statistics.median(rates), start, now
+
+    alone, _, _ = median_read()
+    pinned = [SingleDeviceSharding(d, memory_kind="pinned_host") for d in devices]
+    buffers = jax.block_until_ready([jax.device_put(np.zeros(GIB, np.uint8), p) for p in pinned])
     targets = [SingleDeviceSharding(d, memory_kind="device") for d in devices]
-    stop, times = threading.Event(), []  # the start, then the end of each round of copies
+
+    def copy_round():
+        jax.block_until_ready([jax.device_put(b, t) for b, t in zip(buffers, targets, strict=True)])
+
+    copy_round()  # compiles, allocates: the timed rounds are copies alone
+    stop, ends, started = threading.Event(), [], threading.Event()
 
     def copy_back_to_back():
-        times.append(time.perf_counter())
         while not stop.is_set():
-            jax.block_until_ready([jax.device_put(b, t) for b, t in zip(buffers, targets, strict=True)])
-            times.append(time.perf_counter())
+            copy_round()
+            ends.append(time.perf_counter())
+            started.set()
 
     copier = threading.Thread(target=copy_back_to_back)
     copier.start()
-    time.sleep(0.5)  # copies under way
-    under = statistics.median(reader.read_gbps(read_pattern) for _ in range(passes))
+    started.wait()  # a round done: the copies are under way
+    under, start, end = median_read()
     stop.set()
     copier.join()
-    link = GIB * (len(times) - 1) / (times[-1] - times[0]) / 1e9
+    during = [t for t in ends if start <= t <= end]
+    link = GIB * (len(during) - 1) / (during[-1] - during[0]) / 1e9 if len(during) > 1 else float("nan")
     return {"read_gbps_alone": round(alone, 1), "read_gbps_while_copying": round(under, 1),
-            "h2d_gbps_each_while_reading": round(link, 1)}
+            "h2d_gbps_each_while_reading": round(link, 1), "copy_rounds_while_reading": len(during)}
 
 
 def cpu_expert_tflops(model: engine.Model, tokens: int, repeats=3) -> float:
