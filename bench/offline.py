@@ -11,9 +11,9 @@ Each model is a geometry with random FP8 weights (prefill.py's PooledExperts: fa
   cache holding the mean context of the workload (prompt + half the new tokens): tok/s = slots / step;
 - prefill of every --prefill batch of 512-token prompts (whichever path the engine chooses);
 - the performance model (hybridjit/offline_policy.py) fed with floors measured here (memory read floor, pinned
-  H2D, dense GEMM, the CPU expert kernels' rate, the device's free memory): its prediction of each measured case,
-  and its pick over the same grid against the best measured. A run's throughput combines them as the model does:
-  generated tokens / (n / P prefills + n x 256 / B steps), n = --requests.
+  H2D, dense GEMM, the CPU expert kernels' rate at each case's tokens per call, the device's free memory): its
+  prediction of each measured case, and its pick over the same grid against the best measured. A run's throughput
+  combines them as the model does: generated tokens / (n / P prefills + n x 256 / B steps), n = --requests.
 A truncated model's figures are also projected to full depth: the full-depth prediction times the measured /
 predicted ratio of the truncated one (labelled "projected"). Ends with one JSON line.
 """
@@ -47,10 +47,13 @@ def load(geometry: str, layers: int | None, dtype):
     return load_model(args, placement, "fp8", synthetic=PooledExperts)
 
 
-def measured_floors(model, memory: dict) -> Floors:
-    """The model's Floors from this run's measurements (the GPU ones only on a GPU; the rest stay defaults)."""
+def measured_floors(model, memory: dict, tokens: list[int]) -> Floors:
+    """The model's Floors from this run's measurements (the GPU ones only on a GPU; the rest stay defaults): the CPU
+    expert rate at each of `tokens` per call (the decode steps' slots, the prefill batches' tokens) and at 4096."""
     device = model.placement.device
-    figures = {"host_read_gbps": memory["read_gbps"], "cpu_expert_tflops": cpu_expert_tflops(model, 4096)}
+    by_tokens = tuple((t, cpu_expert_tflops(model, t)) for t in sorted({*tokens, 4096}))
+    figures = {"host_read_gbps": memory["read_gbps"], "cpu_expert_tflops": dict(by_tokens)[4096],
+               "cpu_expert_tflops_by_tokens": by_tokens}  # fmt: skip
     if ON_GPU:
         figures |= {"pcie_gbps": h2d_gbps(device), "gpu_tflops": gemm_tflops(device),
                     "device_free_bytes": free_device_memory(device)}  # fmt: skip
@@ -109,12 +112,13 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
     geometry, _, layers = spec.partition(":")
     model, name, full = load(geometry, int(layers) if layers else None, args.dtype)
     cfg, itemsize = model.config, jnp.dtype(model.dtype).itemsize
-    floors = measured_floors(model, memory)
+    floors = measured_floors(model, memory, [*args.slots, *(p * PROMPT for p in args.prefill)])
     work = Workload(args.requests, PROMPT, NEW, bucket(PROMPT + NEW))
     context = PROMPT + NEW // 2
     print(f"\n{name}: {cfg.num_hidden_layers} of {full.num_hidden_layers} layers; floors: read "
           f"{floors.host_read_gbps:.1f} GB/s, H2D {floors.pcie_gbps:.1f} GB/s, GEMM {floors.gpu_tflops:.0f} TFLOP/s, "
-          f"CPU experts {floors.cpu_expert_tflops:.2f} TFLOP/s, device free "
+          f"CPU experts {', '.join(f'{r:.2f} at {t}' for t, r in floors.cpu_expert_tflops_by_tokens)} TFLOP/s "
+          "(tokens per call), device free "
           + (f"{floors.device_free_bytes / 2**30:.1f} GiB" if floors.device_free_bytes else "unbounded"))  # fmt: skip
 
     interactive = decode_step_seconds(model, 1, None, context, args.steps, rng)  # as generate runs one prompt

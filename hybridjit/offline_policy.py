@@ -26,6 +26,7 @@ import dataclasses
 import math
 
 import jax.numpy as jnp
+import numpy as np
 
 from hybridjit import machine_floors
 from hybridjit.models.registry import ModelConfig, family_of
@@ -57,9 +58,22 @@ class Floors:
     handoff_us: float = 22.0  # one routed-expert call's GPU -> CPU -> GPU hand-off: 21-23 us (DESIGN.md §1)
     gpu_layer_us: float = 40.0  # launches and small kernels per layer and attention call (a guess; see offline.py)
     device_free_bytes: int | None = None  # for KV cache and prefill; None: measured when the policy is chosen
+    # The CPU expert kernels' rate on one of the model's MoE layers by tokens per call, routed uniformly:
+    # ((tokens, TFLOP/s), ...) ascending. It falls steeply with tokens per expert (fewer tokens to amortize each
+    # expert's read and FP8 expansion over; bench/RESULTS.md: FP8 at 64 per expert 0.42x its rate at 512), which
+    # the one figure above, measured at 4096 tokens, overstates for decode steps. Empty: that figure everywhere.
+    cpu_expert_tflops_by_tokens: tuple[tuple[int, float], ...] = ()
 
     def prefill_rates(self) -> PrefillRates:
         return PrefillRates(self.pcie_gbps, self.gpu_tflops, self.cpu_expert_tflops)
+
+    def cpu_tflops(self, tokens: int) -> float:
+        """The CPU expert rate for a call of `tokens` tokens: cpu_expert_tflops_by_tokens interpolated in log-log,
+        held at its ends; cpu_expert_tflops without it."""
+        if not self.cpu_expert_tflops_by_tokens:
+            return self.cpu_expert_tflops
+        points, rates = zip(*self.cpu_expert_tflops_by_tokens, strict=True)
+        return math.exp(float(np.interp(math.log(max(tokens, 1)), np.log(points), np.log(rates))))
 
     @classmethod
     def of_machine(cls, model) -> "Floors":
@@ -128,7 +142,7 @@ def cpu_expert_seconds(cfg: ModelConfig, floors: Floors, tokens: int) -> float:
     distinct = n * (1 - (1 - 1 / n) ** (tokens * cfg.num_experts_per_tok))
     read = distinct * expert_bytes(cfg) / (moe * n) / (floors.host_read_gbps * floors.cpu_decode_share * 1e9)
     flops = family_of(cfg).cost.layer_flops(cfg, tokens, 1)["routed"]
-    return moe * max(read, flops / (floors.cpu_expert_tflops * 1e12))
+    return moe * max(read, flops / (floors.cpu_tflops(tokens) * 1e12))
 
 
 def gpu_seconds(cfg: ModelConfig, floors: Floors, batch: int, context: float, calls: int, itemsize: int) -> float:

@@ -45,3 +45,16 @@ def test_the_users_choices_are_kept_and_the_rest_searched():
 def test_no_slot_fits_is_a_clear_error():
     with pytest.raises(ValueError, match="no policy fits the device's 0.00 GiB free"):
         search(V3, dataclasses.replace(FLOORS, device_free_bytes=1 << 20), WORK, 2, True)
+
+
+def test_the_cpu_rate_by_tokens_per_call_prices_each_batch_at_its_own_rate():
+    """Floors.cpu_tflops interpolates the measured rates in log-log, holds them at the ends, and the expert time of a
+    compute-bound batch follows the rate measured at its size, not the one figure at 4096 tokens."""
+    curve = Floors(cpu_expert_tflops=4.5, cpu_expert_tflops_by_tokens=((64, 1.0), (1024, 2.0), (4096, 4.5)))
+    assert curve.cpu_tflops(64) == pytest.approx(1.0) and curve.cpu_tflops(1024) == pytest.approx(2.0)
+    assert curve.cpu_tflops(256) == pytest.approx(2 ** 0.5)  # halfway in log tokens, halfway in log rate
+    assert curve.cpu_tflops(1) == pytest.approx(1.0) and curve.cpu_tflops(1 << 20) == pytest.approx(4.5)
+    assert Floors(cpu_expert_tflops=4.5).cpu_tflops(64) == 4.5
+    flat = dataclasses.replace(curve, cpu_expert_tflops_by_tokens=())
+    at_1024 = [predict(V3, f, WORK, Policy(1024, 1, 1), 2, True).expert_s for f in (curve, flat)]
+    assert at_1024[0] == pytest.approx(at_1024[1] * 4.5 / 2.0, rel=1e-6)  # every V3 expert read: FLOP-bound
