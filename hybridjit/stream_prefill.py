@@ -182,21 +182,42 @@ def free_device_memory(device: jax.Device) -> int | None:
 # ------------------------------------------------------------------------------------- executables
 
 
+@dataclasses.dataclass(frozen=True)
+class _PromptAttention:
+    """A layer's attention over whole prompts from position 0 with the plan's core (stream_prefill)."""
+
+    core: Callable
+
+    def __call__(self, cfg, layer, x, cache, positions):
+        return family_of(cfg).model.prefill_attention_layer(cfg, layer, x, cache, self.core)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DecodeAttention:
+    """A layer's attention of new tokens at their positions against the cache (stream_decode_step)."""
+
+    def __call__(self, cfg, layer, x, cache, positions):
+        return family_of(cfg).model.decode_attention_layer(cfg, layer, x, positions, cache)
+
+
 @partial(jax.jit, static_argnums=(0, 1), donate_argnames="cache")
-def _dense_layer(cfg, attention, layer, x, cache):
-    x, cache = family_of(cfg).model.prefill_attention_layer(cfg, layer, x, cache, attention)
+def _dense_layer(cfg, attend, layer, x, cache, positions):
+    x, cache = attend(cfg, layer, x, cache, positions)
     return x + mlp(layer.mlp, rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)), cache
 
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnames="cache")
-def _moe_front(cfg, attention, layer, x, cache):
-    """Attention, then the router and shared experts: (x, tokens [N, d], ids, weights, shared, counts, cache)."""
-    x, cache = family_of(cfg).model.prefill_attention_layer(cfg, layer, x, cache, attention)
+def _moe_front(cfg, attend, layer, x, cache, positions, live):
+    """Attention, then the router and shared experts: (x, tokens [N, d], ids, weights, shared, counts, cache). The
+    tokens not `live` ([N] bool, None: all) route to no expert (an id past the last: grouping drops it)."""
+    x, cache = attend(cfg, layer, x, cache, positions)
     moe = layer.mlp
     tokens = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps).reshape(-1, x.shape[-1])
     ids, weights = route(cfg, moe.router, moe.correction_bias, tokens, moe.router_bias)
+    if live is not None:
+        ids = jnp.where(live[:, None], ids, cfg.n_routed_experts)
     shared = mlp(moe.shared, tokens) if moe.shared is not None else None
-    counts = jnp.zeros(cfg.n_routed_experts, jnp.int32).at[ids.reshape(-1)].add(1)
+    counts = jnp.zeros(cfg.n_routed_experts, jnp.int32).at[ids.reshape(-1)].add(1, mode="drop")
     return x, tokens, ids, weights, shared, counts, cache
 
 
@@ -297,9 +318,9 @@ def _moe_combine(mesh, x, routed, shared):
 
 
 @partial(jax.jit, static_argnums=0)
-def _last_logits(cfg, norm, lm_head, x, lengths):
-    last = x[jnp.arange(x.shape[0]), lengths - 1]
-    return linear(rms_norm(last, norm, cfg.rms_norm_eps), lm_head).astype(jnp.float32)
+def _last_logits(cfg, norm, lm_head, x, last):
+    x = x[jnp.arange(x.shape[0]), last]
+    return linear(rms_norm(x, norm, cfg.rms_norm_eps), lm_head).astype(jnp.float32)
 
 
 def _capacity(max_count: int) -> int:
@@ -499,21 +520,47 @@ def stream_prefill(
     `devices` overrides Placement.stream_devices: prefill-decode disaggregation streams on the devices that do not
     decode while the placement's device decodes (OSDI '26 §3.3.2); the results then come back to that device.
     """
-    cfg, dtype = model.config, model.dtype
     devices = devices or model.placement.stream_devices
+    tokens = np.asarray(tokens, np.int32)
+    return _stream_layers(model, devices, tokens, None, None, np.asarray(lengths, np.int32) - 1, cache,
+                          vram_budget, depth, attention_chunk, stats, while_copying, abandon)  # fmt: skip
+
+
+def stream_decode_step(model, tokens, positions, live, cache, *, vram_budget: int | None = None,
+                       stats: StreamStats | None = None):  # fmt: skip
+    """One decode step of tokens [b] at positions [b] with the routed experts streamed to the placement's device,
+    as stream_prefill streams them: (float32 logits [b, vocab], the updated cache, donated). The offline batch's
+    large-batch decode (MoE-Gen, MoE-Lightning): once a step's tokens reach every expert, bringing the experts to
+    the GPU costs their bytes over PCIe, while the CPU's rate at a few tens of tokens per expert is far below its
+    prefill rate. `live` [b] (bool): the tokens of free slots route to no expert."""
+    tokens = np.asarray(tokens, np.int32)[:, None]
+    positions = np.asarray(positions, np.int32)[:, None]
+    live = np.asarray(live, bool)
+    return _stream_layers(model, (model.placement.device,), tokens, positions, live, np.zeros(len(tokens), np.int32),
+                          cache, vram_budget, None, None, stats, None, None)  # fmt: skip
+
+
+def _stream_layers(model, devices, tokens, positions, live, last, cache, vram_budget, depth, attention_chunk, stats,
+                   while_copying, abandon):  # fmt: skip
+    """The layer loop of stream_prefill (positions None: whole prompts from position 0) and stream_decode_step (new
+    tokens [b, t] at `positions` against the cache): the logits of each row's token `last` [b], and the cache."""
+    cfg, dtype = model.config, model.dtype
     mesh = prefill_mesh(devices)
     weights = model.prefill_weights(devices)
     pinned = _pinned_layers(weights)
     steps = {i: _steps(i, layer, mesh.size) for i, layer in pinned.items()}
     replicated = NamedSharding(mesh, P())
-    tokens = jax.device_put(np.asarray(tokens, np.int32), replicated)
-    lengths = jax.device_put(np.asarray(lengths, np.int32), replicated)
+    tokens, last = jax.device_put((tokens, last), replicated)
+    if positions is not None:
+        positions, live = jax.device_put((positions, np.broadcast_to(live[:, None], tokens.shape).reshape(-1)),
+                                         replicated)  # fmt: skip
     cache = jax.device_put(list(cache), replicated)
     firsts = _step_firsts(steps, replicated)
     plan = plan_ring(
         cfg, list(pinned.values()), *tokens.shape, dtype, _least_free(mesh.devices.flat),
         vram_budget=vram_budget, depth=depth, attention_chunk=attention_chunk, mesh=mesh,
     )
+    attend = _PromptAttention(plan.attention) if positions is None else _DecodeAttention()
     stats = stats if stats is not None else StreamStats()
     stats.plan = plan
     start = time.perf_counter()
@@ -522,17 +569,17 @@ def stream_prefill(
     for i, layer in enumerate(weights.layers):
         ring.phase_seconds.clear()
         if i in pinned:
-            x, cache[i], slots = _moe_layer(cfg, plan, layer, pinned[i].storage, steps[i], firsts, x, cache[i], ring,
-                                            dtype)
+            x, cache[i], slots = _moe_layer(cfg, plan, attend, layer, pinned[i].storage, steps[i], firsts, x, cache[i],
+                                            positions, live, ring, dtype)  # fmt: skip
             stats.expert_slots += sum(map(sum, slots))
             stats.block_passes += sum(map(len, slots))
             stats.largest_pass_slots = max(stats.largest_pass_slots, *map(max, slots))
             stats.routed_pairs += tokens.size * cfg.num_experts_per_tok
         else:
-            x, cache[i] = ring.run("attention+mlp", _dense_layer, cfg, plan.attention, layer, x, cache[i])
+            x, cache[i] = ring.run("attention+mlp", _dense_layer, cfg, attend, layer, x, cache[i], positions)
         stats.layer_done_s.append(time.perf_counter() - start)
         stats.layer_phase_s.append(dict(ring.phase_seconds))
-    logits = _last_logits(cfg, weights.norm, weights.lm_head, x, lengths)
+    logits = _last_logits(cfg, weights.norm, weights.lm_head, x, last)
     stats.streamed_bytes, stats.peak_ring_bytes, stats.peak_device_bytes = (
         ring.streamed_bytes, ring.peak_bytes, ring.peak_in_use
     )
@@ -601,12 +648,12 @@ def _pinned_layers(weights) -> dict[int, PinnedExperts]:
     return pinned
 
 
-def _moe_layer(cfg, plan: RingPlan, layer, storage: ExpertStorage, steps: list[Step], firsts, x, cache, ring: _Ring,
-               dtype):
+def _moe_layer(cfg, plan: RingPlan, attend, layer, storage: ExpertStorage, steps: list[Step], firsts, x, cache,
+               positions, live, ring: _Ring, dtype):
     # The expert-bank layer id is static pytree metadata: drop it so that every MoE layer shares executables.
     layer = dataclasses.replace(layer, mlp=dataclasses.replace(layer.mlp, expert_layer=None))
     x, tokens, ids, weights, shared, counts, cache = ring.run(
-        "attention+router+shared", _moe_front, cfg, plan.attention, layer, x, cache
+        "attention+router+shared", _moe_front, cfg, attend, layer, x, cache, positions, live
     )
     # The routing decides how many slots each block's experts get (dropless), on the host: the one readback of
     # a layer. Per step, so that one busy expert pads only its own step's GEMMs; the blocks of a step share one

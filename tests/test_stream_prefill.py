@@ -37,6 +37,7 @@ from hybridjit.checkpoint import Checkpoint
 from hybridjit.config import IntQuantConfig
 from hybridjit.convert import convert_checkpoint, quantize_int_groups
 from hybridjit.models.common import gqa
+from hybridjit.models.common.decoder import NO_SCHEDULE
 from hybridjit.models.common.expert_storage import ExpertStorage
 from hybridjit.models.common.experts import group_by_expert
 from hybridjit.models.common.moe import MoE
@@ -45,6 +46,8 @@ from hybridjit.ops.routed_experts import register_layer, routed_experts
 from hybridjit.pinned_experts import host_view, pinned_layer, register_pinned
 from hybridjit.placement import Placement
 from hybridjit.quant import dequantize_fp8_blocks, dequantize_int_groups, dequantize_mxfp4, quantize_fp8_blocks
+from hybridjit.sampling import SamplingParams
+from hybridjit.serving.engine import Engine
 from hybridjit.synthetic import geometry_config
 from hybridjit.weights import routed_expert_bytes
 
@@ -312,6 +315,47 @@ def test_decode_continues_from_the_streamed_cache(model, exact_model, tokens, re
         assert rel_rms(logits, ref_logits) < FLOAT32_RTOL, i
         nxt, expected = np.asarray(logits).argmax(-1).astype(np.int32), np.asarray(ref_logits).argmax(-1)
         positions = positions + 1
+
+
+def test_streamed_decode_steps_match_the_decode_step(case, model, exact_model, tokens, reference):
+    """Decode steps with the routed experts streamed (stream_decode_step, the offline batch's large-batch decode)
+    give the logits and caches of the family's decode step on XLA experts, a row that is not live included (its
+    token routes to no expert in both)."""
+    ref_logits, ref_cache = reference
+    step = jax.jit(exact_model.family.model.decode_step, static_argnums=(0, 5))
+    cache = jax.tree.map(jnp.copy, ref_cache)
+    nxt, positions, live = ref_logits.argmax(-1).astype(np.int32), LENGTHS.copy(), np.array([True, False])
+    for i in range(3):
+        logits, cache = sp.stream_decode_step(model, nxt, positions, live, cache)
+        expected, ref_cache = step(exact_model.config, exact_model.weights, nxt, positions, ref_cache,
+                                   NO_SCHEDULE, live)  # fmt: skip
+        assert rel_rms(np.asarray(logits)[live], np.asarray(expected)[live]) < FLOAT32_RTOL, i
+        assert cache_error(cache, ref_cache) < FLOAT32_RTOL, i
+        nxt, positions = np.asarray(expected).argmax(-1).astype(np.int32), positions + 1
+
+
+def test_an_engine_streaming_its_experts_decodes_as_the_engine_on_xla_experts(case, model, exact_model):
+    """Engine(stream_experts=True) generates the greedy tokens of an engine whose experts are XLA arrays, over slots
+    joined at different prompt lengths with one left free. (Not against the CPU kernels' engine: the integer
+    formats' kernels quantize activations, and greedy tokens part at near-ties.)"""
+    only(case, FULL, "qwen3_moe-int4", "gpt_oss-mxfp4")
+    prompts = [[5, 9, 2, 7, 11, 3], [4, 8, 15, 16, 23, 42, 7, 1, 9, 12, 30]]
+    generated = []
+    for stream in (False, True):
+        engine = Engine(model if stream else exact_model, 3, CACHE_LEN, micro_batches=1, stream_experts=stream)
+        prefilled = engine.prefill(prompts, [SamplingParams()] * 2)
+        for row, slot in enumerate((0, 2)):
+            engine.insert(prefilled, row, slot, SamplingParams())
+        steps = [engine.generate() for _ in range(4)]
+        generated.append(np.concatenate([s.tokens() for s in steps])[:, [0, 2]])
+        assert engine.steps == 1
+    np.testing.assert_array_equal(generated[1], generated[0])
+
+
+def test_an_engine_streams_its_experts_only_when_they_are_pinned(case, exact_model):
+    only(case, FULL)
+    with pytest.raises(ValueError, match="stream_experts: .*pinned_experts=True"):
+        Engine(exact_model, 2, CACHE_LEN, stream_experts=True)
 
 
 def test_vram_budget_sets_the_depth_and_bounds_the_ring(case, model, tokens):

@@ -27,7 +27,7 @@ from hybridjit.models.common.moe import MoE
 from hybridjit.models.common.ring_cache import from_prompt, is_ring
 from hybridjit.models.registry import family_of
 from hybridjit.sampling import SamplingParams, sample
-from hybridjit.stream_prefill import choose_prefill_path, stream_prefill
+from hybridjit.stream_prefill import choose_prefill_path, stream_decode_step, stream_prefill
 
 MIN_BUCKET = 8
 # The fewest cache positions a decode call attends over (span_of).
@@ -254,6 +254,10 @@ class Engine:
     - micro_batches=n (offline throughput): n micro-batches whose attention runs one after the other and whose
       routed experts run as one call per layer over all of them (decode_step_grouped, module-based batching).
 
+    With stream_experts (offline throughput, large batches), each decode step streams the routed experts to the device
+    from their pinned host copy, as stream-loaded prefill does (stream_prefill.stream_decode_step): one micro-batch,
+    one step a call.
+
     Each generate call runs `steps` decode steps: model.decode_steps if set (the interactive engine then decodes
     one micro-batch), else DEVICE_ONLY_DECODE_STEPS when the whole model runs on a GPU (no routed expert on the
     CPU), SINGLE_SLOT_HYBRID_DECODE_STEPS for one slot on a GPU with experts on the CPU, else 1. A slot's tokens
@@ -264,7 +268,8 @@ class Engine:
     window before the prompt's end into the ring; decode calls read a ring whole and full layers over their span.
     """
 
-    def __init__(self, model, slots: int, cache_len: int, micro_batches: int | None = None, tally: bool = False):
+    def __init__(self, model, slots: int, cache_len: int, micro_batches: int | None = None, tally: bool = False,
+                 stream_experts: bool = False):  # fmt: skip
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if not 1 <= cache_len <= model.config.max_position_embeddings:
@@ -286,6 +291,14 @@ class Engine:
             self.steps = SINGLE_SLOT_HYBRID_DECODE_STEPS
         else:
             self.steps = 1
+        self.stream_experts = stream_experts
+        if stream_experts:
+            if choose_prefill_path(model, 1, 1, threshold=0) != "stream":
+                raise ValueError("stream_experts: the model's routed experts are not pinned for streaming; load it "
+                                 "with Placement(pinned_experts=True)")  # fmt: skip
+            if micro_batches not in (None, 1) or tally or model.decode_steps not in (None, 1):
+                raise ValueError("stream_experts: decodes one micro-batch, one step a call, without tally")
+            self.steps, micro_batches = 1, 1
         if micro_batches is None:
             micro_batches = 2 if model.dual_batch and slots > 1 and on_host and self.steps == 1 else 1
         if self.steps > 1 and micro_batches > 1:
@@ -434,7 +447,12 @@ class Engine:
             )
             for g in self.groups
         ]
-        if len(self.groups) > 1:
+        if self.stream_experts:
+            (positions, live, counts, temperature, top_k, top_p), = split
+            logits, cache = stream_decode_step(m, self.tokens[0][-1], positions, live, self.caches[0])
+            new, finite = _sample_program(logits, self.keys[0], counts, temperature, top_k, top_p)
+            sampled, routed, self.caches = ((new[None], finite[None]),), None, [cache]
+        elif len(self.groups) > 1:
             positions, live, counts, temperature, top_k, top_p = zip(*split, strict=True)
             (sampled, routed), caches = _decode_micro_batches_program(
                 m.config, schedule, span, self.coalesced, m.weights, tuple(self.tokens), positions, live,

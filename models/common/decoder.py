@@ -169,11 +169,8 @@ def extend(
     new_cache, carried, chosen = [], None, []
     for i, layer in enumerate(w.layers):
         with jax.named_scope(f"layer{i}"):
-            h, c = attention.decode(
-                cfg, layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), positions, cache[i]
-            )
+            x, c = decode_attention_layer(attention, cfg, layer, x, positions, cache[i])
             new_cache.append(c)
-            x = x + h
             h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
             live_tokens = None if live is None else jnp.broadcast_to(live[:, None], tokens.shape)
             out, carried, ids = _decode_feed_forward(cfg, layer, h, moe_layers, i, schedule, carried, live_tokens)
@@ -348,10 +345,17 @@ def prefill_attention_layer(
     return x + h, attention.write_prompt(cache, entries)
 
 
+def decode_attention_layer(attention: Attention, cfg: ModelConfig, layer: Layer, x: jax.Array, positions, cache):
+    """The attention half of one layer of `extend`: (x + attention of tokens x [b, t, d] at positions [b, t] against
+    the layer's cache, the cache with their entries added)."""
+    h, cache = attention.decode(cfg, layer.attn, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), positions, cache)
+    return x + h, cache
+
+
 def bind(attention: Attention) -> tuple[Callable, ...]:
     """The decoder's functions with one family's attention bound, as its model module exports them: (forward,
     forward_layer, finite_stages, prefill, extend, decode_step, decode_step_dual, decode_step_grouped,
-    prefill_attention_layer)."""
+    prefill_attention_layer, decode_attention_layer)."""
     functions = (
         forward,
         forward_layer,
@@ -362,5 +366,6 @@ def bind(attention: Attention) -> tuple[Callable, ...]:
         decode_step_dual,
         decode_step_grouped,
         prefill_attention_layer,
+        decode_attention_layer,
     )
     return tuple(functools.partial(f, attention) for f in functions)

@@ -9,7 +9,7 @@ ChunkedAttention, CudnnAttention, fused_attention = gqa.ChunkedAttention, gqa.Cu
 CORE_HEAD_AXES = gqa.CORE_HEAD_AXES
 (
     forward, forward_layer, finite_stages, prefill, extend, decode_step, decode_step_dual, decode_step_grouped,
-    prefill_attention_layer,
+    prefill_attention_layer, decode_attention_layer,
 ) = (
     decoder.bind(gqa.ATTENTION)
 )

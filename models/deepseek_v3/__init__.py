@@ -6,8 +6,8 @@ A family package holds what the runtime asks of a family (models/registry.py lis
   NAMES and the PRESETS of the released sizes;
 - model: the model as pure functions: init_cache and the shared decoder's functions with the family's attention
   bound (forward, forward_layer, finite_stages, prefill, decode_step, decode_step_dual, decode_step_grouped,
-  prefill_attention_layer), and stream-loaded prefill's attention cores: ChunkedAttention(chunk) and
-  fused_attention(cfg, dtype), the fused core a GPU runs in that dtype or None;
+  prefill_attention_layer, decode_attention_layer), and stream-loaded prefill's attention cores:
+  ChunkedAttention(chunk) and fused_attention(cfg, dtype), the fused core a GPU runs in that dtype or None;
 - ckpt: the checkpoint map (checkpoint_layout, build_weights);
 - cost: the figures of the path choice and of stream-loaded prefill's plan (layer_flops,
   attention_activation_elements).
@@ -38,6 +38,7 @@ from hybridjit.models.deepseek_v3.model import (
     attention_absorbed,
     attention_prefill,
     causal_attention,
+    decode_attention_layer,
     decode_step,
     decode_step_dual,
     decode_step_grouped,
@@ -56,5 +57,5 @@ __all__ = [
     "ChunkedAttention", "CudnnAttention", "DeepseekV3Config", "ExpertSchedule", "Layer", "LayerCache", "Weights",
     "attention_absorbed", "attention_prefill", "build_weights", "causal_attention", "checkpoint_layout", "decode_step",
     "decode_step_dual", "decode_step_grouped", "finite_stages", "forward", "forward_layer", "fused_attention",
-    "init_cache", "layer_flops", "prefill", "prefill_attention_layer",
+    "init_cache", "layer_flops", "prefill", "prefill_attention_layer", "decode_attention_layer",
 ]

@@ -209,7 +209,7 @@ ATTENTION = decoder.Attention(
 # The shared decoder (models/common/decoder.py) with MLA bound: see its functions for what each computes.
 (
     forward, forward_layer, finite_stages, prefill, extend, decode_step, decode_step_dual, decode_step_grouped,
-    prefill_attention_layer,
+    prefill_attention_layer, decode_attention_layer,
 ) = (
     decoder.bind(ATTENTION)
 )
