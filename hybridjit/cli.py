@@ -24,6 +24,7 @@ from hybridjit.auto_placement import KV_SLOTS, KV_TOKENS, device_budget, device_
 from hybridjit.convert import WEIGHT_FORMATS, convert_checkpoint
 from hybridjit.model_files import open_checkpoint
 from hybridjit.models.registry import ModelConfig
+from hybridjit.offline_policy import EXPERTS
 from hybridjit.placement import Placement
 from hybridjit.resolve import resolve_model
 from hybridjit.tokenizer import check_unicode
@@ -142,7 +143,7 @@ def cmd_batch(args) -> int:
         args.model, args.input, args.output, dtype=args.dtype, max_tokens=args.max_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
         slots=args.slots, micro_batches=args.micro_batches, prefill_batch=args.prefill_batch,
-        progress=not args.quiet,
+        experts=args.experts, progress=not args.quiet,
     )  # fmt: skip
     return 0
 
@@ -361,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "model's)")
     bat.add_argument("--prefill-batch", type=positive,
                      help="prompts prefilled together (default: the performance model's)")
+    bat.add_argument("--experts", choices=EXPERTS,
+                     help="where a decode step's routed experts run: 'cpu' (the CPU kernels) or 'stream' (streamed to "
+                          "the GPU each step, for large batches) (default: the performance model's)")
     bat.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: the backend's)")
     bat.add_argument("--quiet", action="store_true", help="no progress bar or notes")
     bat.set_defaults(run=cmd_batch)

@@ -13,6 +13,10 @@ shapes (the family's cost module):
   FLOPs, plus a fixed cost per layer and attention micro-batch (launches) and the hand-off per expert call.
   The GPU and CPU parts of a coalesced step run one after the other (each layer's experts need its attention,
   and the next layer needs them); dual-batch overlap runs them side by side but reads the experts twice;
+- or, where the engine can stream them (experts="stream"), the routed experts streamed to the GPU every step
+  from their pinned host copy and run there (stream_prefill.stream_decode_step): the larger of the copies (every
+  expert's bytes at the pinned H2D rate) and the GPU's work, the experts' FLOPs included. That wins once a step's
+  batch is so large that the CPU, at its rate for that many tokens per expert, takes longer than the link;
 - prefill, per batch of prompts: the cheaper of the hybrid path (GPU, then CPU experts by the roofline above)
   and, where the engine can stream, the stream-loaded one (stream_prefill.prefill_seconds).
 
@@ -34,6 +38,7 @@ from hybridjit.serving.engine import bucket
 from hybridjit.stream_prefill import PrefillRates, expert_bytes, free_device_memory, prefill_seconds
 
 DUAL = "dual"  # micro_batches: the interactive engine's two overlapped micro-batches, each with its expert calls
+EXPERTS = ("cpu", "stream")  # where a decode step's routed experts run: the CPU kernels, or streamed to the GPU
 MAX_SLOTS = 1024
 MICRO_BATCHES = (1, 2, 4, 8)
 # Bytes a prompt token takes while prefilled, besides the weights: float32 logits over the vocabulary (the hybrid
@@ -115,10 +120,13 @@ class Policy:
     micro_batches: int | str  # attention micro-batches with coalesced experts, or DUAL
     prefill_batch: int
     prediction: Prediction | None = None
+    experts: str = "cpu"  # one of EXPERTS
 
     def describe(self) -> str:
         mb = "dual-batch overlap" if self.micro_batches == DUAL else f"{self.micro_batches} attention micro-batch(es)"
-        line = f"policy: {self.slots} slots, {mb}, prefill {self.prefill_batch} prompts at a time"
+        where = "on the CPU" if self.experts == "cpu" else "streamed to the GPU each step"
+        line = (f"policy: {self.slots} slots, {mb}, routed experts {where}, prefill {self.prefill_batch} prompts at "
+                "a time")  # fmt: skip
         if p := self.prediction:
             line += (f"; predicted {p.total_tok_s:.1f} generated tok/s (decode {p.decode_tok_s:.1f} tok/s, step "
                      f"{1e3 * p.step_s:.1f} ms of which experts {1e3 * p.expert_s:.1f}; prefill {p.prefill_tok_s:.0f} "
@@ -163,8 +171,21 @@ def gpu_seconds(cfg: ModelConfig, floors: Floors, batch: int, context: float, ca
     return seconds + max(head * itemsize / 2 / (floors.gpu_hbm_gbps * 1e9), batch * head / (floors.gpu_tflops * 1e12))
 
 
-def decode_step(cfg: ModelConfig, floors: Floors, batch: int, context: float, micro_batches, itemsize: int):
-    """(step seconds, of which routed experts) of one decode step of `batch` slots."""
+def streamed_expert_seconds(cfg: ModelConfig, floors: Floors, tokens: int) -> tuple[float, float]:
+    """(copy seconds, GPU seconds) of all MoE layers' routed experts streamed to the GPU for a step of `tokens`
+    tokens: every expert's bytes over the pinned link, and their FLOPs on the GPU."""
+    flops = family_of(cfg).cost.layer_flops(cfg, tokens, 1)["routed"] * _moe_layers(cfg)
+    return expert_bytes(cfg) / (floors.pcie_gbps * 1e9), flops / (floors.gpu_tflops * 1e12)
+
+
+def decode_step(cfg: ModelConfig, floors: Floors, batch: int, context: float, micro_batches, itemsize: int,
+                experts: str = "cpu"):  # fmt: skip
+    """(step seconds, of which routed experts) of one decode step of `batch` slots, the routed experts on the CPU
+    or streamed to the GPU (`experts`, one of EXPERTS)."""
+    if experts == "stream":  # the copies overlap the GPU's work (the ring loads ahead); one micro-batch
+        copies, expert_gpu = streamed_expert_seconds(cfg, floors, batch)
+        gpu = gpu_seconds(cfg, floors, batch, context, 1, itemsize)
+        return max(copies, gpu + expert_gpu), max(copies - gpu, expert_gpu)
     handoffs = _moe_layers(cfg) * floors.handoff_us * 1e-6
     if micro_batches == DUAL and batch > 1:
         halves = (batch - batch // 2, batch // 2)
@@ -191,7 +212,7 @@ def predict(
     cfg: ModelConfig, floors: Floors, work: Workload, policy: Policy, itemsize: int, can_stream: bool
 ) -> Prediction:
     step, experts = decode_step(cfg, floors, policy.slots, work.prompt_tokens + work.new_tokens / 2,
-                                policy.micro_batches, itemsize)  # fmt: skip
+                                policy.micro_batches, itemsize, policy.experts)  # fmt: skip
     length = bucket(math.ceil(work.prompt_tokens))
     prefill = prefill_batch_seconds(cfg, floors, policy.prefill_batch, length, can_stream)
     generated = work.requests * work.new_tokens
@@ -224,10 +245,18 @@ def _slot_grid(limit: int) -> list[int]:
 def search(
     cfg: ModelConfig, floors: Floors, work: Workload, itemsize: int, can_stream: bool,
     slots: int | None = None, micro_batches: int | str | None = None, prefill_batch: int | None = None,
+    experts: str | None = None,
 ) -> Policy:  # fmt: skip
     """The policy of the grid (slots by _slot_grid, micro-batches MICRO_BATCHES and DUAL, prefill batches powers of
-    two; the fixed ones as given) with the best predicted throughput that fits `floors.device_free_bytes` (None:
-    unbounded)."""
+    two, the routed experts on the CPU or, where `can_stream`, streamed to the GPU with one micro-batch; the fixed
+    ones as given) with the best predicted throughput that fits `floors.device_free_bytes` (None: unbounded)."""
+    if experts is not None and experts not in EXPERTS:
+        raise ValueError(f"experts must be one of {', '.join(EXPERTS)}, got {experts!r}")
+    if experts == "stream" and not can_stream:
+        raise ValueError("experts='stream' needs the routed experts pinned for streaming (a GPU placement with "
+                         "Placement(pinned_experts=True))")  # fmt: skip
+    if experts == "stream" and micro_batches not in (None, 1):
+        raise ValueError(f"experts='stream' decodes one micro-batch, got micro_batches={micro_batches!r}")
     memory = floors.device_free_bytes
     per_slot = kv_bytes_per_slot(cfg, work.cache_len, itemsize)
     length = bucket(math.ceil(work.prompt_tokens))
@@ -239,7 +268,10 @@ def search(
         if memory is not None and kv > memory and slots is None:
             continue
         mb_grid = [micro_batches] if micro_batches else [*(m for m in MICRO_BATCHES if m <= b), DUAL]
-        for mb in mb_grid:
+        placements = [("cpu", mb) for mb in mb_grid] if experts != "stream" else []
+        if experts == "stream" or (experts is None and can_stream and micro_batches in (None, 1)):
+            placements.append(("stream", 1))
+        for where, mb in placements:
             calls = 2 if mb == DUAL else mb
             context = work.cache_len
             if 3 * 4 * -(-b // calls) * cfg.num_attention_heads * context > ATTENTION_SCRATCH and not micro_batches:
@@ -247,7 +279,7 @@ def search(
             for p in [prefill_batch] if prefill_batch else _powers_of_two(b):
                 if memory is not None and kv + prefill_bytes(cfg, p, length) > memory and not prefill_batch:
                     continue
-                policy = Policy(b, mb, p)
+                policy = Policy(b, mb, p, experts=where)
                 prediction = predict(cfg, floors, work, policy, itemsize, can_stream)
                 policy = dataclasses.replace(policy, prediction=prediction)
                 if best is None or policy.prediction.total_tok_s > best.prediction.total_tok_s:
@@ -261,7 +293,8 @@ def search(
 
 
 def choose_policy(
-    model, jobs, cache_len: int, slots=None, micro_batches=None, prefill_batch=None, floors: Floors | None = None
+    model, jobs, cache_len: int, slots=None, micro_batches=None, prefill_batch=None, floors: Floors | None = None,
+    experts: str | None = None,
 ) -> Policy:
     """The policy for running `jobs` (runner Jobs) on a loaded model, with the user's choices fixed."""
     from hybridjit.stream_prefill import choose_prefill_path
@@ -272,4 +305,4 @@ def choose_policy(
     work = Workload.of_jobs(jobs, cache_len)
     can_stream = choose_prefill_path(model, 1, 1, threshold=0) == "stream"  # pinned, streamable experts
     itemsize = jnp.dtype(model.dtype).itemsize
-    return search(model.config, floors, work, itemsize, can_stream, slots, micro_batches, prefill_batch)
+    return search(model.config, floors, work, itemsize, can_stream, slots, micro_batches, prefill_batch, experts)

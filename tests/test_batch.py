@@ -2,6 +2,8 @@
 `generate` gives it alone, whatever policy runs it (each forced here); bad lines are all listed before anything
 runs; an output file is resumed, its torn last line dropped and its done ids skipped."""
 
+import contextlib
+import dataclasses
 import json
 
 import jax
@@ -49,6 +51,16 @@ def test_greedy_outputs_equal_generate_whatever_the_policy(model, slots, micro_b
         assert record["prompt_tokens"] == len(model.tokenizer.encode(request["prompt"]))
         assert record["completion_tokens"] == len(record["token_ids"])
         assert record["finish_reason"] == ("length" if record["completion_tokens"] == request["max_tokens"] else "stop")
+
+
+def test_greedy_outputs_equal_generate_with_the_experts_streamed_each_step(model):
+    """The policy that streams the routed experts to the device each decode step (here the CPU device: the same
+    program as on a GPU) gives every request what generate gives it alone."""
+    placement = dataclasses.replace(model.placement, pinned_experts=True)
+    with contextlib.closing(hybridjit.load(placement=placement)) as pinned:
+        records = run(pinned, REQUESTS[:5], slots=3, prefill_batch=2, experts="stream")
+    for request, record in zip(REQUESTS, records, strict=False):
+        assert record["text"] == alone(model, request["prompt"], request["max_tokens"]), request["id"]
 
 
 def test_chat_token_ids_and_stop_strings(model):

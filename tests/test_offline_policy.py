@@ -58,3 +58,29 @@ def test_the_cpu_rate_by_tokens_per_call_prices_each_batch_at_its_own_rate():
     flat = dataclasses.replace(curve, cpu_expert_tflops_by_tokens=())
     at_1024 = [predict(V3, f, WORK, Policy(1024, 1, 1), 2, True).expert_s for f in (curve, flat)]
     assert at_1024[0] == pytest.approx(at_1024[1] * 4.5 / 2.0, rel=1e-6)  # every V3 expert read: FLOP-bound
+
+
+def test_the_experts_are_streamed_where_the_cpu_is_slower_than_the_link_at_that_batch():
+    """The search puts the routed experts on the CPU or streams them to the GPU, whichever its floors price faster
+    at the batch: V3's 1024-slot step reads every expert either way, and at 1 TFLOP/s the CPU takes longer than the
+    link; at 40 it does not. Streaming decodes one micro-batch."""
+    slow = Floors(device_free_bytes=200 << 30, cpu_expert_tflops_by_tokens=((1, 0.05), (512, 1.0), (4096, 4.0)))
+    fast = dataclasses.replace(slow, cpu_expert_tflops_by_tokens=((1, 2.0), (512, 40.0)))
+    streamed = search(V3, slow, WORK, 2, True, slots=512)
+    assert streamed.experts == "stream" and streamed.micro_batches == 1
+    assert "streamed to the GPU each step" in streamed.describe()
+    assert search(V3, fast, WORK, 2, True, slots=512).experts == "cpu"
+    assert search(V3, slow, WORK, 2, False, slots=512).experts == "cpu"  # nothing pinned to stream from
+    on_cpu = search(V3, slow, WORK, 2, True, slots=512, experts="cpu")
+    assert on_cpu.experts == "cpu" and on_cpu.prediction.total_tok_s < streamed.prediction.total_tok_s
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"experts": "gpu"}, "experts must be one of cpu, stream"),
+    ({"experts": "stream", "micro_batches": 2}, "decodes one micro-batch"),
+])  # fmt: skip
+def test_bad_expert_choices_are_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        search(V3, FLOORS, WORK, 2, True, **options)
+    with pytest.raises(ValueError, match="needs the routed experts pinned"):
+        search(V3, FLOORS, WORK, 2, False, experts="stream")

@@ -39,6 +39,7 @@ def batch(
     slots: int | None = None,
     micro_batches: int | str | None = None,
     prefill_batch: int | None = None,
+    experts: str | None = None,
     progress: bool = True,
     dtype: str | None = None,
     floors: Floors | None = None,
@@ -56,7 +57,8 @@ def batch(
     `slots`, `micro_batches`, `prefill_batch`: override the performance model's policy: sequences decoded
     together, attention micro-batches of a step (whose routed experts run coalesced, one call per layer) or
     "dual" (two micro-batches overlapped, each with its own expert calls: the interactive engine's), prompts
-    prefilled together.
+    prefilled together, and where each decode step's routed experts run: "cpu" (the CPU kernels) or "stream"
+    (streamed to the GPU each step, for large batches; needs a model loaded with its experts pinned, as on a GPU).
     `progress`: a progress bar (tokens/s, ETA) and notes on stderr.
     `dtype`: the compute dtype of a model loaded here (as hybridjit.load's).
     `floors`: the machine's rates the performance model reads (default: offline_policy.Floors.of_machine, this
@@ -72,8 +74,9 @@ def batch(
 
         _note(progress, f"loading {model or 'the embedded model'}...")
         with contextlib.closing(load(model, dtype=dtype)) as loaded:
-            return _run(loaded, parsed, source, output, (slots, micro_batches, prefill_batch, floors), progress)
-    return _run(model, parsed, source, output, (slots, micro_batches, prefill_batch, floors), progress)
+            return _run(loaded, parsed, source, output, (slots, micro_batches, prefill_batch, floors, experts),
+                        progress)  # fmt: skip
+    return _run(model, parsed, source, output, (slots, micro_batches, prefill_batch, floors, experts), progress)
 
 
 def _lines(requests) -> tuple[str, Iterable[tuple[str, str | dict]]]:
@@ -121,7 +124,8 @@ def _complete(model, todo, out: ResumableOutput | None, done: dict, overrides: t
     _note(progress, policy.describe())
     micro_batches = None if policy.micro_batches == DUAL else policy.micro_batches  # None: the Engine's dual overlap
     runner = ThroughputRunner(
-        model, slots=policy.slots, micro_batches=micro_batches, prefill_batch=policy.prefill_batch, cache_len=cache_len
+        model, slots=policy.slots, micro_batches=micro_batches, prefill_batch=policy.prefill_batch, cache_len=cache_len,
+        stream_experts=policy.experts == "stream",
     )
     bar = tqdm(total=sum(j.max_tokens for j in todo), unit="tok", desc="generating", file=sys.stderr,
                disable=not progress, dynamic_ncols=True)  # fmt: skip

@@ -58,13 +58,15 @@ def cache_len_for(model, jobs: list[Job]) -> int:
 class ThroughputRunner:
     """Runs Jobs on `model` with `slots` sequences decoding at once in `micro_batches` attention micro-batches
     (None: the interactive engine's dual-batch overlap instead of coalesced experts), prefilling up to
-    `prefill_batch` prompts together, each slot with room for `cache_len` positions."""
+    `prefill_batch` prompts together, each slot with room for `cache_len` positions; with `stream_experts`, each
+    decode step streams the routed experts to the GPU (Engine's stream_experts)."""
 
-    def __init__(self, model, *, slots: int, micro_batches: int | None, prefill_batch: int, cache_len: int):
+    def __init__(self, model, *, slots: int, micro_batches: int | None, prefill_batch: int, cache_len: int,
+                 stream_experts: bool = False):  # fmt: skip
         if prefill_batch < 1:
             raise ValueError(f"prefill_batch must be >= 1, got {prefill_batch}")
         self.model, self.prefill_batch = model, prefill_batch
-        self.engine = Engine(model, slots, cache_len, micro_batches)
+        self.engine = Engine(model, slots, cache_len, micro_batches, stream_experts=stream_experts)
 
     def run(self, jobs: list[Job], on_tokens: Callable[[int], None] | None = None) -> Iterator[Completion]:
         """Yields each job's Completion as it ends (not in the jobs' order); `on_tokens(n)` hears of the n tokens
