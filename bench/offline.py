@@ -8,7 +8,8 @@ Each model is a geometry with random FP8 weights (prefill.py's PooledExperts: fa
 `:LAYERS` where given, its routed experts in one pinned host copy on the CPU. Per model, in one process:
 - the interactive decode: batch 1, the dual-batch engine as `generate` runs it;
 - decode steps of every --slots size, experts coalesced over the batch (one attention micro-batch), each slot's
-  cache holding the mean context of the workload (prompt + half the new tokens): tok/s = slots / step;
+  cache holding the mean context of the workload (prompt + half the new tokens): tok/s = slots / step; with the
+  routed experts on the CPU, and (--experts, on a GPU) streamed to the GPU each step;
 - prefill of every --prefill batch of 512-token prompts (whichever path the engine chooses);
 - the performance model (hybridjit/offline_policy.py) fed with floors measured here (memory read floor, pinned
   H2D, dense GEMM, the CPU expert kernels' rate at each case's tokens per call, the device's free memory): its
@@ -30,7 +31,7 @@ import numpy as np
 
 from bench_model import load_model
 from floors import floors_line, machine, memory_floors
-from hybridjit.offline_policy import Floors, Policy, Workload, kv_bytes_per_slot, predict, search
+from hybridjit.offline_policy import EXPERTS, Floors, Policy, Workload, kv_bytes_per_slot, predict, search
 from hybridjit.placement import Placement
 from hybridjit.sampling import SamplingParams
 from hybridjit.serving.engine import DEVICE_ONLY_DECODE_STEPS, Engine, Prefilled, bucket
@@ -60,13 +61,16 @@ def measured_floors(model, memory: dict, tokens: list[int]) -> Floors:
     return dataclasses.replace(Floors(), **figures)
 
 
-def decode_step_seconds(model, slots: int, micro_batches: int | None, context: int, steps: int, rng) -> float:
+def decode_step_seconds(model, slots: int, micro_batches: int | None, context: int, steps: int, rng,
+                        experts: str = "cpu") -> float:  # fmt: skip
     """Median seconds of a decode step of `slots` sequences each at `context` cached positions, run as the runner
-    runs them (the next step dispatched before this one's tokens are read). The caches hold zeros: a step's time
-    depends on how much cache it reads, not on what is in it; its routing depends on the tokens, which differ."""
+    runs them (the next step dispatched before this one's tokens are read), the routed experts on the CPU or
+    streamed to the GPU each step (`experts`). The caches hold zeros: a step's time depends on how much cache it
+    reads, not on what is in it; its routing depends on the tokens, which differ."""
     cfg = model.config
     most = model.decode_steps or DEVICE_ONLY_DECODE_STEPS  # decode steps a call may run
-    engine = Engine(model, slots, -(-(context + (steps + 2) * most + 4) // 256) * 256, micro_batches)  # as decode.py
+    cache_len = -(-(context + (steps + 2) * most + 4) // 256) * 256  # as decode.py
+    engine = Engine(model, slots, cache_len, micro_batches, stream_experts=experts == "stream")
     calls = -(-steps // engine.steps)
     one = model.family.model.init_cache(cfg, 1, context, model.dtype, model.placement.device)
     tokens = rng.integers(2, cfg.vocab_size, slots)
@@ -125,21 +129,21 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
     interactive_tok_s = 1 / interactive
     print(f"interactive batch 1: {1e3 * interactive:.1f} ms/step, {interactive_tok_s:.2f} tok/s")
 
-    decode, prefill = {}, {}
-    print(f"{'slots':>6} {'step ms':>9} {'tok/s':>9} {'pred ms':>9} {'pred tok/s':>10} {'meas/pred':>9}")
-    for slots in args.slots:
+    decode, prefill = {}, {}  # decode: {(slots, experts): ...}
+    print(f"{'slots':>6} {'experts':>7} {'step ms':>9} {'tok/s':>9} {'pred ms':>9} {'pred tok/s':>10} {'meas/pred':>9}")
+    for slots, experts in [(b, e) for b in args.slots for e in args.experts]:
         if time.perf_counter() > deadline:
-            print(f"time limit: slots {slots} and up not run")
+            print(f"time limit: slots {slots} with experts {experts} and on not run")
             break
         kv = slots * kv_bytes_per_slot(cfg, context + args.steps + 4, itemsize)
         if floors.device_free_bytes is not None and kv > floors.device_free_bytes:
             print(f"{slots:6d} slots: their KV cache ({kv / 2**30:.1f} GiB) does not fit the device")
             continue
-        step = decode_step_seconds(model, slots, 1, context, args.steps, rng)
-        predicted = predict(cfg, floors, work, Policy(slots, 1, 1), itemsize, ON_GPU).step_s
-        decode[slots] = {"step_s": step, "predicted_step_s": predicted}
-        print(f"{slots:6d} {1e3 * step:9.1f} {slots / step:9.1f} {1e3 * predicted:9.1f} {slots / predicted:10.1f} "
-              f"{predicted / step:9.2f}")  # fmt: skip
+        step = decode_step_seconds(model, slots, 1, context, args.steps, rng, experts)
+        predicted = predict(cfg, floors, work, Policy(slots, 1, 1, experts=experts), itemsize, ON_GPU).step_s
+        decode[slots, experts] = {"step_s": step, "predicted_step_s": predicted}
+        print(f"{slots:6d} {experts:>7} {1e3 * step:9.1f} {slots / step:9.1f} {1e3 * predicted:9.1f} "
+              f"{slots / predicted:10.1f} {predicted / step:9.2f}")  # fmt: skip
     print(f"{'prompts':>7} {'path':>7} {'ms':>9} {'tok/s':>9} {'pred ms':>9}")
     for batch in args.prefill:
         if time.perf_counter() > deadline:
@@ -157,38 +161,39 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
     result = {
         "model": name, "layers": cfg.num_hidden_layers, "full_layers": full.num_hidden_layers,
         "floors": dataclasses.asdict(floors), "interactive_tok_s": round(interactive_tok_s, 2),
-        "decode": [{"slots": b, "step_ms": round(1e3 * d["step_s"], 2), "tok_s": round(b / d["step_s"], 2),
-                    "predicted_tok_s": round(b / d["predicted_step_s"], 2)} for b, d in decode.items()],
+        "decode": [{"slots": b, "experts": e, "step_ms": round(1e3 * d["step_s"], 2),
+                    "tok_s": round(b / d["step_s"], 2), "predicted_tok_s": round(b / d["predicted_step_s"], 2)}
+                   for (b, e), d in decode.items()],
         "prefill": [{"prompts": p, "path": d["path"], "ms": round(1e3 * d["seconds"], 1),
                      "tok_s": round(p * PROMPT / d["seconds"], 1),
                      "predicted_tok_s": round(p * PROMPT / d["predicted_s"], 1)} for p, d in prefill.items()],
     }  # fmt: skip
     if decode:
-        best_decode = max(b / decode[b]["step_s"] for b in decode)
+        best_decode = max(b / d["step_s"] for (b, _), d in decode.items())
         result["best_decode_vs_interactive"] = round(best_decode / interactive_tok_s, 1)
-    grid = {(b, p): run_tok_s(b, p, decode[b]["step_s"], prefill[p]["seconds"])
-            for b in decode for p in prefill if p <= b}  # fmt: skip
+    grid = {(b, e, p): run_tok_s(b, p, d["step_s"], prefill[p]["seconds"])
+            for (b, e), d in decode.items() for p in prefill if p <= b}  # fmt: skip
     if not grid:  # the decode figures are kept; a run's throughput needs both phases
         print("no slots x prefill case measured: no run throughput, no pick")
         model.close()
         return result | {"error": "no slots x prefill case ran within the time limit"}
     best = max(grid, key=grid.get)
     # The model's pick over the same grid: the policy it predicts fastest among the measured cases.
-    picks = {key: search(cfg, floors, work, itemsize, ON_GPU, slots=key[0], micro_batches=1, prefill_batch=key[1])
-             for key in grid}  # fmt: skip
+    picks = {(b, e, p): search(cfg, floors, work, itemsize, ON_GPU, slots=b, micro_batches=1, prefill_batch=p,
+                               experts=e) for b, e, p in grid}  # fmt: skip
     pick_key = max(picks, key=lambda key: picks[key].prediction.total_tok_s)
     measured_pick, predicted_pick = grid[pick_key], picks[pick_key].prediction.total_tok_s
     result |= {
-        "best_of_grid": {"slots": best[0], "prefill": best[1], "tok_s": round(grid[best], 2)},
-        "policy_pick": {"slots": pick_key[0], "prefill": pick_key[1], "measured_tok_s": round(measured_pick, 2),
-                        "predicted_tok_s": round(predicted_pick, 2)},
+        "best_of_grid": {"slots": best[0], "experts": best[1], "prefill": best[2], "tok_s": round(grid[best], 2)},
+        "policy_pick": {"slots": pick_key[0], "experts": pick_key[1], "prefill": pick_key[2],
+                        "measured_tok_s": round(measured_pick, 2), "predicted_tok_s": round(predicted_pick, 2)},
         "pick_vs_best": round(measured_pick / grid[best], 3),
         "measured_vs_predicted": round(measured_pick / predicted_pick, 3),
     }  # fmt: skip
     if cfg.num_hidden_layers < full.num_hidden_layers:  # projected: the full-depth prediction x measured / predicted
         scale = result["measured_vs_predicted"]
         full_pick = search(full, floors, work, itemsize, ON_GPU, slots=pick_key[0], micro_batches=1,
-                           prefill_batch=pick_key[1])  # fmt: skip
+                           prefill_batch=pick_key[2], experts=pick_key[1])  # fmt: skip
         interactive_full = predict(full, floors, work, Policy(1, 1, 1), itemsize, ON_GPU).decode_tok_s
         interactive_trunc = predict(cfg, floors, work, Policy(1, 1, 1), itemsize, ON_GPU).decode_tok_s
         result["projected_full_depth"] = {
@@ -196,9 +201,10 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
             "decode_tok_s": round(full_pick.prediction.decode_tok_s * scale, 2),
             "interactive_tok_s": round(interactive_tok_s * interactive_full / interactive_trunc, 2),
         }
-    print(f"best of the grid: {best[0]} slots, prefill {best[1]}: {grid[best]:.1f} tok/s; the model's pick: "
-          f"{pick_key[0]} slots, prefill {pick_key[1]}: {measured_pick:.1f} tok/s measured, {predicted_pick:.1f} "
-          f"predicted; best decode / interactive = {result['best_decode_vs_interactive']}x")  # fmt: skip
+    print(f"best of the grid: {best[0]} slots, experts {best[1]}, prefill {best[2]}: {grid[best]:.1f} tok/s; the "
+          f"model's pick: {pick_key[0]} slots, experts {pick_key[1]}, prefill {pick_key[2]}: {measured_pick:.1f} "
+          f"tok/s measured, {predicted_pick:.1f} predicted; best decode / interactive = "
+          f"{result['best_decode_vs_interactive']}x")  # fmt: skip
     if "projected_full_depth" in result:
         print(f"projected to full depth: {result['projected_full_depth']}")
     model.close()
@@ -211,6 +217,8 @@ def main(argv=None):
                         help="geometries, each GEOMETRY[:LAYERS]")
     parser.add_argument("--slots", type=int, nargs="+", default=[64, 256, 512, 1024])
     parser.add_argument("--prefill", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--experts", nargs="+", choices=EXPERTS, default=list(EXPERTS) if ON_GPU else ["cpu"],
+                        help="where decode steps run the routed experts (stream: to the GPU each step; GPU only)")
     parser.add_argument("--requests", type=int, default=4096, help="the modelled run's requests")
     parser.add_argument("--steps", type=int, default=6, help="timed decode steps per case")
     parser.add_argument("--dtype", default="bfloat16" if ON_GPU else "float32")
