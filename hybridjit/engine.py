@@ -104,15 +104,21 @@ class Model:
         """The rates the prefill-path choice reads, of this machine (hybridjit.machine_floors: measured the first
         time, then cached): pinned host -> device copies, the GPU's GEMM rate, and the CPU kernels' rate on this
         model's routed experts (their format and shapes)."""
-        device, cache = self.placement.device, machine_floors.FloorCache()
-        floors = cache.floors(device)
+        floors = machine_floors.FloorCache().floors(self.placement.device)
         if floors.pcie_gbps is None or not self.expert_layers:  # no accelerator, or no expert on the CPU
             return PrefillRates()
+        return PrefillRates(floors.pcie_gbps, floors.gpu_tflops, self.cpu_expert_tflops())
+
+    def cpu_expert_tflops(self, tokens: int = machine_floors.CPU_EXPERT_TOKENS) -> float:
+        """The CPU kernels' rate on this model's routed experts (their format and shapes) in a call of `tokens`
+        tokens routed uniformly, on this machine (hybridjit.machine_floors: measured the first time, then cached).
+        It falls steeply with the tokens per expert: the offline policy reads it at several batch sizes."""
         layer, k = self.expert_layers[0], self.config.num_experts_per_tok
         key = f"{layer.format} experts {layer.hidden}x{layer.inter}, {k} of {layer.n_experts} a token"
-        cpu = cache.cpu_expert_tflops(device, key, lambda: machine_floors.cpu_expert_tflops(
-            layer.id, layer.hidden, layer.inter, layer.n_experts, k))
-        return PrefillRates(floors.pcie_gbps, floors.gpu_tflops, cpu)
+        if tokens != machine_floors.CPU_EXPERT_TOKENS:  # the prefill-path choice's rate keeps its key
+            key += f", {tokens} tokens a call"
+        return machine_floors.FloorCache().cpu_expert_tflops(self.placement.device, key, lambda: (
+            machine_floors.cpu_expert_tflops(layer.id, layer.hidden, layer.inter, layer.n_experts, k, tokens)))
 
     def prefill_weights(self, devices: tuple[jax.Device, ...] | None = None):
         """The weights stream-loaded prefill runs on over `devices` (default Placement.stream_devices). On the

@@ -39,6 +39,9 @@ from hybridjit.stream_prefill import PrefillRates, expert_bytes, free_device_mem
 
 DUAL = "dual"  # micro_batches: the interactive engine's two overlapped micro-batches, each with its expert calls
 EXPERTS = ("cpu", "stream")  # where a decode step's routed experts run: the CPU kernels, or streamed to the GPU
+# Tokens per call at which of_machine measures the CPU expert rate (each measured once per machine and expert shape,
+# then cached): decode steps of tens to thousands of slots, and a prefill's worth.
+RATE_TOKENS = (16, 64, 256, 1024, 4096)
 MAX_SLOTS = 1024
 MICRO_BATCHES = (1, 2, 4, 8)
 # Bytes a prompt token takes while prefilled, besides the weights: float32 logits over the vocabulary (the hybrid
@@ -66,7 +69,8 @@ class Floors:
     # The CPU expert kernels' rate on one of the model's MoE layers by tokens per call, routed uniformly:
     # ((tokens, TFLOP/s), ...) ascending. It falls steeply with tokens per expert (fewer tokens to amortize each
     # expert's read and FP8 expansion over; bench/RESULTS.md: FP8 at 64 per expert 0.42x its rate at 512), which
-    # the one figure above, measured at 4096 tokens, overstates for decode steps. Empty: that figure everywhere.
+    # the one figure above, measured at 4096 tokens, overstates for decode steps. of_machine measures it at
+    # RATE_TOKENS (bench/offline.py at its cases' sizes). Empty: that figure everywhere.
     cpu_expert_tflops_by_tokens: tuple[tuple[int, float], ...] = ()
 
     def prefill_rates(self) -> PrefillRates:
@@ -87,8 +91,10 @@ class Floors:
         if model.placement.device.platform == "cpu":
             return cls()
         floors, rates = machine_floors.FloorCache().floors(model.placement.device), model.prefill_rates()
+        by_tokens = tuple((t, model.cpu_expert_tflops(t)) for t in RATE_TOKENS) if model.expert_layers else ()
         return cls(host_read_gbps=floors.host_read_gbps, cpu_expert_tflops=rates.cpu_expert_tflops,
-                   pcie_gbps=rates.pcie_gbps, gpu_tflops=rates.gpu_tflops, gpu_hbm_gbps=floors.gpu_hbm_gbps)
+                   pcie_gbps=rates.pcie_gbps, gpu_tflops=rates.gpu_tflops, gpu_hbm_gbps=floors.gpu_hbm_gbps,
+                   cpu_expert_tflops_by_tokens=by_tokens)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -105,3 +105,23 @@ def test_on_a_gpu_the_prefill_path_reads_this_machines_measured_rates(tmp_path, 
     assert floors.pcie_gbps > 1 and floors.gpu_tflops > 1 and floors.gpu_hbm_gbps > 10
     assert (rates.pcie_gbps, rates.gpu_tflops) == (floors.pcie_gbps, floors.gpu_tflops)
     assert list(FloorCache(tmp_path).cpu_expert_rates(floors.machine).values()) == [rates.cpu_expert_tflops]
+
+
+def test_a_models_cpu_expert_rate_is_measured_once_per_call_size(tmp_path, monkeypatch):
+    """Model.cpu_expert_tflops(tokens): each call size measured once on this machine, then read from the cache; the
+    prefill-path choice's size (CPU_EXPERT_TOKENS) keeps the key it always had."""
+    monkeypatch.setenv("HYBRIDJIT_CACHE", str(tmp_path))
+    asked = []
+
+    def fake(layer_id, hidden, inter, experts, k, tokens=machine_floors.CPU_EXPERT_TOKENS, repeats=2):
+        asked.append(tokens)
+        return tokens / 1000
+
+    monkeypatch.setattr(machine_floors, "cpu_expert_tflops", fake)
+    with hybridjit.load() as model:
+        rates = [model.cpu_expert_tflops(t) for t in (64, 64, 1024, machine_floors.CPU_EXPERT_TOKENS)]
+        layer, k = model.expert_layers[0], model.config.num_experts_per_tok
+    assert rates == [0.064, 0.064, 1.024, 4.096] and asked == [64, 1024, machine_floors.CPU_EXPERT_TOKENS]
+    cached = FloorCache(tmp_path).cpu_expert_rates(machine_floors.machine_key(jax.devices()[0]))
+    key = f"{layer.format} experts {layer.hidden}x{layer.inter}, {k} of {layer.n_experts} a token"
+    assert cached == {f"{key}, 64 tokens a call": 0.064, f"{key}, 1024 tokens a call": 1.024, key: 4.096}
