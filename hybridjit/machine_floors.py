@@ -192,6 +192,6 @@ class FloorCache:
         key, data = machine_key(device), self._read()
         rates = data.setdefault(key, {}).setdefault("cpu_experts", {})
         if not isinstance(rates.get(layer_key), float):
-            rates[layer_key] = round(float(measure_layer()), 3)
+            rates[layer_key] = float(f"{float(measure_layer()):.4g}")  # significant digits: tiny layers too
             self._write(data)
         return rates[layer_key]

@@ -34,6 +34,7 @@ import numpy as np
 
 from hybridjit import machine_floors
 from hybridjit.models.registry import ModelConfig, family_of
+from hybridjit.pinned_experts import BLOCKS_PER_LAYER
 from hybridjit.serving.engine import bucket
 from hybridjit.stream_prefill import PrefillRates, expert_bytes, free_device_memory, prefill_seconds
 
@@ -177,6 +178,15 @@ def gpu_seconds(cfg: ModelConfig, floors: Floors, batch: int, context: float, ca
     return seconds + max(head * itemsize / 2 / (floors.gpu_hbm_gbps * 1e9), batch * head / (floors.gpu_tflops * 1e12))
 
 
+def stream_ring_bytes(cfg: ModelConfig, batch: int, cache_len: int) -> int:
+    """Device memory a decode step that streams the experts needs beyond the weights and the KV cache: two expert
+    blocks (pinned_experts.BLOCKS_PER_LAYER to a layer; fewer would leave the copies unoverlapped) and the decode
+    attention's float32 scores over the whole cache (three live copies)."""
+    moe = _moe_layers(cfg)
+    block = expert_bytes(cfg) // max(moe, 1) // BLOCKS_PER_LAYER
+    return 2 * block + 3 * 4 * batch * cfg.num_attention_heads * cache_len
+
+
 def streamed_expert_seconds(cfg: ModelConfig, floors: Floors, tokens: int) -> tuple[float, float]:
     """(copy seconds, GPU seconds) of all MoE layers' routed experts streamed to the GPU for a step of `tokens`
     tokens: every expert's bytes over the pinned link, and their FLOPs on the GPU."""
@@ -283,7 +293,9 @@ def search(
             if 3 * 4 * -(-b // calls) * cfg.num_attention_heads * context > ATTENTION_SCRATCH and not micro_batches:
                 continue
             for p in [prefill_batch] if prefill_batch else _powers_of_two(b):
-                if memory is not None and kv + prefill_bytes(cfg, p, length) > memory and not prefill_batch:
+                need = kv + max(prefill_bytes(cfg, p, length),
+                                stream_ring_bytes(cfg, b, work.cache_len) if where == "stream" else 0)  # fmt: skip
+                if memory is not None and need > memory and not prefill_batch:
                     continue
                 policy = Policy(b, mb, p, experts=where)
                 prediction = predict(cfg, floors, work, policy, itemsize, can_stream)
@@ -291,9 +303,14 @@ def search(
                 if best is None or policy.prediction.total_tok_s > best.prediction.total_tok_s:
                     best = policy
     if best is None:
+        free = "an unbounded device" if memory is None else f"the device's {memory / 2**30:.2f} GiB free"
+        fixed = {"slots": slots, "micro_batches": micro_batches, "experts": experts}
+        asked = ", ".join(f"{name}={value!r}" for name, value in fixed.items() if value)
         raise ValueError(
-            f"no policy fits the device's {memory / 2**30:.2f} GiB free: one slot's KV cache of {work.cache_len} "
-            f"positions takes {per_slot / 2**30:.3f} GiB; shorten max_tokens or the prompts"
+            f"no policy of the grid{f' with {asked}' if asked else ''} fits {free}: one slot's KV cache of "
+            f"{work.cache_len} positions takes {per_slot / 2**30:.3f} GiB, and a micro-batch's attention scores must "
+            f"stay under {ATTENTION_SCRATCH / 2**30:.0f} GiB; shorten max_tokens or the prompts, or allow fewer slots "
+            "or more micro-batches"
         )
     return best
 
@@ -309,6 +326,9 @@ def choose_policy(
     if floors.device_free_bytes is None and model.placement.device.platform != "cpu":
         floors = dataclasses.replace(floors, device_free_bytes=free_device_memory(model.placement.device))
     work = Workload.of_jobs(jobs, cache_len)
-    can_stream = choose_prefill_path(model, 1, 1, threshold=0) == "stream"  # pinned, streamable experts
+    # Pinned, streamable experts. Chosen only on a GPU; forced, the same program runs on any device (tests).
+    can_stream = choose_prefill_path(model, 1, 1, threshold=0) == "stream" and (
+        model.placement.device.platform == "gpu" or experts == "stream"
+    )
     itemsize = jnp.dtype(model.dtype).itemsize
     return search(model.config, floors, work, itemsize, can_stream, slots, micro_batches, prefill_batch, experts)

@@ -536,6 +536,10 @@ def stream_decode_step(model, tokens, positions, live, cache, *, vram_budget: in
     tokens = np.asarray(tokens, np.int32)[:, None]
     positions = np.asarray(positions, np.int32)[:, None]
     live = np.asarray(live, bool)
+    free = free_device_memory(model.placement.device)
+    if vram_budget is None and free is not None:  # the ring's plan counts a prompt's activations, not these:
+        cache_len = max(a.shape[1] for a in jax.tree.leaves(cache))  # the decode attention's float32 scores
+        vram_budget = free - 3 * 4 * len(tokens) * model.config.num_attention_heads * cache_len
     return _stream_layers(model, (model.placement.device,), tokens, positions, live, np.zeros(len(tokens), np.int32),
                           cache, vram_budget, None, None, stats, None, None)  # fmt: skip
 

@@ -6,7 +6,16 @@ import dataclasses
 
 import pytest
 
-from hybridjit.offline_policy import DUAL, Floors, Policy, Workload, kv_bytes_per_slot, predict, search
+from hybridjit.offline_policy import (
+    DUAL,
+    Floors,
+    Policy,
+    Workload,
+    kv_bytes_per_slot,
+    predict,
+    search,
+    stream_ring_bytes,
+)
 from hybridjit.synthetic import geometry_config
 
 V3 = geometry_config("deepseek-v3", weight_format="fp8")
@@ -43,7 +52,7 @@ def test_the_users_choices_are_kept_and_the_rest_searched():
 
 
 def test_no_slot_fits_is_a_clear_error():
-    with pytest.raises(ValueError, match="no policy fits the device's 0.00 GiB free"):
+    with pytest.raises(ValueError, match="no policy of the grid fits the device's 0.00 GiB free"):
         search(V3, dataclasses.replace(FLOORS, device_free_bytes=1 << 20), WORK, 2, True)
 
 
@@ -84,3 +93,19 @@ def test_bad_expert_choices_are_refused(options, message):
         search(V3, FLOORS, WORK, 2, True, **options)
     with pytest.raises(ValueError, match="needs the routed experts pinned"):
         search(V3, FLOORS, WORK, 2, False, experts="stream")
+
+
+def test_streaming_is_chosen_only_where_its_ring_fits_beside_the_kv_cache():
+    """A streamed step needs two expert blocks and its attention scores on the device besides the KV cache: where
+    the slots' cache leaves less, the experts stay on the CPU however slow it is. A forced choice the grid cannot
+    hold is a clear error, on a device of unbounded memory too."""
+    slow = ((1, 0.05), (512, 1.0), (4096, 4.0))
+    long_decode = Workload(requests=4096, prompt_tokens=100, new_tokens=900, cache_len=1024)
+    kv = 192 * kv_bytes_per_slot(V3, long_decode.cache_len, 2)
+    tight = Floors(device_free_bytes=kv + (1 << 28), cpu_expert_tflops_by_tokens=slow)
+    assert search(V3, tight, long_decode, 2, True, slots=192).experts == "cpu"
+    roomy = dataclasses.replace(tight, device_free_bytes=kv + stream_ring_bytes(V3, 192, 1024) + (1 << 30))
+    assert search(V3, roomy, long_decode, 2, True, slots=192).experts == "stream"
+    forced = "no policy of the grid with slots=1024, experts='stream' fits an unbounded device.*attention scores"
+    with pytest.raises(ValueError, match=forced):
+        search(V3, Floors(cpu_expert_tflops_by_tokens=slow), WORK, 2, True, slots=1024, experts="stream")

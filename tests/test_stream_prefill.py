@@ -40,7 +40,7 @@ from hybridjit.models.common import gqa
 from hybridjit.models.common.decoder import NO_SCHEDULE
 from hybridjit.models.common.expert_storage import ExpertStorage
 from hybridjit.models.common.experts import group_by_expert
-from hybridjit.models.common.moe import MoE
+from hybridjit.models.common.moe import ExpertSchedule, MoE
 from hybridjit.models.registry import family_of
 from hybridjit.ops.routed_experts import register_layer, routed_experts
 from hybridjit.pinned_experts import host_view, pinned_layer, register_pinned
@@ -352,10 +352,13 @@ def test_an_engine_streaming_its_experts_decodes_as_the_engine_on_xla_experts(ca
     np.testing.assert_array_equal(generated[1], generated[0])
 
 
-def test_an_engine_streams_its_experts_only_when_they_are_pinned(case, exact_model):
+def test_an_engine_streams_its_experts_only_when_they_are_pinned_and_all_run(case, model, exact_model, monkeypatch):
     only(case, FULL)
     with pytest.raises(ValueError, match="stream_experts: .*pinned_experts=True"):
         Engine(exact_model, 2, CACHE_LEN, stream_experts=True)
+    monkeypatch.setattr(model, "expert_schedule", ExpertSchedule(n_skipped=1))
+    with pytest.raises(ValueError, match="stream_experts: streams every routed expert; turn Expert Deferral"):
+        Engine(model, 2, CACHE_LEN, stream_experts=True)
 
 
 def test_vram_budget_sets_the_depth_and_bounds_the_ring(case, model, tokens):

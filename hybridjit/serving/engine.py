@@ -256,7 +256,8 @@ class Engine:
 
     With stream_experts (offline throughput, large batches), each decode step streams the routed experts to the device
     from their pinned host copy, as stream-loaded prefill does (stream_prefill.stream_decode_step): one micro-batch,
-    one step a call.
+    one step a call, attending over the whole cache; its generate returns once the step has run (the step is a host
+    loop over per-layer executables).
 
     Each generate call runs `steps` decode steps: model.decode_steps if set (the interactive engine then decodes
     one micro-batch), else DEVICE_ONLY_DECODE_STEPS when the whole model runs on a GPU (no routed expert on the
@@ -298,6 +299,8 @@ class Engine:
                                  "with Placement(pinned_experts=True)")  # fmt: skip
             if micro_batches not in (None, 1) or tally or model.decode_steps not in (None, 1):
                 raise ValueError("stream_experts: decodes one micro-batch, one step a call, without tally")
+            if model.expert_schedule.n_skipped or model.expert_schedule.n_deferred:
+                raise ValueError("stream_experts: streams every routed expert; turn Expert Deferral and Skipping off")
             self.steps, micro_batches = 1, 1
         if micro_batches is None:
             micro_batches = 2 if model.dual_batch and slots > 1 and on_host and self.steps == 1 else 1
