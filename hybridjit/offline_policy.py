@@ -36,7 +36,13 @@ from hybridjit import machine_floors
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.pinned_experts import BLOCKS_PER_LAYER
 from hybridjit.serving.engine import bucket
-from hybridjit.stream_prefill import PrefillRates, expert_bytes, free_device_memory, prefill_seconds
+from hybridjit.stream_prefill import (
+    PrefillRates,
+    decode_scores_bytes,
+    expert_bytes,
+    free_device_memory,
+    prefill_seconds,
+)
 
 DUAL = "dual"  # micro_batches: the interactive engine's two overlapped micro-batches, each with its expert calls
 EXPERTS = ("cpu", "stream")  # where a decode step's routed experts run: the CPU kernels, or streamed to the GPU
@@ -181,10 +187,10 @@ def gpu_seconds(cfg: ModelConfig, floors: Floors, batch: int, context: float, ca
 def stream_ring_bytes(cfg: ModelConfig, batch: int, cache_len: int) -> int:
     """Device memory a decode step that streams the experts needs beyond the weights and the KV cache: two expert
     blocks (pinned_experts.BLOCKS_PER_LAYER to a layer; fewer would leave the copies unoverlapped) and the decode
-    attention's float32 scores over the whole cache (three live copies)."""
+    attention's float32 scores over the whole cache (decode_scores_bytes)."""
     moe = _moe_layers(cfg)
     block = expert_bytes(cfg) // max(moe, 1) // BLOCKS_PER_LAYER
-    return 2 * block + 3 * 4 * batch * cfg.num_attention_heads * cache_len
+    return 2 * block + decode_scores_bytes(cfg, batch, cache_len)
 
 
 def streamed_expert_seconds(cfg: ModelConfig, floors: Floors, tokens: int) -> tuple[float, float]:
@@ -290,7 +296,7 @@ def search(
         for where, mb in placements:
             calls = 2 if mb == DUAL else mb
             context = work.cache_len
-            if 3 * 4 * -(-b // calls) * cfg.num_attention_heads * context > ATTENTION_SCRATCH and not micro_batches:
+            if decode_scores_bytes(cfg, -(-b // calls), context) > ATTENTION_SCRATCH and not micro_batches:
                 continue
             for p in [prefill_batch] if prefill_batch else _powers_of_two(b):
                 need = kv + max(prefill_bytes(cfg, p, length),

@@ -171,6 +171,12 @@ def _attention(cfg, batch, length, dtype, device, chunk):
     return model.ChunkedAttention(min(chunk, length))
 
 
+def decode_scores_bytes(cfg: ModelConfig, batch: int, cache_len: int) -> int:
+    """Device memory of a decode attention's float32 scores, `batch` tokens over `cache_len` positions each (about
+    three live copies): what a streamed decode step needs besides the ring, and what bounds a micro-batch."""
+    return 3 * 4 * batch * cfg.num_attention_heads * cache_len
+
+
 def free_device_memory(device: jax.Device) -> int | None:
     """Bytes a program may still allocate on `device` (90% of what is free), None where it does not say (a CPU)."""
     stats = device.memory_stats()
@@ -536,10 +542,10 @@ def stream_decode_step(model, tokens, positions, live, cache, *, vram_budget: in
     tokens = np.asarray(tokens, np.int32)[:, None]
     positions = np.asarray(positions, np.int32)[:, None]
     live = np.asarray(live, bool)
-    free = free_device_memory(model.placement.device)
-    if vram_budget is None and free is not None:  # the ring's plan counts a prompt's activations, not these:
-        cache_len = max(a.shape[1] for a in jax.tree.leaves(cache))  # the decode attention's float32 scores
-        vram_budget = free - 3 * 4 * len(tokens) * model.config.num_attention_heads * cache_len
+    # The ring's plan counts a prompt's activations, not the decode attention's scores over the whole cache.
+    if vram_budget is None and (free := free_device_memory(model.placement.device)) is not None:
+        cache_len = max(a.shape[1] for a in jax.tree.leaves(cache))
+        vram_budget = free - decode_scores_bytes(model.config, len(tokens), cache_len)
     return _stream_layers(model, (model.placement.device,), tokens, positions, live, np.zeros(len(tokens), np.int32),
                           cache, vram_budget, None, None, stats, None, None)  # fmt: skip
 
