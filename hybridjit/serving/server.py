@@ -42,6 +42,10 @@ from hybridjit.tokenizer import IncrementalDecoder, no_tokenizer
 
 # After SIGTERM, requests in flight have this long to finish before they are cancelled.
 GRACEFUL_SHUTDOWN_SECONDS = 5
+# An idle keep-alive connection stays open this long. Clients must close theirs first: httpx (the openai client's
+# transport) keeps an idle connection 5 s, uvicorn's default too, and a request sent on a connection just as the
+# server closes it fails with a connection reset (seen under load in tests/test_server.py's soak).
+KEEP_ALIVE_SECONDS = 75
 DONE = "data: [DONE]\n\n"
 
 
@@ -397,5 +401,6 @@ def serve(
     )
     app = create_app(scheduler, model_name=model_name, api_key=api_key)
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+                            timeout_keep_alive=KEEP_ALIVE_SECONDS)
     uvicorn.Server(config).run(sockets=[sock])
