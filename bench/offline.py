@@ -9,7 +9,8 @@ Each model is a geometry with random FP8 weights (prefill.py's PooledExperts: fa
 - the interactive decode: batch 1, the dual-batch engine as `generate` runs it;
 - decode steps of every --slots size, experts coalesced over the batch (one attention micro-batch), each slot's
   cache holding the mean context of the workload (prompt + half the new tokens): tok/s = slots / step; with the
-  routed experts on the CPU, and (--experts, on a GPU) streamed to the GPU each step;
+  routed experts on the CPU, and (--experts, on a GPU) streamed to the GPU each step, and so with the CPU computing
+  as many of each layer's blocks meanwhile as the model picks for that batch (co-execution), where it picks any;
 - prefill of every --prefill batch of 512-token prompts (whichever path the engine chooses);
 - the performance model (hybridjit/offline_policy.py) fed with floors measured here (memory read floor, pinned
   H2D, dense GEMM, the CPU expert kernels' rate at each case's tokens per call, the device's free memory): its
@@ -62,15 +63,16 @@ def measured_floors(model, memory: dict, tokens: list[int]) -> Floors:
 
 
 def decode_step_seconds(model, slots: int, micro_batches: int | None, context: int, steps: int, rng,
-                        experts: str = "cpu") -> float:  # fmt: skip
+                        experts: str = "cpu", cpu_blocks: int = 0) -> float:  # fmt: skip
     """Median seconds of a decode step of `slots` sequences each at `context` cached positions, run as the runner
     runs them (the next step dispatched before this one's tokens are read), the routed experts on the CPU or
-    streamed to the GPU each step (`experts`). The caches hold zeros: a step's time depends on how much cache it
-    reads, not on what is in it; its routing depends on the tokens, which differ."""
+    streamed to the GPU each step (`experts`), `cpu_blocks` of each layer's then on the CPU meanwhile. The caches
+    hold zeros: a step's time depends on how much cache it reads, not on what is in it; its routing depends on the
+    tokens, which differ."""
     cfg = model.config
     most = model.decode_steps or DEVICE_ONLY_DECODE_STEPS  # decode steps a call may run
     cache_len = -(-(context + (steps + 2) * most + 4) // 256) * 256  # as decode.py
-    engine = Engine(model, slots, cache_len, micro_batches, stream_experts=experts == "stream")
+    engine = Engine(model, slots, cache_len, micro_batches, stream_experts=experts == "stream", cpu_blocks=cpu_blocks)
     calls = -(-steps // engine.steps)
     one = model.family.model.init_cache(cfg, 1, context, model.dtype, model.placement.device)
     tokens = rng.integers(2, cfg.vocab_size, slots)
@@ -92,6 +94,19 @@ def decode_step_seconds(model, slots: int, micro_batches: int | None, context: i
         previous, last = step, now
     previous.tokens()
     return statistics.median(times)
+
+
+def decode_cases(cfg, floors: Floors, work: Workload, itemsize: int, args) -> list[tuple[int, str, int]]:
+    """(slots, experts, CPU blocks) of every case: each --slots with each --experts, and where the experts stream,
+    also with the CPU blocks the model picks for that batch, where it picks any."""
+    cases = []
+    for slots, experts in [(b, e) for b in args.slots for e in args.experts]:
+        cases.append((slots, experts, 0))
+        if experts == "stream":
+            split = search(cfg, floors, work, itemsize, True, slots=slots, micro_batches=1, experts="stream").cpu_blocks
+            if split:
+                cases.append((slots, experts, split))
+    return cases
 
 
 def prefill_seconds(model, batch: int, rng, repeats: int = 3, warmup: int = 3) -> tuple[float, str]:
@@ -129,20 +144,22 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
     interactive_tok_s = 1 / interactive
     print(f"interactive batch 1: {1e3 * interactive:.1f} ms/step, {interactive_tok_s:.2f} tok/s")
 
-    decode, prefill = {}, {}  # decode: {(slots, experts): ...}
-    print(f"{'slots':>6} {'experts':>7} {'step ms':>9} {'tok/s':>9} {'pred ms':>9} {'pred tok/s':>10} {'meas/pred':>9}")
-    for slots, experts in [(b, e) for b in args.slots for e in args.experts]:
+    decode, prefill = {}, {}  # decode: {(slots, experts, cpu_blocks): ...}
+    print(f"{'slots':>6} {'experts':>9} {'step ms':>9} {'tok/s':>9} {'pred ms':>9} {'pred tok/s':>10} {'meas/pred':>9}")
+    for slots, experts, cpu_blocks in decode_cases(cfg, floors, work, itemsize, args):
         if time.perf_counter() > deadline:
-            print(f"time limit: slots {slots} with experts {experts} and on not run")
+            print(f"time limit: slots {slots} with experts {experts} ({cpu_blocks} CPU blocks) and on not run")
             break
         kv = slots * kv_bytes_per_slot(cfg, context + args.steps + 4, itemsize)
         if floors.device_free_bytes is not None and kv > floors.device_free_bytes:
             print(f"{slots:6d} slots: their KV cache ({kv / 2**30:.1f} GiB) does not fit the device")
             continue
-        step = decode_step_seconds(model, slots, 1, context, args.steps, rng, experts)
-        predicted = predict(cfg, floors, work, Policy(slots, 1, 1, experts=experts), itemsize, ON_GPU).step_s
-        decode[slots, experts] = {"step_s": step, "predicted_step_s": predicted}
-        print(f"{slots:6d} {experts:>7} {1e3 * step:9.1f} {slots / step:9.1f} {1e3 * predicted:9.1f} "
+        step = decode_step_seconds(model, slots, 1, context, args.steps, rng, experts, cpu_blocks)
+        policy = Policy(slots, 1, 1, experts=experts, cpu_blocks=cpu_blocks)
+        predicted = predict(cfg, floors, work, policy, itemsize, ON_GPU).step_s
+        decode[slots, experts, cpu_blocks] = {"step_s": step, "predicted_step_s": predicted}
+        where = f"{experts}+{cpu_blocks}c" if cpu_blocks else experts
+        print(f"{slots:6d} {where:>9} {1e3 * step:9.1f} {slots / step:9.1f} {1e3 * predicted:9.1f} "
               f"{slots / predicted:10.1f} {predicted / step:9.2f}")  # fmt: skip
     print(f"{'prompts':>7} {'path':>7} {'ms':>9} {'tok/s':>9} {'pred ms':>9}")
     for batch in args.prefill:
@@ -161,39 +178,43 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
     result = {
         "model": name, "layers": cfg.num_hidden_layers, "full_layers": full.num_hidden_layers,
         "floors": dataclasses.asdict(floors), "interactive_tok_s": round(interactive_tok_s, 2),
-        "decode": [{"slots": b, "experts": e, "step_ms": round(1e3 * d["step_s"], 2),
+        "decode": [{"slots": b, "experts": e, "cpu_blocks": c, "step_ms": round(1e3 * d["step_s"], 2),
                     "tok_s": round(b / d["step_s"], 2), "predicted_tok_s": round(b / d["predicted_step_s"], 2)}
-                   for (b, e), d in decode.items()],
+                   for (b, e, c), d in decode.items()],
         "prefill": [{"prompts": p, "path": d["path"], "ms": round(1e3 * d["seconds"], 1),
                      "tok_s": round(p * PROMPT / d["seconds"], 1),
                      "predicted_tok_s": round(p * PROMPT / d["predicted_s"], 1)} for p, d in prefill.items()],
     }  # fmt: skip
     if decode:
-        best_decode = max(b / d["step_s"] for (b, _), d in decode.items())
+        best_decode = max(b / d["step_s"] for (b, _, _), d in decode.items())
         result["best_decode_vs_interactive"] = round(best_decode / interactive_tok_s, 1)
-    grid = {(b, e, p): run_tok_s(b, p, d["step_s"], prefill[p]["seconds"])
-            for (b, e), d in decode.items() for p in prefill if p <= b}  # fmt: skip
+    grid = {(b, e, c, p): run_tok_s(b, p, d["step_s"], prefill[p]["seconds"])
+            for (b, e, c), d in decode.items() for p in prefill if p <= b}  # fmt: skip
     if not grid:  # the decode figures are kept; a run's throughput needs both phases
         print("no slots x prefill case measured: no run throughput, no pick")
         model.close()
         return result | {"error": "no slots x prefill case ran within the time limit"}
     best = max(grid, key=grid.get)
     # The model's pick over the same grid: the policy it predicts fastest among the measured cases.
-    picks = {(b, e, p): search(cfg, floors, work, itemsize, ON_GPU, slots=b, micro_batches=1, prefill_batch=p,
-                               experts=e) for b, e, p in grid}  # fmt: skip
+    picks = {(b, e, c, p): search(cfg, floors, work, itemsize, ON_GPU, slots=b, micro_batches=1, prefill_batch=p,
+                                  experts=e, cpu_blocks=c if e == "stream" else None)
+             for b, e, c, p in grid}  # fmt: skip
     pick_key = max(picks, key=lambda key: picks[key].prediction.total_tok_s)
     measured_pick, predicted_pick = grid[pick_key], picks[pick_key].prediction.total_tok_s
     result |= {
-        "best_of_grid": {"slots": best[0], "experts": best[1], "prefill": best[2], "tok_s": round(grid[best], 2)},
-        "policy_pick": {"slots": pick_key[0], "experts": pick_key[1], "prefill": pick_key[2],
-                        "measured_tok_s": round(measured_pick, 2), "predicted_tok_s": round(predicted_pick, 2)},
+        "best_of_grid": {"slots": best[0], "experts": best[1], "cpu_blocks": best[2], "prefill": best[3],
+                         "tok_s": round(grid[best], 2)},
+        "policy_pick": {"slots": pick_key[0], "experts": pick_key[1], "cpu_blocks": pick_key[2],
+                        "prefill": pick_key[3], "measured_tok_s": round(measured_pick, 2),
+                        "predicted_tok_s": round(predicted_pick, 2)},
         "pick_vs_best": round(measured_pick / grid[best], 3),
         "measured_vs_predicted": round(measured_pick / predicted_pick, 3),
     }  # fmt: skip
     if cfg.num_hidden_layers < full.num_hidden_layers:  # projected: the full-depth prediction x measured / predicted
         scale = result["measured_vs_predicted"]
         full_pick = search(full, floors, work, itemsize, ON_GPU, slots=pick_key[0], micro_batches=1,
-                           prefill_batch=pick_key[2], experts=pick_key[1])  # fmt: skip
+                           prefill_batch=pick_key[3], experts=pick_key[1],
+                           cpu_blocks=pick_key[2] if pick_key[1] == "stream" else None)  # fmt: skip
         interactive_full = predict(full, floors, work, Policy(1, 1, 1), itemsize, ON_GPU).decode_tok_s
         interactive_trunc = predict(cfg, floors, work, Policy(1, 1, 1), itemsize, ON_GPU).decode_tok_s
         result["projected_full_depth"] = {
@@ -201,8 +222,9 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
             "decode_tok_s": round(full_pick.prediction.decode_tok_s * scale, 2),
             "interactive_tok_s": round(interactive_tok_s * interactive_full / interactive_trunc, 2),
         }
-    print(f"best of the grid: {best[0]} slots, experts {best[1]}, prefill {best[2]}: {grid[best]:.1f} tok/s; the "
-          f"model's pick: {pick_key[0]} slots, experts {pick_key[1]}, prefill {pick_key[2]}: {measured_pick:.1f} "
+    print(f"best of the grid: {best[0]} slots, experts {best[1]} ({best[2]} CPU blocks), prefill {best[3]}: "
+          f"{grid[best]:.1f} tok/s; the model's pick: {pick_key[0]} slots, experts {pick_key[1]} ({pick_key[2]} CPU "
+          f"blocks), prefill {pick_key[3]}: {measured_pick:.1f} "
           f"tok/s measured, {predicted_pick:.1f} predicted; best decode / interactive = "
           f"{result['best_decode_vs_interactive']}x")  # fmt: skip
     if "projected_full_depth" in result:

@@ -16,7 +16,10 @@ shapes (the family's cost module):
 - or, where the engine can stream them (experts="stream"), the routed experts streamed to the GPU every step
   from their pinned host copy and run there (stream_prefill.stream_decode_step): the larger of the copies (every
   expert's bytes at the pinned H2D rate) and the GPU's work, the experts' FLOPs included. That wins once a step's
-  batch is so large that the CPU, at its rate for that many tokens per expert, takes longer than the link;
+  batch is so large that the CPU, at its rate for that many tokens per expert, takes longer than the link. With
+  `cpu_blocks` of a layer's BLOCKS_PER_LAYER blocks left to the CPU (CoX-MoE's co-execution), the link carries
+  the rest while the CPU kernels compute those blocks' pairs after each layer's router: the larger of the two
+  shares' times, plus a hand-off per layer; the copies take their rate off the host read floor the CPU reads at;
 - prefill, per batch of prompts: the cheaper of the hybrid path (GPU, then CPU experts by the roofline above)
   and, where the engine can stream, the stream-loaded one (stream_prefill.prefill_seconds).
 
@@ -134,10 +137,13 @@ class Policy:
     prefill_batch: int
     prediction: Prediction | None = None
     experts: str = "cpu"  # one of EXPERTS
+    cpu_blocks: int = 0  # with experts "stream": blocks of each layer's BLOCKS_PER_LAYER the CPU computes meanwhile
 
     def describe(self) -> str:
         mb = "dual-batch overlap" if self.micro_batches == DUAL else f"{self.micro_batches} attention micro-batch(es)"
         where = "on the CPU" if self.experts == "cpu" else "streamed to the GPU each step"
+        if self.cpu_blocks:
+            where += f", the CPU computing {self.cpu_blocks} of each layer's {BLOCKS_PER_LAYER} blocks meanwhile"
         line = (f"policy: {self.slots} slots, {mb}, routed experts {where}, prefill {self.prefill_batch} prompts at "
                 "a time")  # fmt: skip
         if p := self.prediction:
@@ -201,14 +207,20 @@ def streamed_expert_seconds(cfg: ModelConfig, floors: Floors, tokens: int) -> tu
 
 
 def decode_step(cfg: ModelConfig, floors: Floors, batch: int, context: float, micro_batches, itemsize: int,
-                experts: str = "cpu"):  # fmt: skip
+                experts: str = "cpu", cpu_blocks: int = 0):  # fmt: skip
     """(step seconds, of which routed experts) of one decode step of `batch` slots, the routed experts on the CPU
-    or streamed to the GPU (`experts`, one of EXPERTS)."""
-    if experts == "stream":  # the copies overlap the GPU's work (the ring loads ahead); one micro-batch
-        copies, expert_gpu = streamed_expert_seconds(cfg, floors, batch)
-        gpu = gpu_seconds(cfg, floors, batch, context, 1, itemsize)
-        return max(copies, gpu + expert_gpu), max(copies - gpu, expert_gpu)
+    or streamed to the GPU (`experts`, one of EXPERTS), `cpu_blocks` of each layer's BLOCKS_PER_LAYER then on the
+    CPU meanwhile."""
     handoffs = _moe_layers(cfg) * floors.handoff_us * 1e-6
+    if experts == "stream":  # the copies overlap the GPU's work (the ring loads ahead); one micro-batch
+        streamed = 1 - cpu_blocks / BLOCKS_PER_LAYER
+        copies, expert_gpu = (streamed * t for t in streamed_expert_seconds(cfg, floors, batch))
+        # From each layer's router to its combine, reading host memory while the copies read it too.
+        sharing = dataclasses.replace(floors, host_read_gbps=max(floors.host_read_gbps - floors.pcie_gbps, 1.0))
+        cpu = (1 - streamed) * cpu_expert_seconds(cfg, sharing, batch)
+        gpu = gpu_seconds(cfg, floors, batch, context, 1, itemsize)
+        step = max(copies, gpu + max(expert_gpu, cpu)) + (handoffs if cpu_blocks else 0.0)
+        return step, step - gpu
     if micro_batches == DUAL and batch > 1:
         halves = (batch - batch // 2, batch // 2)
         experts = sum(cpu_expert_seconds(cfg, floors, b) for b in halves)
@@ -234,7 +246,7 @@ def predict(
     cfg: ModelConfig, floors: Floors, work: Workload, policy: Policy, itemsize: int, can_stream: bool
 ) -> Prediction:
     step, experts = decode_step(cfg, floors, policy.slots, work.prompt_tokens + work.new_tokens / 2,
-                                policy.micro_batches, itemsize, policy.experts)  # fmt: skip
+                                policy.micro_batches, itemsize, policy.experts, policy.cpu_blocks)  # fmt: skip
     length = bucket(math.ceil(work.prompt_tokens))
     prefill = prefill_batch_seconds(cfg, floors, policy.prefill_batch, length, can_stream)
     generated = work.requests * work.new_tokens
@@ -267,13 +279,21 @@ def _slot_grid(limit: int) -> list[int]:
 def search(
     cfg: ModelConfig, floors: Floors, work: Workload, itemsize: int, can_stream: bool,
     slots: int | None = None, micro_batches: int | str | None = None, prefill_batch: int | None = None,
-    experts: str | None = None,
+    experts: str | None = None, cpu_blocks: int | None = None,
 ) -> Policy:  # fmt: skip
     """The policy of the grid (slots by _slot_grid, micro-batches MICRO_BATCHES and DUAL, prefill batches powers of
-    two, the routed experts on the CPU or, where `can_stream`, streamed to the GPU with one micro-batch; the fixed
-    ones as given) with the best predicted throughput that fits `floors.device_free_bytes` (None: unbounded)."""
+    two, the routed experts on the CPU or, where `can_stream`, streamed to the GPU with one micro-batch and 0 to
+    BLOCKS_PER_LAYER - 1 blocks of each layer on the CPU meanwhile; the fixed ones as given) with the best predicted
+    throughput that fits `floors.device_free_bytes` (None: unbounded)."""
     if experts is not None and experts not in EXPERTS:
         raise ValueError(f"experts must be one of {', '.join(EXPERTS)}, got {experts!r}")
+    if cpu_blocks is not None and not 0 <= cpu_blocks < BLOCKS_PER_LAYER:
+        raise ValueError(f"cpu_blocks must be in [0, {BLOCKS_PER_LAYER}) (blocks of a layer's {BLOCKS_PER_LAYER} the "
+                         f"CPU computes while the rest stream), got {cpu_blocks}")  # fmt: skip
+    if cpu_blocks and experts == "cpu":
+        raise ValueError(f"cpu_blocks={cpu_blocks} splits a streamed step's experts; it needs experts='stream'")
+    if cpu_blocks and experts is None:
+        experts = "stream"
     if experts == "stream" and not can_stream:
         raise ValueError("experts='stream' needs the routed experts pinned for streaming (a GPU placement with "
                          "Placement(pinned_experts=True))")  # fmt: skip
@@ -290,27 +310,30 @@ def search(
         if memory is not None and kv > memory and slots is None:
             continue
         mb_grid = [micro_batches] if micro_batches else [*(m for m in MICRO_BATCHES if m <= b), DUAL]
-        placements = [("cpu", mb) for mb in mb_grid] if experts != "stream" else []
+        placements = [("cpu", mb, 0) for mb in mb_grid] if experts != "stream" else []
         if experts == "stream" or (experts is None and can_stream and micro_batches in (None, 1)):
-            placements.append(("stream", 1))
-        for where, mb in placements:
+            splits = [cpu_blocks] if cpu_blocks is not None else range(BLOCKS_PER_LAYER)
+            placements += [("stream", 1, c) for c in splits]
+        for where, mb, split in placements:
             calls = 2 if mb == DUAL else mb
             context = work.cache_len
-            if decode_scores_bytes(cfg, -(-b // calls), context) > ATTENTION_SCRATCH and not micro_batches:
+            # More micro-batches keep attention's scratch small; a streamed step's one is counted in its need.
+            scores = decode_scores_bytes(cfg, -(-b // calls), context)
+            if where == "cpu" and scores > ATTENTION_SCRATCH and not micro_batches:
                 continue
             for p in [prefill_batch] if prefill_batch else _powers_of_two(b):
                 need = kv + max(prefill_bytes(cfg, p, length),
                                 stream_ring_bytes(cfg, b, work.cache_len) if where == "stream" else 0)  # fmt: skip
                 if memory is not None and need > memory and not prefill_batch:
                     continue
-                policy = Policy(b, mb, p, experts=where)
+                policy = Policy(b, mb, p, experts=where, cpu_blocks=split)
                 prediction = predict(cfg, floors, work, policy, itemsize, can_stream)
                 policy = dataclasses.replace(policy, prediction=prediction)
                 if best is None or policy.prediction.total_tok_s > best.prediction.total_tok_s:
                     best = policy
     if best is None:
         free = "an unbounded device" if memory is None else f"the device's {memory / 2**30:.2f} GiB free"
-        fixed = {"slots": slots, "micro_batches": micro_batches, "experts": experts}
+        fixed = {"slots": slots, "micro_batches": micro_batches, "experts": experts, "cpu_blocks": cpu_blocks}
         asked = ", ".join(f"{name}={value!r}" for name, value in fixed.items() if value)
         raise ValueError(
             f"no policy of the grid{f' with {asked}' if asked else ''} fits {free}: one slot's KV cache of "
@@ -323,7 +346,7 @@ def search(
 
 def choose_policy(
     model, jobs, cache_len: int, slots=None, micro_batches=None, prefill_batch=None, floors: Floors | None = None,
-    experts: str | None = None,
+    experts: str | None = None, cpu_blocks: int | None = None,
 ) -> Policy:
     """The policy for running `jobs` (runner Jobs) on a loaded model, with the user's choices fixed."""
     from hybridjit.stream_prefill import choose_prefill_path
@@ -334,7 +357,8 @@ def choose_policy(
     work = Workload.of_jobs(jobs, cache_len)
     # Pinned, streamable experts. Chosen only on a GPU; forced, the same program runs on any device (tests).
     can_stream = choose_prefill_path(model, 1, 1, threshold=0) == "stream" and (
-        model.placement.device.platform == "gpu" or experts == "stream"
+        model.placement.device.platform == "gpu" or experts == "stream" or bool(cpu_blocks)
     )
     itemsize = jnp.dtype(model.dtype).itemsize
-    return search(model.config, floors, work, itemsize, can_stream, slots, micro_batches, prefill_batch, experts)
+    return search(model.config, floors, work, itemsize, can_stream, slots, micro_batches, prefill_batch, experts,
+                  cpu_blocks)

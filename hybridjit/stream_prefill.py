@@ -55,6 +55,7 @@ from hybridjit.models.common.moe import MoE
 from hybridjit.models.common.prefill_cores import HeadsSplit
 from hybridjit.models.common.routing import route
 from hybridjit.models.registry import ModelConfig, family_of
+from hybridjit.ops.async_experts import submit_routed_experts, wait_routed_experts
 from hybridjit.pinned_experts import ExpertBlock, PinnedExperts, pinned_layer
 from hybridjit.placement import PREFILL_AXIS, prefill_mesh
 from hybridjit.quant import scale_shape
@@ -69,6 +70,9 @@ ATTENTION_SCRATCH = 1 << 30
 SLOTS_PER_PAIR = 1.5
 # Executables also hold fixed-size scratch (cuBLAS/cuDNN workspaces), whatever the prompt.
 WORKSPACE_BYTES = 64 << 20
+# The hand-off slot of a streamed decode step's CPU share (co-execution): the step is the only program running, so
+# the interactive decode's first slot is free.
+CPU_SHARE_SLOT = 0
 
 
 # ------------------------------------------------------------------------------------------ the plan
@@ -312,11 +316,27 @@ def _expert_block(storage: ExpertStorage, dtype, tokens, first_pass, later, out,
 
 
 @partial(jax.jit, static_argnums=0)
-def _moe_combine(mesh, x, routed, shared):
+def _submit_cpu_share(share: "CpuShare", tokens, ids, weights):
+    """The routed pairs of the share's experts handed to the CPU kernels of its bank layer (the other pairs'
+    weights set to zero, which the kernels skip, and their ids made valid: a token that routes nowhere has an id
+    past the last expert): the pending result, which the layer's combine waits for while the GPU streams and runs
+    the other experts meanwhile (co-execution, CoX-MoE)."""
+    mine = (ids >= share.first) & (ids < share.end)
+    pending, _ = submit_routed_experts(tokens, jnp.where(mine, ids, share.first), jnp.where(mine, weights, 0.0),
+                                       layer=share.bank_layer, slot=CPU_SHARE_SLOT)
+    return pending
+
+
+@partial(jax.jit, static_argnums=(0, 1))
+def _moe_combine(mesh, top_k, x, routed, shared, cpu_pending):
     """x plus the shared experts plus the routed ones: each device's sum [devices, tokens, d] added over the mesh
-    (an all-reduce; SmallEP's exchange of partially reduced tensors)."""
+    (an all-reduce; SmallEP's exchange of partially reduced tensors), and the CPU's share where one was submitted
+    (`cpu_pending`, its pairs' `top_k`; None: none), waited for only now."""
     routed = jax.shard_map(lambda r: jax.lax.psum(r[0], PREFILL_AXIS), mesh=mesh, in_specs=P(PREFILL_AXIS),
                            out_specs=P())(routed)
+    if cpu_pending is not None:
+        cpu, routed = wait_routed_experts(cpu_pending, routed, top_k=top_k, slot=CPU_SHARE_SLOT)
+        routed = routed + cpu.astype(routed.dtype)
     out = routed.astype(x.dtype)
     if shared is not None:
         out = out + shared
@@ -378,6 +398,16 @@ def _block_passes(counts: np.ndarray, first: int, slots: int) -> _BlockPasses:
     left = counts - capacity
     busy = min(size, _capacity(int((left > 0).sum())))
     return _BlockPasses(first, size, capacity, busy, *_passes(int(left.max()), busy, slots))
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuShare:
+    """The experts [first, end) of a MoE layer that a streamed step leaves to the CPU kernels of its bank layer
+    (co-execution): the last blocks of the layer, which are then not streamed."""
+
+    bank_layer: int
+    first: int
+    end: int
 
 
 # ---------------------------------------------------------------------------------------- the ring
@@ -533,12 +563,17 @@ def stream_prefill(
 
 
 def stream_decode_step(model, tokens, positions, live, cache, *, vram_budget: int | None = None,
-                       stats: StreamStats | None = None):  # fmt: skip
+                       stats: StreamStats | None = None, cpu_blocks: int = 0):  # fmt: skip
     """One decode step of tokens [b] at positions [b] with the routed experts streamed to the placement's device,
     as stream_prefill streams them: (float32 logits [b, vocab], the updated cache, donated). The offline batch's
     large-batch decode (MoE-Gen, MoE-Lightning): once a step's tokens reach every expert, bringing the experts to
     the GPU costs their bytes over PCIe, while the CPU's rate at a few tens of tokens per expert is far below its
-    prefill rate. `live` [b] (bool): the tokens of free slots route to no expert."""
+    prefill rate. `live` [b] (bool): the tokens of free slots route to no expert.
+
+    With `cpu_blocks`, the last that many expert blocks of each MoE layer are not streamed: the CPU kernels compute
+    their pairs while the GPU streams and computes the others (CoX-MoE's co-execution), handed off after the layer's
+    router and taken back in its combine. Where the CPU alone and the link alone would each take longer than the
+    other's share, the step takes the larger of the two shares' times."""
     tokens = np.asarray(tokens, np.int32)[:, None]
     positions = np.asarray(positions, np.int32)[:, None]
     live = np.asarray(live, bool)
@@ -547,18 +582,21 @@ def stream_decode_step(model, tokens, positions, live, cache, *, vram_budget: in
         cache_len = max(a.shape[1] for a in jax.tree.leaves(cache))
         vram_budget = free - decode_scores_bytes(model.config, len(tokens), cache_len)
     return _stream_layers(model, (model.placement.device,), tokens, positions, live, np.zeros(len(tokens), np.int32),
-                          cache, vram_budget, None, None, stats, None, None)  # fmt: skip
+                          cache, vram_budget, None, None, stats, None, None, cpu_blocks)  # fmt: skip
 
 
 def _stream_layers(model, devices, tokens, positions, live, last, cache, vram_budget, depth, attention_chunk, stats,
-                   while_copying, abandon):  # fmt: skip
+                   while_copying, abandon, cpu_blocks=0):  # fmt: skip
     """The layer loop of stream_prefill (positions None: whole prompts from position 0) and stream_decode_step (new
-    tokens [b, t] at `positions` against the cache): the logits of each row's token `last` [b], and the cache."""
+    tokens [b, t] at `positions` against the cache): the logits of each row's token `last` [b], and the cache. The
+    last `cpu_blocks` blocks of each MoE layer run on the CPU (one device only)."""
     cfg, dtype = model.config, model.dtype
     mesh = prefill_mesh(devices)
     weights = model.prefill_weights(devices)
     pinned = _pinned_layers(weights)
     steps = {i: _steps(i, layer, mesh.size) for i, layer in pinned.items()}
+    shares = _cpu_shares(weights, steps, cpu_blocks, mesh.size)
+    steps = {i: layer_steps[: len(layer_steps) - cpu_blocks] for i, layer_steps in steps.items()}
     replicated = NamedSharding(mesh, P())
     tokens, last = jax.device_put((tokens, last), replicated)
     if positions is not None:
@@ -579,8 +617,8 @@ def _stream_layers(model, devices, tokens, positions, live, last, cache, vram_bu
     for i, layer in enumerate(weights.layers):
         ring.phase_seconds.clear()
         if i in pinned:
-            x, cache[i], slots = _moe_layer(cfg, plan, attend, layer, pinned[i].storage, steps[i], firsts, x, cache[i],
-                                            positions, live, ring, dtype)  # fmt: skip
+            x, cache[i], slots = _moe_layer(cfg, plan, attend, layer, pinned[i].storage, steps[i], shares.get(i),
+                                            firsts, x, cache[i], positions, live, ring, dtype)  # fmt: skip
             stats.expert_slots += sum(map(sum, slots))
             stats.block_passes += sum(map(len, slots))
             stats.largest_pass_slots = max(stats.largest_pass_slots, *map(max, slots))
@@ -621,6 +659,29 @@ def _steps(i: int, experts: PinnedExperts, devices: int) -> list[Step]:
     return steps
 
 
+def check_cpu_blocks(model, cpu_blocks: int) -> None:
+    """Raises ValueError unless a streamed decode step of `model` can leave `cpu_blocks` blocks of each MoE layer to
+    the CPU (stream_decode_step's cpu_blocks: at least one block of every layer streams)."""
+    pinned = _pinned_layers(model.weights)
+    _cpu_shares(model.weights, {i: _steps(i, layer, 1) for i, layer in pinned.items()}, cpu_blocks, 1)
+
+
+def _cpu_shares(weights, steps: dict[int, list[Step]], cpu_blocks: int, devices: int) -> dict[int, CpuShare]:
+    """Each MoE layer's experts that `cpu_blocks` blocks leave to the CPU: those of its last steps ({}: none)."""
+    if not cpu_blocks:
+        return {}
+    if devices > 1:
+        raise ValueError(f"cpu_blocks: co-execution streams to one device, not {devices}")
+    shares = {}
+    for i, layer_steps in steps.items():
+        if not 0 < cpu_blocks < len(layer_steps):
+            raise ValueError(f"cpu_blocks must be in [0, {len(layer_steps)}) for layer {i}'s {len(layer_steps)} "
+                             f"expert blocks (at least one streams), got {cpu_blocks}")  # fmt: skip
+        first, last = layer_steps[-cpu_blocks][0], layer_steps[-1][0]
+        shares[i] = CpuShare(weights.layers[i].mlp.expert_layer, first.start, last.start + last.size)
+    return shares
+
+
 def _equal_runs(experts: PinnedExperts, devices: int) -> list[Step] | None:
     blocks, per = experts.blocks, len(experts.blocks) // devices
     if len(blocks) % devices:
@@ -658,13 +719,15 @@ def _pinned_layers(weights) -> dict[int, PinnedExperts]:
     return pinned
 
 
-def _moe_layer(cfg, plan: RingPlan, attend, layer, storage: ExpertStorage, steps: list[Step], firsts, x, cache,
-               positions, live, ring: _Ring, dtype):
+def _moe_layer(cfg, plan: RingPlan, attend, layer, storage: ExpertStorage, steps: list[Step], cpu: CpuShare | None,
+               firsts, x, cache, positions, live, ring: _Ring, dtype):  # fmt: skip
     # The expert-bank layer id is static pytree metadata: drop it so that every MoE layer shares executables.
     layer = dataclasses.replace(layer, mlp=dataclasses.replace(layer.mlp, expert_layer=None))
     x, tokens, ids, weights, shared, counts, cache = ring.run(
         "attention+router+shared", _moe_front, cfg, attend, layer, x, cache, positions, live
     )
+    # The CPU's share first: its kernels run while the GPU streams and computes the rest.
+    cpu_pending = None if cpu is None else ring.run("cpu share", _submit_cpu_share, cpu, tokens, ids, weights)
     # The routing decides how many slots each block's experts get (dropless), on the host: the one readback of
     # a layer. Per step, so that one busy expert pads only its own step's GEMMs; the blocks of a step share one
     # shape (one program over the mesh), planned for the busiest of their experts at each position.
@@ -683,7 +746,8 @@ def _moe_layer(cfg, plan: RingPlan, attend, layer, storage: ExpertStorage, steps
         )
         ring.unload(arrays)
     slots = [p.pass_slots for step in plans for p in step]
-    return ring.run("combine", _moe_combine, mesh, x, out, shared), cache, slots
+    top_k = None if cpu is None else cfg.num_experts_per_tok
+    return ring.run("combine", _moe_combine, mesh, top_k, x, out, shared, cpu_pending), cache, slots
 
 
 # ------------------------------------------------------------------------------------- path choice

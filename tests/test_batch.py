@@ -53,12 +53,14 @@ def test_greedy_outputs_equal_generate_whatever_the_policy(model, slots, micro_b
         assert record["finish_reason"] == ("length" if record["completion_tokens"] == request["max_tokens"] else "stop")
 
 
-def test_greedy_outputs_equal_generate_with_the_experts_streamed_each_step(model):
+@pytest.mark.parametrize("cpu_blocks", [0, 3])
+def test_greedy_outputs_equal_generate_with_the_experts_streamed_each_step(model, cpu_blocks):
     """The policy that streams the routed experts to the device each decode step (here the CPU device: the same
-    program as on a GPU) gives every request what generate gives it alone."""
+    program as on a GPU), with or without 3 of each layer's 8 blocks on the CPU kernels meanwhile (co-execution),
+    gives every request what generate gives it alone."""
     placement = dataclasses.replace(model.placement, pinned_experts=True)
     with contextlib.closing(hybridjit.load(placement=placement)) as pinned:
-        records = run(pinned, REQUESTS[:5], slots=3, prefill_batch=2, experts="stream")
+        records = run(pinned, REQUESTS[:5], slots=3, prefill_batch=2, experts="stream", cpu_blocks=cpu_blocks)
     for request, record in zip(REQUESTS, records, strict=False):
         assert record["text"] == alone(model, request["prompt"], request["max_tokens"]), request["id"]
 

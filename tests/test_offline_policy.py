@@ -71,22 +71,50 @@ def test_the_cpu_rate_by_tokens_per_call_prices_each_batch_at_its_own_rate():
 
 def test_the_experts_are_streamed_where_the_cpu_is_slower_than_the_link_at_that_batch():
     """The search puts the routed experts on the CPU or streams them to the GPU, whichever its floors price faster
-    at the batch: V3's 1024-slot step reads every expert either way, and at 1 TFLOP/s the CPU takes longer than the
-    link; at 40 it does not. Streaming decodes one micro-batch."""
+    at the batch: V3's 512-slot step reads nearly every expert either way, and at 1 TFLOP/s the CPU takes longer
+    than the link; at 64 slots a 40 TFLOP/s CPU reads its experts sooner than the link brings them, while the
+    copies would take from its read floor. Streaming decodes one micro-batch."""
     slow = Floors(device_free_bytes=200 << 30, cpu_expert_tflops_by_tokens=((1, 0.05), (512, 1.0), (4096, 4.0)))
     fast = dataclasses.replace(slow, cpu_expert_tflops_by_tokens=((1, 2.0), (512, 40.0)))
     streamed = search(V3, slow, WORK, 2, True, slots=512)
     assert streamed.experts == "stream" and streamed.micro_batches == 1
     assert "streamed to the GPU each step" in streamed.describe()
-    assert search(V3, fast, WORK, 2, True, slots=512).experts == "cpu"
+    assert search(V3, fast, WORK, 2, True, slots=64).experts == "cpu"
     assert search(V3, slow, WORK, 2, False, slots=512).experts == "cpu"  # nothing pinned to stream from
     on_cpu = search(V3, slow, WORK, 2, True, slots=512, experts="cpu")
     assert on_cpu.experts == "cpu" and on_cpu.prediction.total_tok_s < streamed.prediction.total_tok_s
 
 
+def test_co_execution_leaves_the_cpu_its_share_where_the_cpu_and_the_link_balance():
+    """Streaming V3's experts at 1024 slots, the CPU computes some of each layer's blocks meanwhile (CoX-MoE): as
+    many as its rate at that batch takes no longer than the link takes for the rest. The split is faster than
+    either placement alone; a faster CPU takes more blocks, a CPU far slower than the link none; a fixed split is
+    kept and priced."""
+    def split(rate):
+        floors = Floors(device_free_bytes=200 << 30, cpu_expert_tflops_by_tokens=((1, rate / 20), (4096, rate)))
+        best = search(V3, floors, WORK, 2, True, slots=1024)
+        alone = [search(V3, floors, WORK, 2, True, slots=1024, experts=e, cpu_blocks=0 if e == "stream" else None)
+                 for e in ("cpu", "stream")]  # fmt: skip
+        return best, alone
+
+    best, (cpu, stream) = split(1.4)  # the CPU's FP8 rate at 1024 slots (bench/RESULTS.md, offline)
+    assert best.experts == "stream" and 0 < best.cpu_blocks < 8
+    assert best.prediction.total_tok_s > max(cpu.prediction.total_tok_s, stream.prediction.total_tok_s)
+    assert f"the CPU computing {best.cpu_blocks} of each layer's 8 blocks" in best.describe()
+    faster, _ = split(4.0)
+    assert faster.cpu_blocks > best.cpu_blocks
+    assert split(0.05)[0].cpu_blocks == 0
+    floors = Floors(device_free_bytes=200 << 30, cpu_expert_tflops_by_tokens=((1, 0.07), (4096, 1.4)))
+    fixed = search(V3, floors, WORK, 2, True, slots=1024, cpu_blocks=7)
+    assert fixed.experts == "stream" and fixed.cpu_blocks == 7
+    assert fixed.prediction.total_tok_s < best.prediction.total_tok_s
+
+
 @pytest.mark.parametrize(("options", "message"), [
     ({"experts": "gpu"}, "experts must be one of cpu, stream"),
     ({"experts": "stream", "micro_batches": 2}, "decodes one micro-batch"),
+    ({"experts": "cpu", "cpu_blocks": 2}, "cpu_blocks=2 splits a streamed step's experts; it needs experts='stream'"),
+    ({"cpu_blocks": 8}, r"cpu_blocks must be in \[0, 8\)"),
 ])  # fmt: skip
 def test_bad_expert_choices_are_refused(options, message):
     with pytest.raises(ValueError, match=message):
@@ -106,6 +134,6 @@ def test_streaming_is_chosen_only_where_its_ring_fits_beside_the_kv_cache():
     assert search(V3, tight, long_decode, 2, True, slots=192).experts == "cpu"
     roomy = dataclasses.replace(tight, device_free_bytes=kv + stream_ring_bytes(V3, 192, 1024) + (1 << 30))
     assert search(V3, roomy, long_decode, 2, True, slots=192).experts == "stream"
-    forced = "no policy of the grid with slots=1024, experts='stream' fits an unbounded device.*attention scores"
+    forced = "no policy of the grid with slots=192, experts='stream' fits the device's .* GiB free"
     with pytest.raises(ValueError, match=forced):
-        search(V3, Floors(cpu_expert_tflops_by_tokens=slow), WORK, 2, True, slots=1024, experts="stream")
+        search(V3, tight, long_decode, 2, True, slots=192, experts="stream")

@@ -317,20 +317,23 @@ def test_decode_continues_from_the_streamed_cache(model, exact_model, tokens, re
         positions = positions + 1
 
 
-def test_streamed_decode_steps_match_the_decode_step(case, model, exact_model, tokens, reference):
+@pytest.mark.parametrize("cpu_blocks", [0, 3])
+def test_streamed_decode_steps_match_the_decode_step(case, model, exact_model, tokens, reference, cpu_blocks):
     """Decode steps with the routed experts streamed (stream_decode_step, the offline batch's large-batch decode)
     give the logits and caches of the family's decode step on XLA experts, a row that is not live included (its
-    token routes to no expert in both)."""
+    token routes to no expert in both); with the last 3 expert blocks of each layer on the CPU kernels meanwhile
+    (co-execution) within the bank's tolerance."""
     ref_logits, ref_cache = reference
     step = jax.jit(exact_model.family.model.decode_step, static_argnums=(0, 5))
     cache = jax.tree.map(jnp.copy, ref_cache)
     nxt, positions, live = ref_logits.argmax(-1).astype(np.int32), LENGTHS.copy(), np.array([True, False])
+    tolerance = BANK_RTOL if cpu_blocks else FLOAT32_RTOL
     for i in range(3):
-        logits, cache = sp.stream_decode_step(model, nxt, positions, live, cache)
+        logits, cache = sp.stream_decode_step(model, nxt, positions, live, cache, cpu_blocks=cpu_blocks)
         expected, ref_cache = step(exact_model.config, exact_model.weights, nxt, positions, ref_cache,
                                    NO_SCHEDULE, live)  # fmt: skip
-        assert rel_rms(np.asarray(logits)[live], np.asarray(expected)[live]) < FLOAT32_RTOL, i
-        assert cache_error(cache, ref_cache) < FLOAT32_RTOL, i
+        assert rel_rms(np.asarray(logits)[live], np.asarray(expected)[live]) < tolerance, i
+        assert cache_error(cache, ref_cache) < tolerance, i
         nxt, positions = np.asarray(expected).argmax(-1).astype(np.int32), positions + 1
 
 
@@ -357,6 +360,10 @@ def test_an_engine_streams_its_experts_only_when_they_are_pinned_and_all_run(cas
     only(case, FULL)
     with pytest.raises(ValueError, match="stream_experts: .*pinned_experts=True"):
         Engine(exact_model, 2, CACHE_LEN, stream_experts=True)
+    with pytest.raises(ValueError, match="cpu_blocks=2: the CPU takes blocks of a streamed step; set stream_experts"):
+        Engine(model, 2, CACHE_LEN, cpu_blocks=2)
+    with pytest.raises(ValueError, match=r"cpu_blocks must be in \[0, 8\) for layer 1's 8 expert blocks"):
+        Engine(model, 2, CACHE_LEN, stream_experts=True, cpu_blocks=8)
     monkeypatch.setattr(model, "expert_schedule", ExpertSchedule(n_skipped=1))
     with pytest.raises(ValueError, match="stream_experts: streams every routed expert; turn Expert Deferral"):
         Engine(model, 2, CACHE_LEN, stream_experts=True)

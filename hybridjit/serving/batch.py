@@ -40,6 +40,7 @@ def batch(
     micro_batches: int | str | None = None,
     prefill_batch: int | None = None,
     experts: str | None = None,
+    cpu_blocks: int | None = None,
     progress: bool = True,
     dtype: str | None = None,
     floors: Floors | None = None,
@@ -58,7 +59,9 @@ def batch(
     together, attention micro-batches of a step (whose routed experts run coalesced, one call per layer) or
     "dual" (two micro-batches overlapped, each with its own expert calls: the interactive engine's), prompts
     prefilled together, and where each decode step's routed experts run: "cpu" (the CPU kernels) or "stream"
-    (streamed to the GPU each step, for large batches; needs a model loaded with its experts pinned, as on a GPU).
+    (streamed to the GPU each step, for large batches; needs a model loaded with its experts pinned, as on a GPU),
+    and with "stream", `cpu_blocks`: how many of each layer's expert blocks (pinned_experts.BLOCKS_PER_LAYER) the
+    CPU kernels compute while the others stream (co-execution; 0: none).
     `progress`: a progress bar (tokens/s, ETA) and notes on stderr.
     `dtype`: the compute dtype of a model loaded here (as hybridjit.load's).
     `floors`: the machine's rates the performance model reads (default: offline_policy.Floors.of_machine, this
@@ -69,14 +72,14 @@ def batch(
     defaults = check_defaults({k: v for k, v in given.items() if v is not None})
     source, lines = _lines(requests)
     parsed = read_requests(lines, source, defaults)
+    overrides = (slots, micro_batches, prefill_batch, floors, experts, cpu_blocks)
     if isinstance(model, str | Path) or model is None:
         from hybridjit.engine import load  # deferred: loading starts JAX
 
         _note(progress, f"loading {model or 'the embedded model'}...")
         with contextlib.closing(load(model, dtype=dtype)) as loaded:
-            return _run(loaded, parsed, source, output, (slots, micro_batches, prefill_batch, floors, experts),
-                        progress)  # fmt: skip
-    return _run(model, parsed, source, output, (slots, micro_batches, prefill_batch, floors, experts), progress)
+            return _run(loaded, parsed, source, output, overrides, progress)
+    return _run(model, parsed, source, output, overrides, progress)
 
 
 def _lines(requests) -> tuple[str, Iterable[tuple[str, str | dict]]]:
@@ -125,7 +128,7 @@ def _complete(model, todo, out: ResumableOutput | None, done: dict, overrides: t
     micro_batches = None if policy.micro_batches == DUAL else policy.micro_batches  # None: the Engine's dual overlap
     runner = ThroughputRunner(
         model, slots=policy.slots, micro_batches=micro_batches, prefill_batch=policy.prefill_batch, cache_len=cache_len,
-        stream_experts=policy.experts == "stream",
+        stream_experts=policy.experts == "stream", cpu_blocks=policy.cpu_blocks,
     )
     bar = tqdm(total=sum(j.max_tokens for j in todo), unit="tok", desc="generating", file=sys.stderr,
                disable=not progress, dynamic_ncols=True)  # fmt: skip

@@ -27,7 +27,7 @@ from hybridjit.models.common.moe import MoE
 from hybridjit.models.common.ring_cache import from_prompt, is_ring
 from hybridjit.models.registry import family_of
 from hybridjit.sampling import SamplingParams, sample
-from hybridjit.stream_prefill import choose_prefill_path, stream_decode_step, stream_prefill
+from hybridjit.stream_prefill import check_cpu_blocks, choose_prefill_path, stream_decode_step, stream_prefill
 
 MIN_BUCKET = 8
 # The fewest cache positions a decode call attends over (span_of).
@@ -257,7 +257,8 @@ class Engine:
     With stream_experts (offline throughput, large batches), each decode step streams the routed experts to the device
     from their pinned host copy, as stream-loaded prefill does (stream_prefill.stream_decode_step): one micro-batch,
     one step a call, attending over the whole cache; its generate returns once the step has run (the step is a host
-    loop over per-layer executables).
+    loop over per-layer executables). With `cpu_blocks` as well, the last that many expert blocks of each layer stay
+    on the CPU, whose kernels compute them while the rest streams (co-execution).
 
     Each generate call runs `steps` decode steps: model.decode_steps if set (the interactive engine then decodes
     one micro-batch), else DEVICE_ONLY_DECODE_STEPS when the whole model runs on a GPU (no routed expert on the
@@ -270,7 +271,7 @@ class Engine:
     """
 
     def __init__(self, model, slots: int, cache_len: int, micro_batches: int | None = None, tally: bool = False,
-                 stream_experts: bool = False):  # fmt: skip
+                 stream_experts: bool = False, cpu_blocks: int = 0):  # fmt: skip
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if not 1 <= cache_len <= model.config.max_position_embeddings:
@@ -292,7 +293,11 @@ class Engine:
             self.steps = SINGLE_SLOT_HYBRID_DECODE_STEPS
         else:
             self.steps = 1
-        self.stream_experts = stream_experts
+        self.stream_experts, self.cpu_blocks = stream_experts, cpu_blocks
+        if cpu_blocks and not stream_experts:
+            raise ValueError(f"cpu_blocks={cpu_blocks}: the CPU takes blocks of a streamed step; set stream_experts")
+        if cpu_blocks:
+            check_cpu_blocks(model, cpu_blocks)
         if stream_experts:
             if choose_prefill_path(model, 1, 1, threshold=0) != "stream":
                 raise ValueError("stream_experts: the model's routed experts are not pinned for streaming; load it "
@@ -452,7 +457,8 @@ class Engine:
         ]
         if self.stream_experts:
             (positions, live, counts, temperature, top_k, top_p), = split
-            logits, cache = stream_decode_step(m, self.tokens[0][-1], positions, live, self.caches[0])
+            logits, cache = stream_decode_step(m, self.tokens[0][-1], positions, live, self.caches[0],
+                                               cpu_blocks=self.cpu_blocks)
             new, finite = _sample_program(logits, self.keys[0], counts, temperature, top_k, top_p)
             sampled, routed, self.caches = ((new[None], finite[None]),), None, [cache]
         elif len(self.groups) > 1:
