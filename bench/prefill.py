@@ -7,7 +7,8 @@ hybrid prefill for the crossover.
     python bench/prefill.py --geometry deepseek-v3 --layers 5 --devices 2 --tokens 8192 32768 --hybrid-tokens
 
 With --devices N the prefill is distributed over the first N GPUs (Placement.prefill_devices: each streams its
-share of every layer's experts over its own link, everything else replicated; OSDI '26 §3.2): the H2D floor is
+share of every layer's experts over its own link, the attention split by heads and the rest by token; OSDI '26
+§3.2): the H2D floor is
 then each link's rate while all N copy at once (measured alone too, and a copy from another GPU's pinned memory),
 and the floors divide a layer's bytes over the N links and its FLOPs over the N GPUs. Compare with the same
 command at --devices 1 on the same machine.

@@ -193,6 +193,44 @@ def free_device_memory(device: jax.Device) -> int | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where a streamed layer's arrays live on the prefill mesh. Over several devices the residual stream and all
+    that is computed per token (norms, projections, router, shared experts, dense MLPs) are split by token, each
+    device taking an equal share (sequence parallelism: replicated, that work was a third of a long prompt's layer
+    on every device); the attention core splits by heads (HeadsSplit); the cache, the routing and the tokens the
+    expert blocks read are whole on every device. `split`: the residual [b, t, d]'s spec, P() where the tokens do
+    not split evenly (one device, or neither the batch nor a single prompt's length divides), so that flattened to
+    [b * t, d] each device's share stays contiguous."""
+
+    mesh: Mesh
+    split: P
+
+    @classmethod
+    def of(cls, mesh: Mesh, batch: int, length: int) -> "_Layout":
+        n = mesh.size
+        if n > 1 and batch % n == 0:
+            return cls(mesh, P(PREFILL_AXIS))
+        if n > 1 and batch == 1 and length % n == 0:
+            return cls(mesh, P(None, PREFILL_AXIS))
+        return cls(mesh, P())
+
+    @property
+    def splits(self) -> bool:
+        return self.split != P()
+
+    def residual(self, x: jax.Array) -> jax.Array:
+        """x [b, t, d] split by token."""
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, self.split))
+
+    def per_token(self, a: jax.Array) -> jax.Array:
+        """a [b * t, ...] split by token as the residual is."""
+        return jax.lax.with_sharding_constraint(a, NamedSharding(self.mesh, P(PREFILL_AXIS) if self.splits else P()))
+
+    def whole(self, tree):
+        return jax.lax.with_sharding_constraint(tree, NamedSharding(self.mesh, P()))
+
+
+@dataclasses.dataclass(frozen=True)
 class _PromptAttention:
     """A layer's attention over whole prompts from position 0 with the plan's core (stream_prefill)."""
 
@@ -210,25 +248,34 @@ class _DecodeAttention:
         return family_of(cfg).model.decode_attention_layer(cfg, layer, x, positions, cache)
 
 
-@partial(jax.jit, static_argnums=(0, 1), donate_argnames="cache")
-def _dense_layer(cfg, attend, layer, x, cache, positions):
+@partial(jax.jit, static_argnums=0)
+def _embed(layout: _Layout, embed, tokens):
+    return layout.residual(embed[tokens])
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2), donate_argnames="cache")
+def _dense_layer(cfg, attend, layout: _Layout, layer, x, cache, positions):
     x, cache = attend(cfg, layer, x, cache, positions)
-    return x + mlp(layer.mlp, rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)), cache
+    x = layout.residual(x)
+    return layout.residual(x + mlp(layer.mlp, rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps))), layout.whole(cache)
 
 
-@partial(jax.jit, static_argnums=(0, 1), donate_argnames="cache")
-def _moe_front(cfg, attend, layer, x, cache, positions, live):
+@partial(jax.jit, static_argnums=(0, 1, 2), donate_argnames="cache")
+def _moe_front(cfg, attend, layout: _Layout, layer, x, cache, positions, live):
     """Attention, then the router and shared experts: (x, tokens [N, d], ids, weights, shared, counts, cache). The
-    tokens not `live` ([N] bool, None: all) route to no expert (an id past the last: grouping drops it)."""
+    tokens not `live` ([N] bool, None: all) route to no expert (an id past the last: grouping drops it). The
+    tokens and their routing come out whole on every device (each device's expert blocks take any token), x and
+    the shared experts' output split by token as the layout says."""
     x, cache = attend(cfg, layer, x, cache, positions)
+    x = layout.residual(x)
     moe = layer.mlp
-    tokens = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps).reshape(-1, x.shape[-1])
+    tokens = layout.per_token(rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps).reshape(-1, x.shape[-1]))
     ids, weights = route(cfg, moe.router, moe.correction_bias, tokens, moe.router_bias)
     if live is not None:
         ids = jnp.where(live[:, None], ids, cfg.n_routed_experts)
-    shared = mlp(moe.shared, tokens) if moe.shared is not None else None
+    shared = layout.per_token(mlp(moe.shared, tokens)) if moe.shared is not None else None
     counts = jnp.zeros(cfg.n_routed_experts, jnp.int32).at[ids.reshape(-1)].add(1, mode="drop")
-    return x, tokens, ids, weights, shared, counts, cache
+    return x, *layout.whole((tokens, ids, weights)), shared, *layout.whole((counts, cache))
 
 
 def _dispatch(plans, firsts, mesh, tokens, ids, weights, counts):
@@ -328,25 +375,30 @@ def _submit_cpu_share(share: "CpuShare", tokens, ids, weights):
 
 
 @partial(jax.jit, static_argnums=(0, 1))
-def _moe_combine(mesh, top_k, x, routed, shared, cpu_pending):
+def _moe_combine(layout: _Layout, top_k, x, routed, shared, cpu_pending):
     """x plus the shared experts plus the routed ones: each device's sum [devices, tokens, d] added over the mesh
-    (an all-reduce; SmallEP's exchange of partially reduced tensors), and the CPU's share where one was submitted
+    (SmallEP's exchange of partially reduced tensors: a reduce-scatter where the layout splits the tokens, each
+    device taking the sums of its own; else an all-reduce), and the CPU's share where one was submitted
     (`cpu_pending`, its pairs' `top_k`; None: none), waited for only now."""
-    routed = jax.shard_map(lambda r: jax.lax.psum(r[0], PREFILL_AXIS), mesh=mesh, in_specs=P(PREFILL_AXIS),
-                           out_specs=P())(routed)
+    if layout.splits:
+        add, out_spec = partial(jax.lax.psum_scatter, scatter_dimension=0, tiled=True), P(PREFILL_AXIS)
+    else:
+        add, out_spec = jax.lax.psum, P()
+    routed = jax.shard_map(lambda r: add(r[0], PREFILL_AXIS), mesh=layout.mesh, in_specs=P(PREFILL_AXIS),
+                           out_specs=out_spec)(routed)  # fmt: skip
     if cpu_pending is not None:
         cpu, routed = wait_routed_experts(cpu_pending, routed, top_k=top_k, slot=CPU_SHARE_SLOT)
         routed = routed + cpu.astype(routed.dtype)
     out = routed.astype(x.dtype)
     if shared is not None:
         out = out + shared
-    return x + out.reshape(x.shape)
+    return layout.residual(x + out.reshape(x.shape))
 
 
-@partial(jax.jit, static_argnums=0)
-def _last_logits(cfg, norm, lm_head, x, last):
+@partial(jax.jit, static_argnums=(0, 1))
+def _last_logits(cfg, layout: _Layout, norm, lm_head, x, last):
     x = x[jnp.arange(x.shape[0]), last]
-    return linear(rms_norm(x, norm, cfg.rms_norm_eps), lm_head).astype(jnp.float32)
+    return layout.whole(linear(rms_norm(x, norm, cfg.rms_norm_eps), lm_head).astype(jnp.float32))
 
 
 def _capacity(max_count: int) -> int:
@@ -550,8 +602,9 @@ def stream_prefill(
 
     With several Placement.prefill_devices (distributed stream-loaded prefill, OSDI '26 §3.2), each device streams
     its share of every layer's experts over its own link and runs them on every token routed to them; the rest of
-    the layer (attention, router, shared experts) runs replicated on each device, and the routed experts' partial
-    sums are added across the devices once per layer (SmallEP's exchange, as an all-reduce over the mesh). The
+    the layer runs split over the devices, the attention by heads and everything per token (norms, projections,
+    router, shared experts) by token (_Layout), and the routed experts' partial sums are added across the devices
+    once per layer, each device keeping its tokens' (SmallEP's exchange, as a reduce-scatter over the mesh). The
     non-expert weights are copied to the other devices at the first such prefill and kept (Model.prefill_weights).
     `devices` overrides Placement.stream_devices: prefill-decode disaggregation streams on the devices that do not
     decode while the placement's device decodes (OSDI '26 §3.3.2); the results then come back to that device.
@@ -613,21 +666,23 @@ def _stream_layers(model, devices, tokens, positions, live, last, cache, vram_bu
     stats.plan = plan
     start = time.perf_counter()
     ring = _Ring([step for layer in steps.values() for step in layer], plan.depth, mesh, while_copying, abandon)
-    x = ring.run("embed", lambda: weights.embed[tokens])
+    layout = _Layout.of(mesh, *tokens.shape)
+    x = ring.run("embed", _embed, layout, weights.embed, tokens)
     for i, layer in enumerate(weights.layers):
         ring.phase_seconds.clear()
         if i in pinned:
-            x, cache[i], slots = _moe_layer(cfg, plan, attend, layer, pinned[i].storage, steps[i], shares.get(i),
-                                            firsts, x, cache[i], positions, live, ring, dtype)  # fmt: skip
+            x, cache[i], slots = _moe_layer(cfg, plan, attend, layout, layer, pinned[i].storage, steps[i],
+                                            shares.get(i), firsts, x, cache[i], positions, live, ring,
+                                            dtype)  # fmt: skip
             stats.expert_slots += sum(map(sum, slots))
             stats.block_passes += sum(map(len, slots))
             stats.largest_pass_slots = max(stats.largest_pass_slots, *map(max, slots))
             stats.routed_pairs += tokens.size * cfg.num_experts_per_tok
         else:
-            x, cache[i] = ring.run("attention+mlp", _dense_layer, cfg, attend, layer, x, cache[i], positions)
+            x, cache[i] = ring.run("attention+mlp", _dense_layer, cfg, attend, layout, layer, x, cache[i], positions)
         stats.layer_done_s.append(time.perf_counter() - start)
         stats.layer_phase_s.append(dict(ring.phase_seconds))
-    logits = _last_logits(cfg, weights.norm, weights.lm_head, x, last)
+    logits = _last_logits(cfg, layout, weights.norm, weights.lm_head, x, last)
     stats.streamed_bytes, stats.peak_ring_bytes, stats.peak_device_bytes = (
         ring.streamed_bytes, ring.peak_bytes, ring.peak_in_use
     )
@@ -719,12 +774,12 @@ def _pinned_layers(weights) -> dict[int, PinnedExperts]:
     return pinned
 
 
-def _moe_layer(cfg, plan: RingPlan, attend, layer, storage: ExpertStorage, steps: list[Step], cpu: CpuShare | None,
-               firsts, x, cache, positions, live, ring: _Ring, dtype):  # fmt: skip
+def _moe_layer(cfg, plan: RingPlan, attend, layout: _Layout, layer, storage: ExpertStorage, steps: list[Step],
+               cpu: CpuShare | None, firsts, x, cache, positions, live, ring: _Ring, dtype):  # fmt: skip
     # The expert-bank layer id is static pytree metadata: drop it so that every MoE layer shares executables.
     layer = dataclasses.replace(layer, mlp=dataclasses.replace(layer.mlp, expert_layer=None))
     x, tokens, ids, weights, shared, counts, cache = ring.run(
-        "attention+router+shared", _moe_front, cfg, attend, layer, x, cache, positions, live
+        "attention+router+shared", _moe_front, cfg, attend, layout, layer, x, cache, positions, live
     )
     # The CPU's share first: its kernels run while the GPU streams and computes the rest.
     cpu_pending = None if cpu is None else ring.run("cpu share", _submit_cpu_share, cpu, tokens, ids, weights)
@@ -747,7 +802,7 @@ def _moe_layer(cfg, plan: RingPlan, attend, layer, storage: ExpertStorage, steps
         ring.unload(arrays)
     slots = [p.pass_slots for step in plans for p in step]
     top_k = None if cpu is None else cfg.num_experts_per_tok
-    return ring.run("combine", _moe_combine, mesh, top_k, x, out, shared, cpu_pending), cache, slots
+    return ring.run("combine", _moe_combine, layout, top_k, x, out, shared, cpu_pending), cache, slots
 
 
 # ------------------------------------------------------------------------------------- path choice

@@ -61,12 +61,15 @@ def cudnn_causal(q, k, v, scale: float, window: int | None = None, stats: bool =
 @dataclasses.dataclass(frozen=True)
 class HeadsSplit:
     """An attention core (a family's ChunkedAttention or CudnnAttention) run with the heads split over a mesh axis:
-    each device scores its share of the heads, then the outputs [b, t, h, e] are gathered onto every device. Heads
-    are independent, so the masks, windows and sinks need nothing new, and the shares are equal whatever the
-    causal mask (unlike splitting the queries). `head_axes` gives, per positional operand of the core, the axis of
-    an array operand that holds the heads (None: every head reads it whole, e.g. MLA's shared rope key); operands
-    that are not arrays (the scale, a window, absent sinks) pass as they are. Where the heads (or a GQA layer's
-    key/value heads) do not divide over the mesh, the core runs whole on every device."""
+    each device scores its share of the heads, and the output [b, t, h, e] stays split by heads (the output
+    projection then sums the devices' shares). Heads are independent, so the masks, windows and sinks need nothing
+    new, and the shares are equal whatever the causal mask (unlike splitting the queries). `head_axes` gives, per
+    positional operand of the core, the axis of an array operand that holds the heads (None: every head reads it
+    whole, e.g. MLA's shared rope key); operands that are not arrays (the scale, a window, absent sinks) pass as
+    they are. The operands are asked for split by heads, so that each device projects only its heads' queries,
+    keys and values (from tokens gathered whole: a latent or a token's hidden state is smaller than its heads).
+    Where the heads (or a GQA layer's key/value heads) do not divide over the mesh, the core runs whole on every
+    device."""
 
     core: Callable
     mesh: Mesh
@@ -78,16 +81,17 @@ class HeadsSplit:
         split = [i for i, op in enumerate(operands) if isinstance(op, jax.Array)]
         if any(self.head_axes[i] is not None and operands[i].shape[self.head_axes[i]] % size for i in split):
             return self.core(*operands)
-        specs = tuple(P() if self.head_axes[i] is None else P(*[None] * self.head_axes[i], self.axis) for i in split)
-        # Operands and output stay whole on every device: the keys and values also go into the cache, and the
-        # sharding would otherwise spread from the split core into it and into the layer's output.
-        whole = NamedSharding(self.mesh, P())
-        operands = [jax.lax.with_sharding_constraint(op, whole) if i in split else op for i, op in enumerate(operands)]
+        specs = dict(
+            (i, P() if self.head_axes[i] is None else P(*[None] * self.head_axes[i], self.axis)) for i in split
+        )
+        operands = [jax.lax.with_sharding_constraint(op, NamedSharding(self.mesh, specs[i])) if i in specs else op
+                    for i, op in enumerate(operands)]  # fmt: skip
 
         def on_each_device(*local):
             given = dict(zip(split, local, strict=True))
             return self.core(*(given.get(i, op) for i, op in enumerate(operands)))
 
-        out = jax.shard_map(on_each_device, mesh=self.mesh, in_specs=specs, out_specs=P(None, None, self.axis))(
+        heads = P(None, None, self.axis)
+        out = jax.shard_map(on_each_device, mesh=self.mesh, in_specs=tuple(specs.values()), out_specs=heads)(
             *(operands[i] for i in split))
-        return jax.lax.with_sharding_constraint(out, whole)
+        return jax.lax.with_sharding_constraint(out, NamedSharding(self.mesh, heads))
