@@ -362,8 +362,18 @@ def _expert_block(storage: ExpertStorage, dtype, tokens, first_pass, later, out,
     return jax.lax.scan(one_pass, out, (rows, slot_weights))[0]
 
 
+@dataclasses.dataclass(frozen=True)
+class CpuShare:
+    """The experts [first, end) of a MoE layer that a streamed step leaves to the CPU kernels of its bank layer
+    (co-execution): the last blocks of the layer, which are then not streamed."""
+
+    bank_layer: int
+    first: int
+    end: int
+
+
 @partial(jax.jit, static_argnums=0)
-def _submit_cpu_share(share: "CpuShare", tokens, ids, weights):
+def _submit_cpu_share(share: CpuShare, tokens, ids, weights):
     """The routed pairs of the share's experts handed to the CPU kernels of its bank layer (the other pairs'
     weights set to zero, which the kernels skip, and their ids made valid: a token that routes nowhere has an id
     past the last expert): the pending result, which the layer's combine waits for while the GPU streams and runs
@@ -450,16 +460,6 @@ def _block_passes(counts: np.ndarray, first: int, slots: int) -> _BlockPasses:
     left = counts - capacity
     busy = min(size, _capacity(int((left > 0).sum())))
     return _BlockPasses(first, size, capacity, busy, *_passes(int(left.max()), busy, slots))
-
-
-@dataclasses.dataclass(frozen=True)
-class CpuShare:
-    """The experts [first, end) of a MoE layer that a streamed step leaves to the CPU kernels of its bank layer
-    (co-execution): the last blocks of the layer, which are then not streamed."""
-
-    bank_layer: int
-    first: int
-    end: int
 
 
 # ---------------------------------------------------------------------------------------- the ring
@@ -625,8 +625,7 @@ def stream_decode_step(model, tokens, positions, live, cache, *, vram_budget: in
 
     With `cpu_blocks`, the last that many expert blocks of each MoE layer are not streamed: the CPU kernels compute
     their pairs while the GPU streams and computes the others (CoX-MoE's co-execution), handed off after the layer's
-    router and taken back in its combine. Where the CPU alone and the link alone would each take longer than the
-    other's share, the step takes the larger of the two shares' times."""
+    router and taken back in its combine: the step then takes about the larger of the two shares' times."""
     tokens = np.asarray(tokens, np.int32)[:, None]
     positions = np.asarray(positions, np.int32)[:, None]
     live = np.asarray(live, bool)
