@@ -33,13 +33,15 @@ def test_requests_beyond_the_slots_and_the_queue_get_429_with_retry_after(server
 
 
 def test_sigterm_lets_the_request_in_flight_end_and_exits(server):
-    with httpx.stream("POST", server.url + "/v1/completions", json={**LONG, "stream": True}, timeout=60) as response:
+    # Two thousand tokens take this machine (~5 ms a token) past the grace period: the request is cancelled.
+    longest = {**LONG, "max_tokens": 2000, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=longest, timeout=60) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: {")
         server.proc.send_signal(signal.SIGTERM)
         rest = [line for line in lines if line]
-    # uvicorn's graceful shutdown: the stream ended as a whole (finished, or cancelled after the grace period)
-    assert rest[-1] == "data: [DONE]" or rest[-1].startswith('data: {"error"'), rest[-3:]
+    # The stream ended as a whole: finished, or cancelled after the grace period with an error event.
+    assert rest[-1] == "data: [DONE]" or "the request ended early (cancelled)" in rest[-1], rest[-3:]
     assert server.proc.wait(timeout=60) == -signal.SIGTERM  # uvicorn re-raises the signal once it is done
     log = server.log.read_text()
     assert "Application shutdown complete" in log and "Traceback" not in log

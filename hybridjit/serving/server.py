@@ -42,6 +42,9 @@ from hybridjit.tokenizer import IncrementalDecoder, no_tokenizer
 
 # After SIGTERM, requests in flight have this long to finish before they are cancelled.
 GRACEFUL_SHUTDOWN_SECONDS = 5
+# Then their responses have this long to send their ends (a streamed one its error event) before uvicorn cuts
+# their connections.
+CLOSING_SECONDS = 5
 # An idle keep-alive connection stays open this long. Clients must close theirs first: httpx (the openai client's
 # transport) keeps an idle connection 5 s, uvicorn's default too, and a request sent on a connection just as the
 # server closes it fails with a connection reset (seen under load in tests/test_server.py's soak).
@@ -401,6 +404,29 @@ def serve(
     )
     app = create_app(scheduler, model_name=model_name, api_key=api_key)
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+    config = uvicorn.Config(app, host=host, port=port,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS + CLOSING_SECONDS,
                             timeout_keep_alive=KEEP_ALIVE_SECONDS)
-    uvicorn.Server(config).run(sockets=[sock])
+    GracefulServer(config, scheduler).run(sockets=[sock])
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, whose shutdown cancels the scheduler's requests once they have had
+    GRACEFUL_SHUTDOWN_SECONDS: each then ends as a request cancelled by shutdown (503, or a stream's error event)
+    and its connection closes. uvicorn's own end of the grace period, cancelling the handlers' tasks, would cut a
+    stream mid-body and log a traceback; it stays as the backstop."""
+
+    def __init__(self, config: uvicorn.Config, scheduler: sched.Scheduler):
+        super().__init__(config)
+        self.scheduler = scheduler
+
+    async def shutdown(self, sockets=None):
+        async def cancel_after_the_grace_period():
+            await asyncio.sleep(GRACEFUL_SHUTDOWN_SECONDS)
+            await asyncio.to_thread(self.scheduler.shutdown)
+
+        canceller = asyncio.create_task(cancel_after_the_grace_period())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            canceller.cancel()
