@@ -85,8 +85,8 @@ def decode_step_seconds(model, slots: int, micro_batches: int | None, context: i
                            np.array([context], np.int32))
         engine.insert(filled, 0, slot, SamplingParams(temperature=1.0, seed=slot))
     # The first two calls compile and record the graphs. A streamed step compiles its expert-step programs for each
-    # new block capacity its routing needs (a handful over a run; seconds each on a GPU, where session 24's 4 timed
-    # steps after 2 were mostly compiling), so it warms up longer.
+    # new block capacity its routing needs (powers of two: a handful over a run, seconds each on a GPU, where session
+    # 24's 4 timed steps after 2, when capacities were eighths, were mostly compiling), so it warms up longer.
     warmup = 2 if experts == "cpu" else STREAMED_WARMUP_STEPS
     times, previous, last = [], None, time.perf_counter()
     for i in range(calls + warmup):

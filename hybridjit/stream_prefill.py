@@ -411,19 +411,24 @@ def _last_logits(cfg, layout: _Layout, norm, lm_head, x, last):
     return layout.whole(linear(rms_norm(x, norm, cfg.rms_norm_eps), lm_head).astype(jnp.float32))
 
 
-def _capacity(max_count: int) -> int:
+def _capacity(max_count: int, coarse: bool = False) -> int:
     """Slots per expert of a block for the largest token count among its experts: rounded up to an eighth of
-    its power of two, so padding stays under 12.5% and a handful of shapes (executables) serve every prompt."""
+    its power of two, so padding stays under 12.5% and a handful of shapes (executables) serve every prompt.
+    `coarse` rounds up to the power of two itself, for a streamed decode step: its few tokens per expert make
+    its GEMMs a small part of a step bound by the link, while every new shape compiles two programs, and the
+    busiest expert of a block moves between eighths from one step to the next."""
+    if coarse:
+        return 1 << max(0, max_count - 1).bit_length()
     step = 1 << max(0, max_count.bit_length() - 4)
     return max(1, -(-max_count // step) * step)
 
 
-def _passes(max_count: int, experts: int, slots: int) -> tuple[int, int]:
+def _passes(max_count: int, experts: int, slots: int, coarse: bool = False) -> tuple[int, int]:
     """(capacity per expert, passes) of `experts` experts whose busiest one has max_count tokens, with at most
     `slots` slots a pass: the fewest passes whose _capacity fits, so splitting pads no more than one pass
     would."""
     passes = max(1, -(-max_count // (slots // experts)))  # none fewer can fit; rounding up may need more
-    while experts * (capacity := _capacity(-(-max_count // passes))) > slots and capacity > 1:
+    while experts * (capacity := _capacity(-(-max_count // passes), coarse)) > slots and capacity > 1:
         passes += 1
     return capacity, passes
 
@@ -447,19 +452,19 @@ class _BlockPasses:
         return [self.size * self.capacity] + [self.busy * self.later_capacity] * self.later
 
 
-def _block_passes(counts: np.ndarray, first: int, slots: int) -> _BlockPasses:
+def _block_passes(counts: np.ndarray, first: int, slots: int, coarse: bool = False) -> _BlockPasses:
     """The passes of the block whose experts have `counts` routed pairs: one when its busiest expert fits,
     else a first pass at the largest _capacity value that fits and later passes for the experts left busy."""
     size = len(counts)
-    capacity = _capacity(int(counts.max()))
+    capacity = _capacity(int(counts.max()), coarse)
     if size * capacity <= slots:
         return _BlockPasses(first, size, capacity)
     fits = slots // size
-    step = 1 << max(0, fits.bit_length() - 4)
+    step = 1 << max(0, fits.bit_length() - (1 if coarse else 4))
     capacity = fits // step * step  # the largest _capacity value <= fits
     left = counts - capacity
-    busy = min(size, _capacity(int((left > 0).sum())))
-    return _BlockPasses(first, size, capacity, busy, *_passes(int(left.max()), busy, slots))
+    busy = min(size, _capacity(int((left > 0).sum()), coarse))
+    return _BlockPasses(first, size, capacity, busy, *_passes(int(left.max()), busy, slots, coarse))
 
 
 # ---------------------------------------------------------------------------------------- the ring
@@ -788,7 +793,7 @@ def _moe_layer(cfg, plan: RingPlan, attend, layout: _Layout, layer, storage: Exp
     host_counts, plans = np.asarray(counts), []
     for step in steps:
         busiest = np.max([host_counts[b.start : b.start + b.size] for b in step], axis=0)
-        shape = _block_passes(busiest, 0, plan.block_slots)
+        shape = _block_passes(busiest, 0, plan.block_slots, coarse=positions is not None)
         plans.append(tuple(dataclasses.replace(shape, first=b.start) for b in step))
     mesh = ring.mesh
     grouped, out = ring.run("dispatch", _dispatch, plans, firsts, mesh, tokens, ids, weights, counts)

@@ -237,18 +237,23 @@ def test_grouping_by_block_places_each_pair_once(capacity, skip):
         assert (rows[e, len(token) :] == t).all() and (slot_weights[e, len(token) :] == 0).all()
 
 
+@pytest.mark.parametrize("coarse", [False, True], ids=["prefill", "decode"])
 @pytest.mark.parametrize("skew", [0.0, 1.0, 3.0])
-def test_block_passes_cover_every_pair_within_the_slots(skew):
+def test_block_passes_cover_every_pair_within_the_slots(skew, coarse):
     """Whatever the routing's skew (expert loads drawn with Zipf-like weights), every pass of a block fits the
-    slots the plan allows, and each expert's pairs fit its first pass or the later passes over the busy ones."""
+    slots the plan allows, and each expert's pairs fit its first pass or the later passes over the busy ones;
+    with a decode step's coarse capacities, each a power of two (the busy experts too, but for all of them)."""
     rng = np.random.default_rng(int(10 * skew))
     for _ in range(200):
         size, pairs = int(rng.integers(1, 40)), int(rng.integers(0, 5000))
         load = np.arange(1, size + 1, dtype=np.float64) ** -skew
         counts = rng.multinomial(pairs, rng.permutation(load / load.sum()))
         slots = max(size, int(rng.integers(1, 3 * pairs + 2)))
-        plan = sp._block_passes(counts, 0, slots)
+        plan = sp._block_passes(counts, 0, slots, coarse)
         assert max(plan.pass_slots) <= slots
+        if coarse:
+            busy = plan.busy if plan.busy < size else 1  # at most all the block's experts
+            assert all(c & (c - 1) == 0 for c in (plan.capacity, plan.later_capacity or 1, busy or 1)), plan
         busy = counts > plan.capacity
         assert busy.sum() <= plan.busy
         assert (counts[busy] <= plan.capacity + plan.later * plan.later_capacity).all()
