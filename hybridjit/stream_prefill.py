@@ -411,15 +411,19 @@ def _last_logits(cfg, layout: _Layout, norm, lm_head, x, last):
     return layout.whole(linear(rms_norm(x, norm, cfg.rms_norm_eps), lm_head).astype(jnp.float32))
 
 
+def _capacity_step(count: int, coarse: bool) -> int:
+    """The granularity of _capacity values around `count`: an eighth of its power of two, or (coarse) the power
+    of two itself."""
+    return 1 << max(0, count.bit_length() - (1 if coarse else 4))
+
+
 def _capacity(max_count: int, coarse: bool = False) -> int:
     """Slots per expert of a block for the largest token count among its experts: rounded up to an eighth of
     its power of two, so padding stays under 12.5% and a handful of shapes (executables) serve every prompt.
-    `coarse` rounds up to the power of two itself, for a streamed decode step: its few tokens per expert make
-    its GEMMs a small part of a step bound by the link, while every new shape compiles two programs, and the
-    busiest expert of a block moves between eighths from one step to the next."""
-    if coarse:
-        return 1 << max(0, max_count - 1).bit_length()
-    step = 1 << max(0, max_count.bit_length() - 4)
+    `coarse` rounds up to a power of two, for a streamed decode step: its few tokens per expert make its GEMMs
+    a small part of a step bound by the link, while every new shape compiles two programs, and the busiest
+    expert of a block moves between eighths from one step to the next."""
+    step = _capacity_step(max_count, coarse)
     return max(1, -(-max_count // step) * step)
 
 
@@ -460,7 +464,7 @@ def _block_passes(counts: np.ndarray, first: int, slots: int, coarse: bool = Fal
     if size * capacity <= slots:
         return _BlockPasses(first, size, capacity)
     fits = slots // size
-    step = 1 << max(0, fits.bit_length() - (1 if coarse else 4))
+    step = _capacity_step(fits, coarse)
     capacity = fits // step * step  # the largest _capacity value <= fits
     left = counts - capacity
     busy = min(size, _capacity(int((left > 0).sum()), coarse))
