@@ -70,6 +70,12 @@ ATTENTION_SCRATCH = 1 << 30
 SLOTS_PER_PAIR = 1.5
 # Executables also hold fixed-size scratch (cuBLAS/cuDNN workspaces), whatever the prompt.
 WORKSPACE_BYTES = 64 << 20
+# A layer whose experts get at most this many routed pairs each on average plans its blocks with coarse capacities
+# (_capacity): powers of two. Its GEMMs are then a small part of a step bound by the link even at 2x padding
+# (DeepSeek-V3: a 32-expert block at 1,024 slots each is 2.9 TFLOP, ~10 ms at the ~290 TFLOP/s the grouped GEMMs
+# reach, against the block's 26 ms copy), while every new capacity compiles a grouping and an expert-step
+# program: seconds each on a GPU, and with eighths, nearly every new prompt's or decode step's routing needs one.
+COARSE_MEAN_PAIRS = 512
 # The hand-off slot of a streamed decode step's CPU share (co-execution): the step is the only program running, so
 # the interactive decode's first slot is free.
 CPU_SHARE_SLOT = 0
@@ -419,10 +425,8 @@ def _capacity_step(count: int, coarse: bool) -> int:
 
 def _capacity(max_count: int, coarse: bool = False) -> int:
     """Slots per expert of a block for the largest token count among its experts: rounded up to an eighth of
-    its power of two, so padding stays under 12.5% and a handful of shapes (executables) serve every prompt.
-    `coarse` rounds up to a power of two, for a streamed decode step: its few tokens per expert make its GEMMs
-    a small part of a step bound by the link, while every new shape compiles two programs, and the busiest
-    expert of a block moves between eighths from one step to the next."""
+    its power of two, so padding stays under 12.5% where the GEMMs weigh (long prompts); `coarse` rounds up to a
+    power of two, for layers with few pairs per expert (COARSE_MEAN_PAIRS)."""
     step = _capacity_step(max_count, coarse)
     return max(1, -(-max_count // step) * step)
 
@@ -795,9 +799,10 @@ def _moe_layer(cfg, plan: RingPlan, attend, layout: _Layout, layer, storage: Exp
     # a layer. Per step, so that one busy expert pads only its own step's GEMMs; the blocks of a step share one
     # shape (one program over the mesh), planned for the busiest of their experts at each position.
     host_counts, plans = np.asarray(counts), []
+    coarse = host_counts.mean() <= COARSE_MEAN_PAIRS
     for step in steps:
         busiest = np.max([host_counts[b.start : b.start + b.size] for b in step], axis=0)
-        shape = _block_passes(busiest, 0, plan.block_slots, coarse=positions is not None)
+        shape = _block_passes(busiest, 0, plan.block_slots, coarse)
         plans.append(tuple(dataclasses.replace(shape, first=b.start) for b in step))
     mesh = ring.mesh
     grouped, out = ring.run("dispatch", _dispatch, plans, firsts, mesh, tokens, ids, weights, counts)

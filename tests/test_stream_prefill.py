@@ -237,12 +237,12 @@ def test_grouping_by_block_places_each_pair_once(capacity, skip):
         assert (rows[e, len(token) :] == t).all() and (slot_weights[e, len(token) :] == 0).all()
 
 
-@pytest.mark.parametrize("coarse", [False, True], ids=["prefill", "decode"])
+@pytest.mark.parametrize("coarse", [False, True], ids=["eighths", "coarse"])
 @pytest.mark.parametrize("skew", [0.0, 1.0, 3.0])
 def test_block_passes_cover_every_pair_within_the_slots(skew, coarse):
     """Whatever the routing's skew (expert loads drawn with Zipf-like weights), every pass of a block fits the
     slots the plan allows, and each expert's pairs fit its first pass or the later passes over the busy ones;
-    with a decode step's coarse capacities, each a power of two (the busy experts too, but for all of them)."""
+    with coarse capacities (few pairs per expert), each a power of two (the busy experts too, but for all of them)."""
     rng = np.random.default_rng(int(10 * skew))
     for _ in range(200):
         size, pairs = int(rng.integers(1, 40)), int(rng.integers(0, 5000))
@@ -410,7 +410,8 @@ def test_abandon_stops_the_prefill_before_its_next_executable(case, model, token
 def test_new_prompts_reuse_the_grouping_programs(case, model, monkeypatch):
     """The programs that group a layer's routed pairs are keyed by their steps' shapes alone, never by the blocks'
     positions or a whole layer's plans: prompts routed differently share them (one program over a layer's plans
-    was compiled again for nearly every new prompt, seconds a layer on the GPU)."""
+    was compiled again for nearly every new prompt, seconds a layer on the GPU). With few pairs per expert, as
+    here, every capacity is a power of two (COARSE_MEAN_PAIRS), so new routings rarely need a new shape."""
     only(case, FULL)
     positions, group_step = collections.defaultdict(set), sp._group_step
 
@@ -424,6 +425,8 @@ def test_new_prompts_reuse_the_grouping_programs(case, model, monkeypatch):
         streamed(model, rng.integers(2, model.config.vocab_size, (2, 24)).astype(np.int32))
     assert all(plan.first == 0 for shapes in positions for plan in shapes)
     assert max(map(len, positions.values())) > 1  # one program for blocks at several positions
+    capacities = {c for shapes in positions for plan in shapes for c in (plan.capacity, plan.later_capacity) if c}
+    assert capacities and all(c & (c - 1) == 0 for c in capacities), capacities
 
 
 def test_unpinned_model_is_refused(case, checkpoint, tokens):
