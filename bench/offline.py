@@ -16,7 +16,8 @@ Each model is a geometry with random FP8 weights (prefill.py's PooledExperts: fa
   H2D, dense GEMM, the CPU expert kernels' rate at each case's tokens per call, the device's free memory): its
   prediction of each measured case, and its pick over the same grid against the best measured. A run's throughput
   combines them as the model does: generated tokens / (n / P prefills + n x 256 / B steps), n = --requests.
-A truncated model's figures are also projected to full depth: the full-depth prediction times the measured /
+A truncated model's figures are also projected to full depth: the prediction for the policy the model picks at
+full depth (the pick's expert placement, as many slots as the full model's KV cache lets fit) times the measured /
 predicted ratio of the truncated one (labelled "projected"). Ends with one JSON line.
 """
 
@@ -217,16 +218,20 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
     }  # fmt: skip
     if cfg.num_hidden_layers < full.num_hidden_layers:  # projected: the full-depth prediction x measured / predicted
         scale = result["measured_vs_predicted"]
-        full_pick = search(full, floors, work, itemsize, ON_GPU, slots=pick_key[0], micro_batches=1,
-                           prefill_batch=pick_key[3], experts=pick_key[1],
-                           cpu_blocks=pick_key[2] if pick_key[1] == "stream" else None)  # fmt: skip
+        # The model's own full-depth pick with the pick's expert placement, not the pick's slots: the full model's
+        # KV cache is deeper, and as many slots as the truncated one ran need not fit the device.
+        full_pick = search(full, floors, work, itemsize, ON_GPU, experts=pick_key[1])
         interactive_full = predict(full, floors, work, Policy(1, 1, 1), itemsize, ON_GPU).decode_tok_s
         interactive_trunc = predict(cfg, floors, work, Policy(1, 1, 1), itemsize, ON_GPU).decode_tok_s
+        projected_interactive = interactive_tok_s * interactive_full / interactive_trunc
         result["projected_full_depth"] = {
+            "slots": full_pick.slots, "micro_batches": full_pick.micro_batches, "experts": full_pick.experts,
+            "cpu_blocks": full_pick.cpu_blocks, "prefill": full_pick.prefill_batch,
             "tok_s": round(full_pick.prediction.total_tok_s * scale, 2),
             "decode_tok_s": round(full_pick.prediction.decode_tok_s * scale, 2),
-            "interactive_tok_s": round(interactive_tok_s * interactive_full / interactive_trunc, 2),
-        }
+            "interactive_tok_s": round(projected_interactive, 2),
+            "decode_vs_interactive": round(full_pick.prediction.decode_tok_s * scale / projected_interactive, 1),
+        }  # fmt: skip
     print(f"best of the grid: {best[0]} slots, experts {best[1]} ({best[2]} CPU blocks), prefill {best[3]}: "
           f"{grid[best]:.1f} tok/s; the model's pick: {pick_key[0]} slots, experts {pick_key[1]} ({pick_key[2]} CPU "
           f"blocks), prefill {pick_key[3]}: {measured_pick:.1f} "
