@@ -109,9 +109,12 @@ def decode_cases(cfg, floors: Floors, work: Workload, itemsize: int, args) -> li
     for slots, experts in [(b, e) for b in args.slots for e in args.experts]:
         cases.append((slots, experts, 0))
         if experts == "stream":
-            split = search(cfg, floors, work, itemsize, True, slots=slots, micro_batches=1, experts="stream").cpu_blocks
-            if split:
-                cases.append((slots, experts, split))
+            try:
+                split = search(cfg, floors, work, itemsize, True, slots=slots, micro_batches=1, experts="stream")
+            except ValueError:  # nothing fits at that many slots: the case is reported as not fitting
+                continue
+            if split.cpu_blocks:
+                cases.append((slots, experts, split.cpu_blocks))
     return cases
 
 
