@@ -20,8 +20,12 @@ shapes (the family's cost module):
   `cpu_blocks` of a layer's BLOCKS_PER_LAYER blocks left to the CPU (CoX-MoE's co-execution), the link carries
   the rest while the CPU kernels compute those blocks' pairs after each layer's router: the larger of the two
   shares' times, plus a hand-off per layer; the copies take their rate off the host read floor the CPU reads at;
+- or, for a model holding every routed expert on the device (Engine.place_experts, auto placement where they fit:
+  experts="gpu", RESIDENT), the routed experts on the GPU: the larger of reading the distinct experts the batch
+  routes to from HBM and their FLOPs;
 - prefill, per batch of prompts: the cheaper of the hybrid path (GPU, then CPU experts by the roofline above)
-  and, where the engine can stream, the stream-loaded one (stream_prefill.prefill_seconds).
+  and, where the engine can stream, the stream-loaded one (stream_prefill.prefill_seconds); all on the GPU for a
+  model whose experts are all resident.
 
 A run of n requests (mean prompt L, mean budget G) takes n / P prefills and n G / B decode steps at the mean
 context L + G / 2; the policy maximizing generated tokens per second of the whole run is chosen from a grid,
@@ -49,6 +53,7 @@ from hybridjit.stream_prefill import (
 
 DUAL = "dual"  # micro_batches: the interactive engine's two overlapped micro-batches, each with its expert calls
 EXPERTS = ("cpu", "stream")  # where a decode step's routed experts run: the CPU kernels, or streamed to the GPU
+RESIDENT = "gpu"  # Policy.experts of a model holding every routed expert on the device (not a choice: a placement)
 # Tokens per call at which of_machine measures the CPU expert rate (each measured once per machine and expert shape,
 # then cached): decode steps of tens to thousands of slots, and a prefill's worth.
 RATE_TOKENS = (16, 64, 256, 1024, 4096)
@@ -123,7 +128,7 @@ class Workload:
 @dataclasses.dataclass(frozen=True)
 class Prediction:
     step_s: float  # one decode step of all slots
-    expert_s: float  # of which the routed experts on the CPU
+    expert_s: float  # of which the routed experts (where they are not overlapped with the rest)
     prefill_s: float  # one prefill batch
     decode_tok_s: float
     prefill_tok_s: float
@@ -136,12 +141,14 @@ class Policy:
     micro_batches: int | str  # attention micro-batches with coalesced experts, or DUAL
     prefill_batch: int
     prediction: Prediction | None = None
-    experts: str = "cpu"  # one of EXPERTS
+    experts: str = "cpu"  # one of EXPERTS, or RESIDENT
     cpu_blocks: int = 0  # with experts "stream": blocks of each layer's BLOCKS_PER_LAYER the CPU computes meanwhile
 
     def describe(self) -> str:
         mb = "dual-batch overlap" if self.micro_batches == DUAL else f"{self.micro_batches} attention micro-batch(es)"
-        where = "on the CPU" if self.experts == "cpu" else "streamed to the GPU each step"
+        where = {"cpu": "on the CPU", "stream": "streamed to the GPU each step", RESIDENT: "resident on the GPU"}[
+            self.experts
+        ]
         if self.cpu_blocks:
             where += f", the CPU computing {self.cpu_blocks} of each layer's {BLOCKS_PER_LAYER} blocks meanwhile"
         line = (f"policy: {self.slots} slots, {mb}, routed experts {where}, prefill {self.prefill_batch} prompts at "
@@ -160,16 +167,28 @@ def _moe_layers(cfg: ModelConfig) -> int:
     return sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
 
 
-def cpu_expert_seconds(cfg: ModelConfig, floors: Floors, tokens: int) -> float:
+def _expert_roofline(cfg: ModelConfig, tokens: int, read_gbps: float, tflops: float) -> float:
     """All MoE layers' routed experts for `tokens` tokens in one call each: the roofline of reading the distinct
-    experts they route to (uniform routing) and of their FLOPs."""
+    experts they route to (uniform routing) at `read_gbps` and of their FLOPs at `tflops`."""
     n, moe = cfg.n_routed_experts, _moe_layers(cfg)
     if not moe:
         return 0.0
     distinct = n * (1 - (1 - 1 / n) ** (tokens * cfg.num_experts_per_tok))
-    read = distinct * expert_bytes(cfg) / (moe * n) / (floors.host_read_gbps * floors.cpu_decode_share * 1e9)
+    read = distinct * expert_bytes(cfg) / (moe * n) / (read_gbps * 1e9)
     flops = family_of(cfg).cost.layer_flops(cfg, tokens, 1)["routed"]
-    return moe * max(read, flops / (floors.cpu_tflops(tokens) * 1e12))
+    return moe * max(read, flops / (tflops * 1e12))
+
+
+def cpu_expert_seconds(cfg: ModelConfig, floors: Floors, tokens: int) -> float:
+    """The routed experts of a call of `tokens` tokens on the CPU kernels, at their rate for that many tokens."""
+    return _expert_roofline(cfg, tokens, floors.host_read_gbps * floors.cpu_decode_share, floors.cpu_tflops(tokens))
+
+
+def resident_expert_seconds(cfg: ModelConfig, floors: Floors, tokens: int) -> float:
+    """The routed experts of a call of `tokens` tokens held on the device: HBM reads and the GPU's rate. (Resident
+    copies are FP8 as stored, or the compute dtype, auto_placement.resident_expert_bytes: the stored bytes are the
+    lower bound of their read.)"""
+    return _expert_roofline(cfg, tokens, floors.gpu_hbm_gbps, floors.gpu_tflops)
 
 
 def gpu_seconds(cfg: ModelConfig, floors: Floors, batch: int, context: float, calls: int, itemsize: int) -> float:
@@ -210,8 +229,11 @@ def decode_step(cfg: ModelConfig, floors: Floors, batch: int, context: float, mi
                 experts: str = "cpu", cpu_blocks: int = 0):  # fmt: skip
     """(step seconds, of which routed experts) of one decode step of `batch` slots, the routed experts on the CPU
     or streamed to the GPU (`experts`, one of EXPERTS), `cpu_blocks` of each layer's BLOCKS_PER_LAYER then on the
-    CPU meanwhile."""
+    CPU meanwhile, or resident on the GPU (RESIDENT)."""
     handoffs = _moe_layers(cfg) * floors.handoff_us * 1e-6
+    if experts == RESIDENT:  # no hand-off: the experts are one more part of the GPU's step
+        on_gpu = resident_expert_seconds(cfg, floors, batch)
+        return gpu_seconds(cfg, floors, batch, context, micro_batches, itemsize) + on_gpu, on_gpu
     if experts == "stream":  # the copies overlap the GPU's work (the ring loads ahead); one micro-batch
         streamed = 1 - cpu_blocks / BLOCKS_PER_LAYER
         copies, expert_gpu = (streamed * t for t in streamed_expert_seconds(cfg, floors, batch))
@@ -231,13 +253,16 @@ def decode_step(cfg: ModelConfig, floors: Floors, batch: int, context: float, mi
     return gpu_seconds(cfg, floors, batch, context, calls, itemsize) + experts + handoffs, experts
 
 
-def prefill_batch_seconds(cfg: ModelConfig, floors: Floors, batch: int, length: int, can_stream: bool) -> float:
+def prefill_batch_seconds(cfg: ModelConfig, floors: Floors, batch: int, length: int, can_stream: bool,
+                          resident: bool = False) -> float:  # fmt: skip
     """One prefill of `batch` prompts padded to `length`: the hybrid path by the roofline, or the stream-loaded one
-    where the engine can take it and it is faster."""
+    where the engine can take it and it is faster; all on the GPU where every expert is `resident`."""
     hybrid = prefill_seconds(cfg, batch, length, floors.prefill_rates())
     gpu_part = hybrid["hybrid"] - family_of(cfg).cost.layer_flops(cfg, batch, length)["routed"] * _moe_layers(cfg) / (
         floors.cpu_expert_tflops * 1e12
     )
+    if resident:
+        return gpu_part + resident_expert_seconds(cfg, floors, batch * length)
     seconds = gpu_part + cpu_expert_seconds(cfg, floors, batch * length)
     return min(seconds, hybrid["stream"]) if can_stream else seconds
 
@@ -248,7 +273,7 @@ def predict(
     step, experts = decode_step(cfg, floors, policy.slots, work.prompt_tokens + work.new_tokens / 2,
                                 policy.micro_batches, itemsize, policy.experts, policy.cpu_blocks)  # fmt: skip
     length = bucket(math.ceil(work.prompt_tokens))
-    prefill = prefill_batch_seconds(cfg, floors, policy.prefill_batch, length, can_stream)
+    prefill = prefill_batch_seconds(cfg, floors, policy.prefill_batch, length, can_stream, policy.experts == RESIDENT)
     generated = work.requests * work.new_tokens
     total = math.ceil(work.requests / policy.prefill_batch) * prefill + generated / policy.slots * step
     prefill_tok_s = policy.prefill_batch * work.prompt_tokens / prefill
@@ -279,12 +304,18 @@ def _slot_grid(limit: int) -> list[int]:
 def search(
     cfg: ModelConfig, floors: Floors, work: Workload, itemsize: int, can_stream: bool,
     slots: int | None = None, micro_batches: int | str | None = None, prefill_batch: int | None = None,
-    experts: str | None = None, cpu_blocks: int | None = None,
+    experts: str | None = None, cpu_blocks: int | None = None, resident: bool = False,
 ) -> Policy:  # fmt: skip
     """The policy of the grid (slots by _slot_grid, micro-batches MICRO_BATCHES and DUAL, prefill batches powers of
     two, the routed experts on the CPU or, where `can_stream`, streamed to the GPU with one micro-batch and 0 to
     BLOCKS_PER_LAYER - 1 blocks of each layer on the CPU meanwhile; the fixed ones as given) with the best predicted
-    throughput that fits `floors.device_free_bytes` (None: unbounded)."""
+    throughput that fits `floors.device_free_bytes` (None: unbounded). A model whose routed experts are all
+    `resident` on the device runs them there (RESIDENT), with no dual-batch overlap (it overlaps CPU and GPU)."""
+    if resident and (experts is not None or cpu_blocks or micro_batches == DUAL):
+        chosen = {"experts": experts, "cpu_blocks": cpu_blocks, "micro_batches": micro_batches}
+        asked = ", ".join(f"{name}={value!r}" for name, value in chosen.items() if value)
+        raise ValueError(f"{asked}: every routed expert of this model is resident on the device, where its decode "
+                         "steps run them; leave where the experts run, and dual-batch overlap, to it")  # fmt: skip
     if experts is not None and experts not in EXPERTS:
         raise ValueError(f"experts must be one of {', '.join(EXPERTS)}, got {experts!r}")
     if cpu_blocks is not None and not 0 <= cpu_blocks < BLOCKS_PER_LAYER:
@@ -310,8 +341,11 @@ def search(
         if memory is not None and kv > memory and slots is None:
             continue
         mb_grid = [micro_batches] if micro_batches else [*(m for m in MICRO_BATCHES if m <= b), DUAL]
-        placements = [("cpu", mb, 0) for mb in mb_grid] if experts != "stream" else []
-        if experts == "stream" or (experts is None and can_stream and micro_batches in (None, 1)):
+        if resident:
+            placements = [(RESIDENT, mb, 0) for mb in mb_grid if mb != DUAL]
+        else:
+            placements = [("cpu", mb, 0) for mb in mb_grid] if experts != "stream" else []
+        if not resident and (experts == "stream" or (experts is None and can_stream and micro_batches in (None, 1))):
             splits = [cpu_blocks] if cpu_blocks is not None else range(BLOCKS_PER_LAYER)
             placements += [("stream", 1, c) for c in splits]
         for where, mb, split in placements:
@@ -319,7 +353,7 @@ def search(
             context = work.cache_len
             # More micro-batches keep attention's scratch small; a streamed step's one is counted in its need.
             scores = decode_scores_bytes(cfg, -(-b // calls), context)
-            if where == "cpu" and scores > ATTENTION_SCRATCH and not micro_batches:
+            if where != "stream" and scores > ATTENTION_SCRATCH and not micro_batches:
                 continue
             for p in [prefill_batch] if prefill_batch else _powers_of_two(b):
                 need = kv + max(prefill_bytes(cfg, p, length),
@@ -355,10 +389,11 @@ def choose_policy(
     if floors.device_free_bytes is None and model.placement.device.platform != "cpu":
         floors = dataclasses.replace(floors, device_free_bytes=free_device_memory(model.placement.device))
     work = Workload.of_jobs(jobs, cache_len)
+    resident = not model.experts_on_host and _moe_layers(model.config) > 0
     # Pinned, streamable experts. Chosen only on a GPU; forced, the same program runs on any device (tests).
-    can_stream = choose_prefill_path(model, 1, 1, threshold=0) == "stream" and (
+    can_stream = not resident and choose_prefill_path(model, 1, 1, threshold=0) == "stream" and (
         model.placement.device.platform == "gpu" or experts == "stream" or bool(cpu_blocks)
     )
     itemsize = jnp.dtype(model.dtype).itemsize
     return search(model.config, floors, work, itemsize, can_stream, slots, micro_batches, prefill_batch, experts,
-                  cpu_blocks)
+                  cpu_blocks, resident)

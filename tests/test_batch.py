@@ -10,9 +10,10 @@ import jax
 import pytest
 
 import hybridjit
+from hybridjit.offline_policy import RESIDENT, choose_policy
 from hybridjit.placement import Placement
 from hybridjit.serving.batch_output import ResumableOutput
-from hybridjit.serving.batch_requests import BatchInputError
+from hybridjit.serving.batch_requests import BatchInputError, encode_requests, read_requests
 from hybridjit.serving.chat import ChatTemplate
 
 CODE = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
@@ -63,6 +64,24 @@ def test_greedy_outputs_equal_generate_with_the_experts_streamed_each_step(model
         records = run(pinned, REQUESTS[:5], slots=3, prefill_batch=2, experts="stream", cpu_blocks=cpu_blocks)
     for request, record in zip(REQUESTS, records, strict=False):
         assert record["text"] == alone(model, request["prompt"], request["max_tokens"]), request["id"]
+
+
+def test_a_model_with_every_expert_resident_is_run_with_them_on_the_device(model):
+    """Where every routed expert is resident on the device (auto placement, when they fit), the policy runs them there
+    (experts "gpu"; not dual-batch overlap, which overlaps the CPU's experts with the GPU) and prices them so; every
+    request still gets what generate gives it alone. A choice of where the experts run is then a clear error."""
+    placement = dataclasses.replace(model.placement, resident_experts="auto")
+    with contextlib.closing(hybridjit.load(placement=placement)) as resident:
+        assert not resident.experts_on_host
+        policy = choose_policy(resident, encode_requests(resident, read_requests(
+            [("l", json.dumps(r)) for r in REQUESTS[:4]], "requests", {}), "requests"), 64)  # fmt: skip
+        assert policy.experts == RESIDENT and policy.micro_batches != "dual" and not policy.cpu_blocks
+        assert "routed experts resident on the GPU" in policy.describe()
+        records = run(resident, REQUESTS[:4], slots=3, prefill_batch=2)
+        for request, record in zip(REQUESTS, records, strict=False):
+            assert record["text"] == alone(model, request["prompt"], request["max_tokens"]), request["id"]
+        with pytest.raises(ValueError, match="experts='cpu': every routed expert of this model is resident"):
+            run(resident, REQUESTS[:1], experts="cpu")
 
 
 def test_chat_token_ids_and_stop_strings(model):

@@ -8,11 +8,14 @@ import pytest
 
 from hybridjit.offline_policy import (
     DUAL,
+    RESIDENT,
     Floors,
     Policy,
     Workload,
+    cpu_expert_seconds,
     kv_bytes_per_slot,
     predict,
+    resident_expert_seconds,
     search,
     stream_ring_bytes,
 )
@@ -137,3 +140,21 @@ def test_streaming_is_chosen_only_where_its_ring_fits_beside_the_kv_cache():
     forced = "no policy of the grid with slots=192, experts='stream' fits the device's .* GiB free"
     with pytest.raises(ValueError, match=forced):
         search(V3, tight, long_decode, 2, True, slots=192, experts="stream")
+
+
+def test_resident_experts_are_priced_on_the_gpu():
+    """A model holding every routed expert on the device runs them there: its steps read them from HBM (a batch of
+    one reads its top-k experts per layer, a large batch all of them: far faster than the CPU either way), its
+    prefill computes them on the GPU, and no choice of where they run is offered."""
+    for tokens in (1, 1024):
+        on_gpu, on_cpu = resident_expert_seconds(QWEN, FLOORS, tokens), cpu_expert_seconds(QWEN, FLOORS, tokens)
+        assert 0 < 10 * on_gpu < on_cpu
+    best = search(QWEN, FLOORS, WORK, 2, False, resident=True)
+    assert best.experts == RESIDENT and best.micro_batches != DUAL and best.cpu_blocks == 0
+    assert best.prediction.expert_s == resident_expert_seconds(QWEN, FLOORS, best.slots)
+    hybrid = search(QWEN, FLOORS, WORK, 2, False, slots=best.slots, prefill_batch=best.prefill_batch)
+    assert best.prediction.decode_tok_s > 2 * hybrid.prediction.decode_tok_s
+    assert best.prediction.prefill_s < hybrid.prediction.prefill_s
+    for options in ({"experts": "stream"}, {"micro_batches": DUAL}):
+        with pytest.raises(ValueError, match="every routed expert of this model is resident on the device"):
+            search(QWEN, FLOORS, WORK, 2, True, resident=True, **options)
