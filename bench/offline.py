@@ -11,6 +11,8 @@ Each model is a geometry with random FP8 weights (prefill.py's PooledExperts: fa
   cache holding the mean context of the workload (prompt + half the new tokens): tok/s = slots / step; with the
   routed experts on the CPU, and (--experts, on a GPU) streamed to the GPU each step, and so with the CPU computing
   as many of each layer's blocks meanwhile as the model picks for that batch (co-execution), where it picks any;
+  or, with `--experts gpu`, every routed expert placed on the device first (Model.place_experts("auto"), as load
+  places a model whose experts fit), so that the interactive decode is the all-GPU one and the batches run there;
 - prefill of every --prefill batch of 512-token prompts (whichever path the engine chooses);
 - the performance model (hybridjit/offline_policy.py) fed with floors measured here (memory read floor, pinned
   H2D, dense GEMM, the CPU expert kernels' rate at each case's tokens per call, the device's free memory): its
@@ -18,7 +20,8 @@ Each model is a geometry with random FP8 weights (prefill.py's PooledExperts: fa
   combines them as the model does: generated tokens / (n / P prefills + n x 256 / B steps), n = --requests.
 A truncated model's figures are also projected to full depth: the prediction for the policy the model picks at
 full depth (the pick's expert placement, as many slots as the full model's KV cache lets fit) times the measured /
-predicted ratio of the truncated one (labelled "projected"). Ends with one JSON line.
+predicted ratio of the truncated one (labelled "projected"; not with --experts gpu, which is for models whose
+experts fit the device at full depth). Ends with one JSON line.
 """
 
 import argparse
@@ -33,7 +36,16 @@ import numpy as np
 
 from bench_model import load_model
 from floors import floors_line, machine, memory_floors
-from hybridjit.offline_policy import EXPERTS, Floors, Policy, Workload, kv_bytes_per_slot, predict, search
+from hybridjit.offline_policy import (
+    EXPERTS,
+    RESIDENT,
+    Floors,
+    Policy,
+    Workload,
+    kv_bytes_per_slot,
+    predict,
+    search,
+)
 from hybridjit.placement import Placement
 from hybridjit.sampling import SamplingParams
 from hybridjit.serving.engine import DEVICE_ONLY_DECODE_STEPS, Engine, Prefilled, bucket
@@ -107,7 +119,7 @@ def decode_cases(cfg, floors: Floors, work: Workload, itemsize: int, args) -> li
     also with the CPU blocks the model picks for that batch, where it picks any."""
     cases = []
     for slots, experts in [(b, e) for b in args.slots for e in args.experts]:
-        cases.append((slots, experts, 0))
+        cases.append((slots, experts, 0))  # RESIDENT among them: alone (main)
         if experts == "stream":
             try:
                 split = search(cfg, floors, work, itemsize, True, slots=slots, micro_batches=1, experts="stream")
@@ -140,6 +152,14 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
     geometry, _, layers = spec.partition(":")
     model, name, full = load(geometry, int(layers) if layers else None, args.dtype)
     cfg, itemsize = model.config, jnp.dtype(model.dtype).itemsize
+    resident = args.experts == [RESIDENT]
+    if resident:
+        placed = model.place_experts("auto")
+        if model.experts_on_host:
+            model.close()
+            return {"model": name, "error": f"only {placed.experts} routed experts fit the device: not all resident"}
+        print(f"placed all {placed.experts} routed experts on the device")
+    where = RESIDENT if resident else "cpu"  # of the interactive decode and the prefill predictions
     floors = measured_floors(model, memory, [*args.slots, *(p * PROMPT for p in args.prefill)])
     work = Workload(args.requests, PROMPT, NEW, bucket(PROMPT + NEW))
     context = PROMPT + NEW // 2
@@ -176,7 +196,7 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
             print(f"time limit: prefill {batch} and up not run")
             break
         seconds, path = prefill_seconds(model, batch, rng)
-        predicted = predict(cfg, floors, work, Policy(1, 1, batch), itemsize, ON_GPU).prefill_s
+        predicted = predict(cfg, floors, work, Policy(1, 1, batch, experts=where), itemsize, ON_GPU).prefill_s
         prefill[batch] = {"seconds": seconds, "predicted_s": predicted, "path": path}
         print(f"{batch:7d} {path:>7} {1e3 * seconds:9.1f} {batch * PROMPT / seconds:9.1f} {1e3 * predicted:9.1f}")
 
@@ -206,7 +226,8 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
     best = max(grid, key=grid.get)
     # The model's pick over the same grid: the policy it predicts fastest among the measured cases.
     picks = {(b, e, c, p): search(cfg, floors, work, itemsize, ON_GPU, slots=b, micro_batches=1, prefill_batch=p,
-                                  experts=e, cpu_blocks=c if e == "stream" else None)
+                                  experts=None if resident else e, cpu_blocks=c if e == "stream" else None,
+                                  resident=resident)
              for b, e, c, p in grid}  # fmt: skip
     pick_key = max(picks, key=lambda key: picks[key].prediction.total_tok_s)
     measured_pick, predicted_pick = grid[pick_key], picks[pick_key].prediction.total_tok_s
@@ -219,7 +240,8 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
         "pick_vs_best": round(measured_pick / grid[best], 3),
         "measured_vs_predicted": round(measured_pick / predicted_pick, 3),
     }  # fmt: skip
-    if cfg.num_hidden_layers < full.num_hidden_layers:  # projected: the full-depth prediction x measured / predicted
+    # Projected: the full-depth prediction x measured / predicted.
+    if cfg.num_hidden_layers < full.num_hidden_layers and not resident:
         scale = result["measured_vs_predicted"]
         # The model's own full-depth pick with the pick's expert placement, not the pick's slots: the full model's
         # KV cache is deeper, and as many slots as the truncated one ran need not fit the device.
@@ -252,14 +274,18 @@ def main(argv=None):
                         help="geometries, each GEOMETRY[:LAYERS]")
     parser.add_argument("--slots", type=int, nargs="+", default=[64, 256, 512, 1024])
     parser.add_argument("--prefill", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--experts", nargs="+", choices=EXPERTS, default=list(EXPERTS) if ON_GPU else ["cpu"],
-                        help="where decode steps run the routed experts (stream: to the GPU each step; GPU only)")
+    parser.add_argument("--experts", nargs="+", choices=[*EXPERTS, RESIDENT],
+                        default=list(EXPERTS) if ON_GPU else ["cpu"],
+                        help="where decode steps run the routed experts (stream: to the GPU each step, GPU only; "
+                             f"{RESIDENT}: all placed on the device first, alone)")
     parser.add_argument("--requests", type=int, default=4096, help="the modelled run's requests")
     parser.add_argument("--steps", type=int, default=6, help="timed decode steps per case")
     parser.add_argument("--dtype", default="bfloat16" if ON_GPU else "float32")
     parser.add_argument("--time-limit", type=float, default=330.0,
                         help="seconds after which no further case starts (the JSON line still ends the run)")
     args = parser.parse_args(argv)
+    if RESIDENT in args.experts and args.experts != [RESIDENT]:
+        parser.error(f"--experts {RESIDENT} places every expert on the device for the whole run: give it alone")
     start = time.perf_counter()
     memory = memory_floors()
     print(floors_line(memory))
