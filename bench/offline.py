@@ -119,7 +119,7 @@ def decode_cases(cfg, floors: Floors, work: Workload, itemsize: int, args) -> li
     also with the CPU blocks the model picks for that batch, where it picks any."""
     cases = []
     for slots, experts in [(b, e) for b in args.slots for e in args.experts]:
-        cases.append((slots, experts, 0))  # RESIDENT among them: alone (main)
+        cases.append((slots, experts, 0))
         if experts == "stream":
             try:
                 split = search(cfg, floors, work, itemsize, True, slots=slots, micro_batches=1, experts="stream")
@@ -159,7 +159,7 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
             model.close()
             return {"model": name, "error": f"only {placed.experts} routed experts fit the device: not all resident"}
         print(f"placed all {placed.experts} routed experts on the device")
-    where = RESIDENT if resident else "cpu"  # of the interactive decode and the prefill predictions
+    where = RESIDENT if resident else "cpu"  # where the prefill's predictions put the experts
     floors = measured_floors(model, memory, [*args.slots, *(p * PROMPT for p in args.prefill)])
     work = Workload(args.requests, PROMPT, NEW, bucket(PROMPT + NEW))
     context = PROMPT + NEW // 2

@@ -345,9 +345,9 @@ def search(
             placements = [(RESIDENT, mb, 0) for mb in mb_grid if mb != DUAL]
         else:
             placements = [("cpu", mb, 0) for mb in mb_grid] if experts != "stream" else []
-        if not resident and (experts == "stream" or (experts is None and can_stream and micro_batches in (None, 1))):
-            splits = [cpu_blocks] if cpu_blocks is not None else range(BLOCKS_PER_LAYER)
-            placements += [("stream", 1, c) for c in splits]
+            if experts == "stream" or (experts is None and can_stream and micro_batches in (None, 1)):
+                splits = [cpu_blocks] if cpu_blocks is not None else range(BLOCKS_PER_LAYER)
+                placements += [("stream", 1, c) for c in splits]
         for where, mb, split in placements:
             calls = 2 if mb == DUAL else mb
             context = work.cache_len
