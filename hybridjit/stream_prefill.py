@@ -910,7 +910,9 @@ def choose_prefill_path(
 ) -> str:
     """"stream" or "hybrid" for a prompt batch [batch, length]. Streaming needs the routed experts pinned; then
     `threshold` (prompt tokens, batch * length) overrides the cost model; without it, streaming is chosen on a GPU
-    when prefill_seconds models it faster with `rates` (default: the machine's, model.prefill_rates())."""
+    when prefill_seconds models it faster with `rates` (default: the machine's, model.prefill_rates()), and never
+    when every routed expert is resident on the device (the hybrid path then computes them all there: streaming
+    would copy over PCIe what the device already holds)."""
     try:
         pinned = _pinned_layers(model.weights)
     except ValueError:  # experts not pinned
@@ -919,7 +921,7 @@ def choose_prefill_path(
         return "hybrid"
     if threshold is not None:
         return "stream" if batch * length >= threshold else "hybrid"
-    if model.placement.device.platform != "gpu":
+    if model.placement.device.platform != "gpu" or not model.experts_on_host:
         return "hybrid"
     streamed = sum(layer.nbytes for layer in pinned.values())
     rates = rates or model.prefill_rates()

@@ -36,6 +36,7 @@ from hybridjit import stream_prefill as sp
 from hybridjit.checkpoint import Checkpoint
 from hybridjit.config import IntQuantConfig
 from hybridjit.convert import convert_checkpoint, quantize_int_groups
+from hybridjit.expert_residency import Residency, bank_moe_layers
 from hybridjit.models.common import gqa
 from hybridjit.models.common.decoder import NO_SCHEDULE
 from hybridjit.models.common.expert_storage import ExpertStorage
@@ -531,6 +532,20 @@ def test_path_choice_threshold_override(model):
     assert sp.choose_prefill_path(model, 1, 32, threshold=64) == "hybrid"
     expected = "stream" if jax.default_backend() == "gpu" else "hybrid"  # no PCIe to save on a CPU
     assert sp.choose_prefill_path(model, 1, 1 << 20, rates=sp.PrefillRates(cpu_expert_tflops=1e-3)) == expected
+
+
+def test_a_model_with_every_expert_resident_does_not_stream(case, checkpoint):
+    """With every routed expert placed on the device, the cost model never streams (on a GPU the rates below make
+    streaming win for a model with its experts on the host, as the test above checks); the threshold still forces."""
+    only(case, FULL)
+    m = load(checkpoint, "float32")
+    try:
+        m.place_experts(Residency({layer: tuple(range(n)) for layer, n in bank_moe_layers(m.weights).items()}))
+        assert not m.experts_on_host
+        assert sp.choose_prefill_path(m, 1, 1 << 20, rates=sp.PrefillRates(cpu_expert_tflops=1e-3)) == "hybrid"
+        assert sp.choose_prefill_path(m, 1, 100, threshold=64) == "stream"
+    finally:
+        m.close()
 
 
 @on_gpu
