@@ -15,9 +15,10 @@ Each model is a geometry with random FP8 weights (prefill.py's PooledExperts: fa
   places a model whose experts fit), so that the interactive decode is the all-GPU one and the batches run there;
 - prefill of every --prefill batch of 512-token prompts (whichever path the engine chooses);
 - the performance model (hybridjit/offline_policy.py) fed with floors measured here (memory read floor, pinned
-  H2D, dense GEMM, the CPU expert kernels' rate at each case's tokens per call, the device's free memory): its
-  prediction of each measured case, and its pick over the same grid against the best measured. A run's throughput
-  combines them as the model does: generated tokens / (n / P prefills + n x 256 / B steps), n = --requests.
+  H2D, dense GEMM, the device memory's read rate, the CPU expert kernels' rate at each case's tokens per call, the
+  device's free memory): its prediction of each measured case, and its pick over the same grid against the best
+  measured. A run's throughput combines them as the model does: generated tokens / (n / P prefills + n x 256 / B
+  steps), n = --requests.
 A truncated model's figures are also projected to full depth: the prediction for the policy the model picks at
 full depth (the pick's expert placement, as many slots as the full model's KV cache lets fit) times the measured /
 predicted ratio of the truncated one (labelled "projected"; not with --experts gpu, which is for models whose
@@ -36,6 +37,7 @@ import numpy as np
 
 from bench_model import load_model
 from floors import floors_line, machine, memory_floors
+from hybridjit.machine_floors import hbm_read_gbps
 from hybridjit.offline_policy import (
     EXPERTS,
     RESIDENT,
@@ -72,7 +74,7 @@ def measured_floors(model, memory: dict, tokens: list[int]) -> Floors:
                "cpu_expert_tflops_by_tokens": by_tokens}  # fmt: skip
     if ON_GPU:
         figures |= {"pcie_gbps": h2d_gbps(device), "gpu_tflops": gemm_tflops(device),
-                    "device_free_bytes": free_device_memory(device)}  # fmt: skip
+                    "gpu_hbm_gbps": hbm_read_gbps(device), "device_free_bytes": free_device_memory(device)}  # fmt: skip
     return dataclasses.replace(Floors(), **figures)
 
 
@@ -165,6 +167,7 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
     context = PROMPT + NEW // 2
     print(f"\n{name}: {cfg.num_hidden_layers} of {full.num_hidden_layers} layers; floors: read "
           f"{floors.host_read_gbps:.1f} GB/s, H2D {floors.pcie_gbps:.1f} GB/s, GEMM {floors.gpu_tflops:.0f} TFLOP/s, "
+          f"HBM {floors.gpu_hbm_gbps:.0f} GB/s, "
           f"CPU experts {', '.join(f'{r:.2f} at {t}' for t, r in floors.cpu_expert_tflops_by_tokens)} TFLOP/s "
           "(tokens per call), device free "
           + (f"{floors.device_free_bytes / 2**30:.1f} GiB" if floors.device_free_bytes else "unbounded"))  # fmt: skip
