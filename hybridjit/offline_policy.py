@@ -21,8 +21,11 @@ shapes (the family's cost module):
   the rest while the CPU kernels compute those blocks' pairs after each layer's router: the larger of the two
   shares' times, plus a hand-off per layer; the copies take their rate off the host read floor the CPU reads at;
 - or, for a model holding every routed expert on the device (Engine.place_experts, auto placement where they fit:
-  experts="gpu", RESIDENT), the routed experts on the GPU: the larger of reading the distinct experts the batch
-  routes to from HBM and their FLOPs;
+  experts="gpu", RESIDENT), the routed experts on the GPU as models/common/resident_experts computes them: a
+  step with no more routed pairs than experts reads the distinct experts it routes to, a larger one runs batched
+  GEMMs over every expert at CAPACITY_FACTOR times their mean share of the pairs, its FP8 copies first dequantized
+  to the compute dtype in device memory (each weight read as held, written and read again): the larger of the
+  bytes at the HBM rate and the FLOPs at the GEMM rate;
 - prefill, per batch of prompts: the cheaper of the hybrid path (GPU, then CPU experts by the roofline above)
   and, where the engine can stream, the stream-loaded one (stream_prefill.prefill_seconds); all on the GPU for a
   model whose experts are all resident.
@@ -40,6 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridjit import machine_floors
+from hybridjit.auto_placement import resident_expert_bytes
+from hybridjit.models.common.resident_experts import CAPACITY_FACTOR
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.pinned_experts import BLOCKS_PER_LAYER
 from hybridjit.serving.engine import bucket
@@ -168,8 +173,8 @@ def _moe_layers(cfg: ModelConfig) -> int:
 
 
 def _expert_roofline(cfg: ModelConfig, tokens: int, read_gbps: float, tflops: float) -> float:
-    """All MoE layers' routed experts for `tokens` tokens in one call each: the roofline of reading the distinct
-    experts they route to (uniform routing) at `read_gbps` and of their FLOPs at `tflops`."""
+    """All MoE layers' routed experts for `tokens` tokens in one call each, as stored: the roofline of reading the
+    distinct experts they route to (uniform routing) at `read_gbps` and of their FLOPs at `tflops`."""
     n, moe = cfg.n_routed_experts, _moe_layers(cfg)
     if not moe:
         return 0.0
@@ -184,11 +189,25 @@ def cpu_expert_seconds(cfg: ModelConfig, floors: Floors, tokens: int) -> float:
     return _expert_roofline(cfg, tokens, floors.host_read_gbps * floors.cpu_decode_share, floors.cpu_tflops(tokens))
 
 
-def resident_expert_seconds(cfg: ModelConfig, floors: Floors, tokens: int) -> float:
-    """The routed experts of a call of `tokens` tokens held on the device: HBM reads and the GPU's rate. (Resident
-    copies are FP8 as stored, or the compute dtype, auto_placement.resident_expert_bytes: the stored bytes are the
-    lower bound of their read.)"""
-    return _expert_roofline(cfg, tokens, floors.gpu_hbm_gbps, floors.gpu_tflops)
+def resident_expert_seconds(cfg: ModelConfig, floors: Floors, tokens: int, itemsize: int) -> float:
+    """The routed experts of a call of `tokens` tokens, every one resident on the device, priced as
+    models/common/resident_experts computes them (the module docstring above): the gathered path reads the distinct
+    experts a call routes to as held (auto_placement.resident_expert_bytes: FP8 as stored, other formats in the
+    compute dtype of `itemsize` bytes); the grouped one reads every expert, FP8 ones also written and read again
+    dequantized, and multiplies CAPACITY_FACTOR times the routed pairs (bench/resident_grouped.py times it)."""
+    n, k, moe = cfg.n_routed_experts, cfg.num_experts_per_tok, _moe_layers(cfg)
+    if not moe:
+        return 0.0
+    held = resident_expert_bytes(cfg, np.dtype(f"f{itemsize}"))  # only the dtype's size matters
+    flops = family_of(cfg).cost.layer_flops(cfg, tokens, 1)["routed"]
+    if tokens * k <= n:  # gathered
+        distinct = n * (1 - (1 - 1 / n) ** (tokens * k))
+        traffic = distinct * held
+    else:  # grouped: every expert, a capacity of slots each
+        dequantized = 3 * cfg.hidden_size * cfg.moe_intermediate_size * itemsize
+        traffic = n * (held + (2 * dequantized if cfg.fp8 is not None and cfg.int_quant is None else 0))
+        flops *= n * min(tokens, -(-CAPACITY_FACTOR * tokens * k // n)) / (tokens * k)
+    return moe * max(traffic / (floors.gpu_hbm_gbps * 1e9), flops / (floors.gpu_tflops * 1e12))
 
 
 def gpu_seconds(cfg: ModelConfig, floors: Floors, batch: int, context: float, calls: int, itemsize: int) -> float:
@@ -232,7 +251,7 @@ def decode_step(cfg: ModelConfig, floors: Floors, batch: int, context: float, mi
     CPU meanwhile, or resident on the GPU (RESIDENT)."""
     handoffs = _moe_layers(cfg) * floors.handoff_us * 1e-6
     if experts == RESIDENT:  # no hand-off: the experts are one more part of the GPU's step
-        on_gpu = resident_expert_seconds(cfg, floors, batch)
+        on_gpu = resident_expert_seconds(cfg, floors, batch, itemsize)
         return gpu_seconds(cfg, floors, batch, context, micro_batches, itemsize) + on_gpu, on_gpu
     if experts == "stream":  # the copies overlap the GPU's work (the ring loads ahead); one micro-batch
         streamed = 1 - cpu_blocks / BLOCKS_PER_LAYER
@@ -254,15 +273,16 @@ def decode_step(cfg: ModelConfig, floors: Floors, batch: int, context: float, mi
 
 
 def prefill_batch_seconds(cfg: ModelConfig, floors: Floors, batch: int, length: int, can_stream: bool,
-                          resident: bool = False) -> float:  # fmt: skip
+                          resident: bool, itemsize: int) -> float:  # fmt: skip
     """One prefill of `batch` prompts padded to `length`: the hybrid path by the roofline, or the stream-loaded one
-    where the engine can take it and it is faster; all on the GPU where every expert is `resident`."""
+    where the engine can take it and it is faster; all on the GPU where every expert is `resident` (held in the
+    compute dtype of `itemsize` bytes unless FP8)."""
     hybrid = prefill_seconds(cfg, batch, length, floors.prefill_rates())
     gpu_part = hybrid["hybrid"] - family_of(cfg).cost.layer_flops(cfg, batch, length)["routed"] * _moe_layers(cfg) / (
         floors.cpu_expert_tflops * 1e12
     )
     if resident:
-        return gpu_part + resident_expert_seconds(cfg, floors, batch * length)
+        return gpu_part + resident_expert_seconds(cfg, floors, batch * length, itemsize)
     seconds = gpu_part + cpu_expert_seconds(cfg, floors, batch * length)
     return min(seconds, hybrid["stream"]) if can_stream else seconds
 
@@ -273,7 +293,8 @@ def predict(
     step, experts = decode_step(cfg, floors, policy.slots, work.prompt_tokens + work.new_tokens / 2,
                                 policy.micro_batches, itemsize, policy.experts, policy.cpu_blocks)  # fmt: skip
     length = bucket(math.ceil(work.prompt_tokens))
-    prefill = prefill_batch_seconds(cfg, floors, policy.prefill_batch, length, can_stream, policy.experts == RESIDENT)
+    prefill = prefill_batch_seconds(cfg, floors, policy.prefill_batch, length, can_stream, policy.experts == RESIDENT,
+                                    itemsize)
     generated = work.requests * work.new_tokens
     total = math.ceil(work.requests / policy.prefill_batch) * prefill + generated / policy.slots * step
     prefill_tok_s = policy.prefill_batch * work.prompt_tokens / prefill

@@ -142,16 +142,28 @@ def test_streaming_is_chosen_only_where_its_ring_fits_beside_the_kv_cache():
         search(V3, tight, long_decode, 2, True, slots=192, experts="stream")
 
 
+def test_resident_fp8_experts_are_priced_as_the_grouped_path_computes_them():
+    """FP8 resident copies halve a gathered step's reads (1 byte a weight against bfloat16's 2), but a grouped step
+    (more pairs than experts) dequantizes every copy each call: 1 byte read, 2 written and 2 read again, 2.5x what
+    bfloat16 copies cost (bench/RESULTS.md, offline.py session 27: 0.21 of a prediction without it)."""
+    fp8 = geometry_config("qwen3-30b-a3b", weight_format="fp8")
+    memory_bound = dataclasses.replace(FLOORS, gpu_tflops=1e9)
+    gathered, grouped = 1, 256  # 8 and 2048 pairs over 128 experts
+    ratio = [resident_expert_seconds(fp8, memory_bound, t, 2) / resident_expert_seconds(QWEN, memory_bound, t, 2)
+             for t in (gathered, grouped)]  # fmt: skip
+    assert ratio == pytest.approx([0.5, 2.5], rel=0.01)
+
+
 def test_resident_experts_are_priced_on_the_gpu():
     """A model holding every routed expert on the device runs them there: its steps read them from HBM (a batch of
     one reads its top-k experts per layer, a large batch all of them: far faster than the CPU either way), its
     prefill computes them on the GPU, and no choice of where they run is offered."""
     for tokens in (1, 1024):
-        on_gpu, on_cpu = resident_expert_seconds(QWEN, FLOORS, tokens), cpu_expert_seconds(QWEN, FLOORS, tokens)
+        on_gpu, on_cpu = resident_expert_seconds(QWEN, FLOORS, tokens, 2), cpu_expert_seconds(QWEN, FLOORS, tokens)
         assert 0 < 10 * on_gpu < on_cpu
     best = search(QWEN, FLOORS, WORK, 2, False, resident=True)
     assert best.experts == RESIDENT and best.micro_batches != DUAL and best.cpu_blocks == 0
-    assert best.prediction.expert_s == resident_expert_seconds(QWEN, FLOORS, best.slots)
+    assert best.prediction.expert_s == resident_expert_seconds(QWEN, FLOORS, best.slots, 2)
     hybrid = search(QWEN, FLOORS, WORK, 2, False, slots=best.slots, prefill_batch=best.prefill_batch)
     assert best.prediction.decode_tok_s > 2 * hybrid.prediction.decode_tok_s
     assert best.prediction.prefill_s < hybrid.prediction.prefill_s
