@@ -30,11 +30,17 @@ ACTIVATION_RESERVE = 4 * GIB
 FRAGMENTATION_SHARE = 0.05
 
 
+def resident_copies_are_fp8(cfg: ModelConfig) -> bool:
+    """Whether the device holds resident copies of the model's experts in FP8 as stored (with their block scales);
+    every other format is held in the compute dtype."""
+    return cfg.fp8 is not None and cfg.int_quant is None
+
+
 def resident_expert_bytes(cfg: ModelConfig, dtype) -> int:
     """Device bytes of one resident expert: FP8 as stored with its float32 block scales, any other format in the
     compute dtype."""
     d, f = cfg.hidden_size, cfg.moe_intermediate_size
-    if cfg.fp8 is not None and cfg.int_quant is None:
+    if resident_copies_are_fp8(cfg):
         bo, bi = cfg.fp8.block
         return 3 * d * f + 4 * (2 * -(-f // bo) * -(-d // bi) + -(-d // bo) * -(-f // bi))
     return 3 * d * f * jnp.dtype(dtype).itemsize

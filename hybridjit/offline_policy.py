@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridjit import machine_floors
-from hybridjit.auto_placement import resident_expert_bytes
+from hybridjit.auto_placement import resident_copies_are_fp8, resident_expert_bytes
 from hybridjit.models.common.resident_experts import CAPACITY_FACTOR
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.pinned_experts import BLOCKS_PER_LAYER
@@ -205,7 +205,7 @@ def resident_expert_seconds(cfg: ModelConfig, floors: Floors, tokens: int, items
         traffic = distinct * held
     else:  # grouped: every expert, a capacity of slots each
         dequantized = 3 * cfg.hidden_size * cfg.moe_intermediate_size * itemsize
-        traffic = n * (held + (2 * dequantized if cfg.fp8 is not None and cfg.int_quant is None else 0))
+        traffic = n * (held + (2 * dequantized if resident_copies_are_fp8(cfg) else 0))
         flops *= n * min(tokens, -(-CAPACITY_FACTOR * tokens * k // n)) / (tokens * k)
     return moe * max(traffic / (floors.gpu_hbm_gbps * 1e9), flops / (floors.gpu_tflops * 1e12))
 
