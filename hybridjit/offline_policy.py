@@ -44,7 +44,7 @@ import numpy as np
 
 from hybridjit import machine_floors
 from hybridjit.auto_placement import resident_copies_are_fp8, resident_expert_bytes
-from hybridjit.models.common.resident_experts import CAPACITY_FACTOR
+from hybridjit.models.common.resident_experts import gathered, grouped_capacity
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.pinned_experts import BLOCKS_PER_LAYER
 from hybridjit.serving.engine import bucket
@@ -172,14 +172,19 @@ def _moe_layers(cfg: ModelConfig) -> int:
     return sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
 
 
+def _distinct_experts(cfg: ModelConfig, tokens: int) -> float:
+    """The expected number of a layer's routed experts that `tokens` tokens route to, under uniform routing."""
+    n = cfg.n_routed_experts
+    return n * (1 - (1 - 1 / n) ** (tokens * cfg.num_experts_per_tok))
+
+
 def _expert_roofline(cfg: ModelConfig, tokens: int, read_gbps: float, tflops: float) -> float:
     """All MoE layers' routed experts for `tokens` tokens in one call each, as stored: the roofline of reading the
     distinct experts they route to (uniform routing) at `read_gbps` and of their FLOPs at `tflops`."""
     n, moe = cfg.n_routed_experts, _moe_layers(cfg)
     if not moe:
         return 0.0
-    distinct = n * (1 - (1 - 1 / n) ** (tokens * cfg.num_experts_per_tok))
-    read = distinct * expert_bytes(cfg) / (moe * n) / (read_gbps * 1e9)
+    read = _distinct_experts(cfg, tokens) * expert_bytes(cfg) / (moe * n) / (read_gbps * 1e9)
     flops = family_of(cfg).cost.layer_flops(cfg, tokens, 1)["routed"]
     return moe * max(read, flops / (tflops * 1e12))
 
@@ -194,19 +199,18 @@ def resident_expert_seconds(cfg: ModelConfig, floors: Floors, tokens: int, items
     models/common/resident_experts computes them (the module docstring above): the gathered path reads the distinct
     experts a call routes to as held (auto_placement.resident_expert_bytes: FP8 as stored, other formats in the
     compute dtype of `itemsize` bytes); the grouped one reads every expert, FP8 ones also written and read again
-    dequantized, and multiplies CAPACITY_FACTOR times the routed pairs (bench/resident_grouped.py times it)."""
+    dequantized, and multiplies grouped_capacity's slots (bench/resident_grouped.py times it)."""
     n, k, moe = cfg.n_routed_experts, cfg.num_experts_per_tok, _moe_layers(cfg)
     if not moe:
         return 0.0
     held = resident_expert_bytes(cfg, np.dtype(f"f{itemsize}"))  # only the dtype's size matters
     flops = family_of(cfg).cost.layer_flops(cfg, tokens, 1)["routed"]
-    if tokens * k <= n:  # gathered
-        distinct = n * (1 - (1 - 1 / n) ** (tokens * k))
-        traffic = distinct * held
-    else:  # grouped: every expert, a capacity of slots each
+    if gathered(tokens * k, n):
+        traffic = _distinct_experts(cfg, tokens) * held
+    else:  # every expert, a capacity of slots each
         dequantized = 3 * cfg.hidden_size * cfg.moe_intermediate_size * itemsize
         traffic = n * (held + (2 * dequantized if resident_copies_are_fp8(cfg) else 0))
-        flops *= n * min(tokens, -(-CAPACITY_FACTOR * tokens * k // n)) / (tokens * k)
+        flops *= n * grouped_capacity(tokens, k, n) / (tokens * k)
     return moe * max(traffic / (floors.gpu_hbm_gbps * 1e9), flops / (floors.gpu_tflops * 1e12))
 
 

@@ -63,17 +63,29 @@ class ResidentPairs:
     gathered: bool
 
 
+def gathered(pairs: int, resident: int) -> bool:
+    """Whether a call of `pairs` routed pairs with `resident` experts on the device takes the gathered path (each
+    pair's expert on its own token) rather than the grouped one."""
+    return pairs <= resident
+
+
+def grouped_capacity(tokens: int, k: int, n_experts: int) -> int:
+    """Slots per resident expert on the grouped path for `tokens` tokens routed to k of `n_experts` each:
+    CAPACITY_FACTOR times an expert's mean share of the pairs, at most every token."""
+    return min(tokens, -(-CAPACITY_FACTOR * tokens * k // n_experts))
+
+
 def split_routes(res: ResidentExperts, ids: jax.Array, weights: jax.Array) -> tuple[jax.Array, ResidentPairs]:
     """Splits each token's routed pairs (ids, weights [T, k]) between the device and the CPU: (the CPU's weights
     [T, k]: the routing weights with the pairs the device computes set to zero, those pairs)."""
     t, k = ids.shape
     slots = res.slot_of[ids]
     resident = slots >= 0
-    if t * k <= res.count:
+    if gathered(t * k, res.count):
         here = resident
         pairs = ResidentPairs(jnp.maximum(slots, 0), jnp.where(here, weights, 0.0), gathered=True)
     else:
-        capacity = min(t, -(-CAPACITY_FACTOR * t * k // res.slot_of.shape[0]))
+        capacity = grouped_capacity(t, k, res.slot_of.shape[0])
         rows, slot_weights, here = grouped_pairs(jnp.where(resident, slots, res.count), weights, res.count, capacity)
         pairs = ResidentPairs(rows, slot_weights, gathered=False)
     return jnp.where(here, 0.0, weights).astype(weights.dtype), pairs
