@@ -443,7 +443,7 @@ def bench_crossover(args, rng, floor, results):
     set_amx_min_tokens(info["amx_min_tokens"])
 
 
-AMX_TILES = {"amx_bf16": "bf16", "amx_int8": "int8", "amx_int8g": "int8"}
+AMX_TILES = {"amx_bf16": "bf16", "amx_fp8g": "bf16", "amx_int8": "int8", "amx_int8g": "int8"}
 
 
 def with_ceilings(args, case):

@@ -4,11 +4,12 @@
 // 16 weight rows by 64 bytes, which is the checkpoint's own [out, in] layout, while the activations
 // (packed once per expert call) take the B operand's pair/quad-interleaved layout. The weights are
 // copied tile by tile into an L2-resident strip laid out as whole tiles, zero-padded at the matrix
-// edges; fp8, mxfp4, and int8/int4 with several scale groups per row, are dequantized to bfloat16 on that
-// copy (w * scale rounded to nearest even), and so are the GGUF block formats (their blocks decoded per row,
-// GgufStrip), so there is no second copy of the weights in memory, and the copy costs a few instructions
-// per weight against hundreds of multiply-adds per weight at prefill sizes. int8 with one scale per row
-// keeps int8 tiles (tdpbssd on int8 activations) and scales once at the end.
+// edges, so there is no second copy of the weights in memory. bf16 rows are copied as they are; mxfp4, fp8
+// whose scale blocks are not whole k-steps, and the GGUF block formats (decoded per row, GgufStrip) are
+// dequantized to bfloat16 on that copy (w * scale rounded to nearest even). int8 with one scale per row keeps
+// int8 tiles (tdpbssd on int8 activations) and scales once at the end; grouped int8/int4 (int8 tiles) and
+// block-scaled fp8 (its exact bfloat16 values) enter the tiles unscaled and are rescaled per scale group
+// (AmxGroupGemm), which keeps the copy to a few instructions per 64 weights.
 //
 // Blocking: per 128 rows and 512 input elements, the strips of every projection (gate and up share
 // the activations) are converted once and then swept by 32-token x 32-row blocks of 2x2 C tiles
@@ -512,22 +513,27 @@ HJ_AMX void AmxGemm(const LayerWeights& layer, const Projection* w, int n_proj, 
   }
 }
 
-// ---- int8 / int4 with scale groups: int8 tiles, rescaled per group ---------------------------------------
-// The weights stay integers: int8 rows are copied into the strip as they are, int4 nibbles widened to int8
-// (q - 8), and tdpbssd multiplies them by int8 activations quantized per token and per scale group (as
-// QuantizeInt8, so every integer kernel sums the same products). A group's k-steps (block_cols / 64 of them)
-// accumulate exact int32 sums in the C tiles; after each group the tiles are stored to L1 and added to the
-// float32 output as sum * (weight scale of the row and group) * (activation scale of the token and group).
-// Packed activations: float scale[groups][padded tokens], then the B tiles as Int8Pack lays them out.
+// ---- block-scaled weights as exact tiles, rescaled per group -----------------------------------------------
+// The weights enter the tiles without their scales, exactly: int8 rows as they are, int4 nibbles widened to
+// int8 (q - 8), and FP8 E4M3 codes as the bfloat16 values they equal (fp8_bf16.h: 3 mantissa bits and the whole
+// exponent range fit). A group's k-steps (block_cols of the row's elements) accumulate its sums in the C tiles;
+// after each group the tiles are stored to L1 and added to the float32 output times the weight scale of the row
+// and group, and for int8 tiles the activation scale of the token and group as well. int8 tiles multiply int8
+// activations quantized per token and per scale group (as QuantizeInt8, so every integer kernel sums the same
+// products: tdpbssd's int32 sums are exact); bfloat16 tiles multiply the bfloat16 activations of Bf16Pack. FP8
+// thus skips the per-weight scale multiply and the float32 round trip of amx_bf16's copy, which at tens of
+// tokens per expert cost more than the tile multiplies, and its weights are no longer rounded (w * scale to
+// bfloat16) on the way. Packed activations for int8 tiles: float scale[groups][padded tokens], then the B tiles
+// as Int8Pack lays them out; for bfloat16 tiles: Bf16Pack's.
 
 struct GroupLayout {
   int64_t groups, padded_tokens, ksteps;
-  size_t scale_bytes;
-  GroupLayout(const LayerWeights& layer, int64_t tokens, int64_t cols)
+  size_t scale_bytes;  // the activation scales (int8 tiles only)
+  GroupLayout(const LayerWeights& layer, int64_t tokens, int64_t cols, bool int8 = true)
       : groups(Blocks(cols, layer.block_cols)),
         padded_tokens(PaddedTokens(tokens)),
-        ksteps(Blocks(cols, 64)),
-        scale_bytes(RoundUp(groups * padded_tokens * 4, 64)) {}
+        ksteps(Blocks(cols, int8 ? 64 : 32)),
+        scale_bytes(int8 ? RoundUp(groups * padded_tokens * 4, 64) : 0) {}
 };
 
 size_t GroupPackedBytes(const LayerWeights& layer, int64_t tokens, int64_t cols) {
@@ -629,11 +635,47 @@ HJ_AMX void IntGroupStrip(const LayerWeights& layer, const Projection& w, int64_
   }
 }
 
+// Rows [r0, r0 + 128) x k-steps [k0, k0 + n) of an FP8 projection as exact, unscaled bfloat16 tiles (as Bf16Strip
+// lays them out): 64 codes a load, two k-steps, each the interleave of their bfloat16 bits' low and high bytes.
+HJ_AMX void Fp8ExactStrip(const Projection& w, int64_t r0, int64_t k0, int64_t n_ksteps, char* strip) {
+  const Fp8Tables tables = LoadFp8Tables();
+  alignas(64) uint8_t order[2][64];  // vpermt2b indices: byte 2j is low[j], byte 2j + 1 is high[j] (from 64 on)
+  for (int h = 0; h < 2; ++h) {
+    for (int j = 0; j < 32; ++j) {
+      order[h][2 * j] = static_cast<uint8_t>(32 * h + j);
+      order[h][2 * j + 1] = static_cast<uint8_t>(64 + 32 * h + j);
+    }
+  }
+  const __m512i first = _mm512_load_si512(order[0]), second = _mm512_load_si512(order[1]);
+  for (int64_t rt = 0; rt < kRowBlock / kTileRows; ++rt) {
+    for (int64_t m = 0; m < kTileRows; ++m) {
+      const int64_t r = r0 + rt * kTileRows + m;
+      const unsigned char* row = static_cast<const unsigned char*>(w.data) + r * w.cols;
+      char* dst = strip + rt * n_ksteps * kTileBytes + m * 64;
+      for (int64_t ks = 0; ks < n_ksteps; ks += 2, dst += 2 * kTileBytes) {
+        const int64_t c = (k0 + ks) * 32;
+        const int64_t n = r < w.rows ? std::min<int64_t>(64, w.cols - c) : 0;
+        __m512i codes = _mm512_setzero_si512();  // zero bytes are +0.0
+        if (n == 64) {
+          codes = _mm512_loadu_si512(row + c);
+        } else if (n > 0) {
+          codes = _mm512_maskz_loadu_epi8(FirstLanes64(n), row + c);
+        }
+        __m512i high, low;
+        Fp8ToBf16Bytes(codes, tables, &high, &low);
+        _mm512_storeu_si512(dst, _mm512_permutex2var_epi8(low, first, high));
+        if (ks + 1 < n_ksteps) _mm512_storeu_si512(dst + kTileBytes, _mm512_permutex2var_epi8(low, second, high));
+      }
+    }
+  }
+}
+
 // One group's sums of the 2 x 2 C tiles of rows [rt * 16, +32) and tokens [tb * 16, +32), stored to `sums`
-// (4 KB, 64-byte aligned), waiting to be added to the float32 output: out (+)= sum * ws[row] * xs[token]
-// (ws: the rows' scales of the group, 0 past the matrix; xs: the tokens' activation scales of the group).
+// (4 KB, 64-byte aligned; int32 or float32), waiting to be added to the float32 output: out (+)= sum * ws[row]
+// (* xs[token] for int8 tiles) (ws: the rows' scales of the group, 0 past the matrix; xs: the tokens' activation
+// scales of the group).
 struct GroupSums {
-  int32_t* sums = nullptr;
+  void* sums = nullptr;
   const float* ws = nullptr;
   const float* xs = nullptr;
   float* out = nullptr;  // row rt * 16, token tb * 16
@@ -641,33 +683,38 @@ struct GroupSums {
 };
 
 HJ_AMX void StoreSums(const GroupSums& g) {
-  _tile_stored(0, g.sums, 64);
-  _tile_stored(1, g.sums + 256, 64);
-  _tile_stored(2, g.sums + 512, 64);
-  _tile_stored(3, g.sums + 768, 64);
+  auto* sums = static_cast<char*>(g.sums);
+  _tile_stored(0, sums, 64);
+  _tile_stored(1, sums + kTileBytes, 64);
+  _tile_stored(2, sums + 2 * kTileBytes, 64);
+  _tile_stored(3, sums + 3 * kTileBytes, 64);
 }
 
+// 16 sums of the C tiles as float32.
+template <bool kInt8>
+HJ_AMX __m512 LoadSums(const void* at) {
+  if constexpr (kInt8) return _mm512_cvtepi32_ps(_mm512_load_si512(at));
+  return _mm512_load_ps(static_cast<const float*>(at));
+}
+
+template <bool kInt8>
 HJ_AMX void AddSums(const GroupSums& g, int64_t out_stride) {
-  const int32_t* sums = g.sums;
+  const auto* sums = static_cast<const char*>(g.sums);
   const float* ws = g.ws;
   float* out = g.out;
-  const __m512 x[2] = {_mm512_loadu_ps(g.xs), _mm512_loadu_ps(g.xs + kTileRows)};
-  if (g.first) {
-    for (int m = 0; m < 2 * kTileRows; ++m, out += out_stride) {
-      const __m512 w = _mm512_set1_ps(ws[m]);
-      const int32_t* c = sums + (m / kTileRows) * 512 + (m % kTileRows) * 16;
-      _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c)), _mm512_mul_ps(w, x[0])));
-      _mm512_storeu_ps(out + kTileRows, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 256)), _mm512_mul_ps(w, x[1])));
-    }
-    return;
-  }
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 x[2] = {kInt8 ? _mm512_loadu_ps(g.xs) : one, kInt8 ? _mm512_loadu_ps(g.xs + kTileRows) : one};
   for (int m = 0; m < 2 * kTileRows; ++m, out += out_stride) {
     const __m512 w = _mm512_set1_ps(ws[m]);
-    const int32_t* c = sums + (m / kTileRows) * 512 + (m % kTileRows) * 16;
-    _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c)), _mm512_mul_ps(w, x[0]),
-                                          _mm512_loadu_ps(out)));
-    _mm512_storeu_ps(out + kTileRows, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 256)),
-                                                      _mm512_mul_ps(w, x[1]), _mm512_loadu_ps(out + kTileRows)));
+    const char* c = sums + (m / kTileRows) * 2 * kTileBytes + (m % kTileRows) * 64;
+    const __m512 s0 = _mm512_mul_ps(w, x[0]), s1 = _mm512_mul_ps(w, x[1]);
+    if (g.first) {
+      _mm512_storeu_ps(out, _mm512_mul_ps(LoadSums<kInt8>(c), s0));
+      _mm512_storeu_ps(out + kTileRows, _mm512_mul_ps(LoadSums<kInt8>(c + kTileBytes), s1));
+    } else {
+      _mm512_storeu_ps(out, _mm512_fmadd_ps(LoadSums<kInt8>(c), s0, _mm512_loadu_ps(out)));
+      _mm512_storeu_ps(out + kTileRows, _mm512_fmadd_ps(LoadSums<kInt8>(c + kTileBytes), s1, _mm512_loadu_ps(out + kTileRows)));
+    }
   }
 }
 
@@ -677,16 +724,30 @@ struct StripPrefetch {
   const char* base = nullptr;  // the first byte of the strip's first row
   int64_t row_bytes = 0, bytes = 0, lines = 0, rows = 0, next = 0;
 
-  void Start(const LayerWeights& layer, const Projection& w, int64_t r0, int64_t k0, int64_t n_ksteps) {
-    row_bytes = layer.RowBytes(w.cols);
-    const int64_t per_byte = layer.format == WeightFormat::kInt4 ? 2 : 1;
-    const int64_t c0 = k0 * 64, c1 = std::min(w.cols, (k0 + n_ksteps) * 64);
-    base = static_cast<const char*>(w.data) + r0 * row_bytes + c0 / per_byte;
-    bytes = (c1 - c0 + per_byte - 1) / per_byte;
+  // Rows [r0, r0 + 128) x elements [c0, c1) of projection w.
+  void Start(const LayerWeights& layer, const Projection& w, int64_t r0, int64_t c0, int64_t c1) {
+    row_bytes = layer.RowBytes(w.cols, w.which);
+    c1 = std::min(w.cols, c1);
+    base = static_cast<const char*>(w.data) + r0 * row_bytes + c0 * row_bytes / w.cols;
+    bytes = std::max<int64_t>(1, (c1 - c0) * row_bytes / w.cols);
     lines = (bytes + 63) / 64 + 1;
     rows = std::max<int64_t>(0, std::min(kRowBlock, w.rows - r0));
     next = 0;
   }
+  // The strip after rows [r0, +128) x elements [c0, c0 + strip_cols) of projection p of w[0..n_proj): the next
+  // projection, else the next elements, else the next rows (none after the last).
+  void StartNext(const LayerWeights& layer, const Projection* w, int n_proj, int p, int64_t r0, int64_t r_end,
+                 int64_t c0, int64_t strip_cols) {
+    if (p + 1 < n_proj) {
+      Start(layer, w[p + 1], r0, c0, c0 + strip_cols);
+    } else if (c0 + strip_cols < w[0].cols) {
+      Start(layer, w[0], r0, c0 + strip_cols, c0 + 2 * strip_cols);
+    } else if (r0 + kRowBlock < r_end) {
+      Start(layer, w[0], r0 + kRowBlock, 0, strip_cols);
+    }
+  }
+  // Spreads the strip's lines over `calls` calls of Issue.
+  int64_t Quota(int64_t calls) const { return (rows * lines + calls - 1) / std::max<int64_t>(calls, 1); }
   HJ_AMX void Issue(int64_t n) {
     for (; n > 0 && next < rows * lines; --n, ++next) {
       const int64_t line = next % lines;
@@ -695,13 +756,16 @@ struct StripPrefetch {
   }
 };
 
+template <bool kInt8>
 HJ_AMX void AmxGroupGemm(const LayerWeights& layer, const Projection* w, int n_proj, int64_t row0, int64_t rows,
                          const void* packed, int64_t tokens, float* const* out, int64_t out_stride) {
   const int64_t cols = w[0].cols;
-  const GroupLayout l(layer, tokens, cols);
-  const int64_t group_ksteps = layer.block_cols / 64;  // block_cols is a multiple of 128 (kIntGroupQuantum)
+  const GroupLayout l(layer, tokens, cols, kInt8);
+  const int64_t step = kInt8 ? 64 : 32;
+  // int8: block_cols is a multiple of 128 (kIntGroupQuantum); fp8: of 32 (AmxKernel).
+  const int64_t group_ksteps = layer.block_cols / step;
   // A strip holds whole groups: 512 elements, or one group where groups are longer.
-  const int64_t strip_ksteps = RoundUp(kKStepsInt8, group_ksteps);
+  const int64_t strip_ksteps = RoundUp(kInt8 ? kKStepsInt8 : kKStepsBf16, group_ksteps);
   const auto* x_scales = static_cast<const float*>(packed);
   const char* b_tiles = static_cast<const char*>(packed) + l.scale_bytes;
   const size_t strip_bytes = kRowBlock / kTileRows * strip_ksteps * kTileBytes;
@@ -713,8 +777,7 @@ HJ_AMX void AmxGroupGemm(const LayerWeights& layer, const Projection* w, int n_p
   char* strip_base = strips.data() + (64 - reinterpret_cast<uintptr_t>(strips.data()) % 64) % 64;
   // Two buffers of sums: a group's are added to the output while the tiles multiply the next group (the
   // vector work then overlaps the tile multiplies instead of waiting for them).
-  int32_t* sums[2] = {reinterpret_cast<int32_t*>(strip_base + strip_bytes * n_proj),
-                      reinterpret_cast<int32_t*>(strip_base + strip_bytes * n_proj + 4096)};
+  void* sums[2] = {strip_base + strip_bytes * n_proj, strip_base + strip_bytes * n_proj + 4096};
   GroupSums pending;
   int64_t n_sums = 0;
   ConfigureTiles();
@@ -724,30 +787,26 @@ HJ_AMX void AmxGroupGemm(const LayerWeights& layer, const Projection* w, int n_p
       const int64_t n_ksteps = std::min(strip_ksteps, l.ksteps - k0);
       const int64_t g0 = k0 / group_ksteps, n_groups = Blocks(n_ksteps, group_ksteps);
       for (int p = 0; p < n_proj; ++p) {
-        if (pending.sums) AddSums(pending, out_stride);  // before its weight scales are overwritten
+        if (pending.sums) AddSums<kInt8>(pending, out_stride);  // before its weight scales are overwritten
         pending = {};
         char* strip = strip_base + p * strip_bytes;
-        IntGroupStrip(layer, w[p], row0 + rs, k0, n_ksteps, strip);
+        if constexpr (kInt8) {
+          IntGroupStrip(layer, w[p], row0 + rs, k0, n_ksteps, strip);
+        } else {
+          Fp8ExactStrip(w[p], row0 + rs, k0, n_ksteps, strip);
+        }
         float* ws = wscales.data() + p * strip_groups * kRowBlock;
         for (int64_t g = 0; g < n_groups; ++g) {
           for (int64_t m = 0; m < strip_rows; ++m) {
             const int64_t r = row0 + rs + m;
             ws[g * kRowBlock + m] = 0.0f;
-            if (r < w[p].rows) std::memcpy(&ws[g * kRowBlock + m], static_cast<const float*>(w[p].scale) + r * l.groups + g0 + g, 4);
+            if (r < w[p].rows) ws[g * kRowBlock + m] = BlockScale(layer, w[p], r, g0 + g);
           }
         }
         float* o = out[p] + rs * out_stride;
-        // The next strip: the next projection, else the next k-steps, else the next rows.
         StripPrefetch prefetch;
-        if (p + 1 < n_proj) {
-          prefetch.Start(layer, w[p + 1], row0 + rs, k0, n_ksteps);
-        } else if (k0 + strip_ksteps < l.ksteps) {
-          prefetch.Start(layer, w[0], row0 + rs, k0 + strip_ksteps, std::min(strip_ksteps, l.ksteps - k0 - strip_ksteps));
-        } else if (rs + kRowBlock < rows) {
-          prefetch.Start(layer, w[0], row0 + rs + kRowBlock, 0, std::min(strip_ksteps, l.ksteps));
-        }
-        const int64_t blocks = l.padded_tokens / 32 * (strip_rows / 32);
-        const int64_t quota = (prefetch.rows * prefetch.lines + blocks - 1) / blocks;
+        prefetch.StartNext(layer, w, n_proj, p, row0 + rs, row0 + rows, k0 * step, strip_ksteps * step);
+        const int64_t quota = prefetch.Quota(l.padded_tokens / 32 * (strip_rows / 32));
         for (int64_t tb = 0; tb < l.padded_tokens / kTileRows; tb += 2) {
           const char* b0 = b_tiles + (tb * l.ksteps + k0) * kTileBytes;
           const char* b1 = b0 + l.ksteps * kTileBytes;
@@ -766,11 +825,11 @@ HJ_AMX void AmxGroupGemm(const LayerWeights& layer, const Projection* w, int n_p
                 _tile_loadd(5, a1 + ks * kTileBytes, 64);
                 _tile_loadd(6, b0 + ks * kTileBytes, 64);
                 _tile_loadd(7, b1 + ks * kTileBytes, 64);
-                MultiplyTiles2x2<true>();
+                MultiplyTiles2x2<kInt8>();
               }
-              if (pending.sums) AddSums(pending, out_stride);
+              if (pending.sums) AddSums<kInt8>(pending, out_stride);
               pending = {sums[n_sums++ % 2], ws + g * kRowBlock + rt * kTileRows,
-                         x_scales + (g0 + g) * l.padded_tokens + tb * kTileRows,
+                         kInt8 ? x_scales + (g0 + g) * l.padded_tokens + tb * kTileRows : nullptr,
                          o + rt * kTileRows * out_stride + tb * kTileRows, k0 == 0 && g == 0};
               StoreSums(pending);
             }
@@ -779,13 +838,14 @@ HJ_AMX void AmxGroupGemm(const LayerWeights& layer, const Projection* w, int n_p
       }
     }
   }
-  if (pending.sums) AddSums(pending, out_stride);
+  if (pending.sums) AddSums<kInt8>(pending, out_stride);
   _tile_release();
 }
 
 constexpr GemmKernel kBf16Tiles{"amx_bf16", 32, Bf16PackedBytes, Bf16Pack, AmxGemm<false>};
 constexpr GemmKernel kInt8Tiles{"amx_int8", 32, Int8PackedBytes, Int8Pack, AmxGemm<true>};
-constexpr GemmKernel kIntGroupTiles{"amx_int8g", 32, GroupPackedBytes, GroupPack, AmxGroupGemm};
+constexpr GemmKernel kIntGroupTiles{"amx_int8g", 32, GroupPackedBytes, GroupPack, AmxGroupGemm<true>};
+constexpr GemmKernel kFp8GroupTiles{"amx_fp8g", 32, Bf16PackedBytes, Bf16Pack, AmxGroupGemm<false>};
 
 }  // namespace
 
@@ -793,6 +853,11 @@ const GemmKernel* AmxKernel(const LayerWeights& layer) {
   if (layer.format == WeightFormat::kF32) return nullptr;  // float32 weights: no lossless AMX type
   if (IntTiles(layer)) return &kInt8Tiles;
   if (layer.format == WeightFormat::kInt8 || layer.format == WeightFormat::kInt4) return &kIntGroupTiles;
+  // FP8 whose scale blocks are whole k-steps and fit a strip (DeepSeek's 128 x 128) rescales per group; other
+  // blocks are dequantized into bfloat16 tiles with the scale applied per weight.
+  if (layer.format == WeightFormat::kFp8E4M3Fn && layer.block_cols % 32 == 0 && layer.block_cols <= kKStepsBf16 * 32) {
+    return &kFp8GroupTiles;
+  }
   // bf16, fp8, mxfp4, and the GGUF formats (whose blocks of 32 hold one or two multipliers each: too fine for
   // int8 tiles, which rescale per 64-element k-step at best) as bfloat16 tiles.
   return &kBf16Tiles;

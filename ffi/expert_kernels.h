@@ -7,9 +7,9 @@
 //   avx2     float32 (f32/bf16/fp8/mxfp4), or int8 per group
 //   avx512   bfloat16 (bf16/fp8 weights, for vdpbf16ps), int8 per group (VNNI), or for mxfp4 15-bit integers per
 //            32-element group as two int8 halves (VNNI)
-//   amx      bfloat16 tiles (bf16, fp8, mxfp4, the GGUF block formats, and int8/int4 with several scale
-//            groups per row, whose weights are dequantized to bfloat16 tile by tile), or int8 tiles
-//            (int8 with one scale per row, where integer sums need no per-group rescaling)
+//   amx      bfloat16 tiles (bf16; fp8 as its exact bfloat16 values, rescaled per scale block; fp8 with other
+//            blocks, mxfp4 and the GGUF block formats dequantized to bfloat16 tile by tile), or int8 tiles (int8
+//            with one scale per row; int8/int4 with several scale groups per row, rescaled per group)
 // int8 activations are quantized per token and per weight scale group g of the input dimension:
 // s = max|x_g| / 127, q = round-to-nearest-even(x * (127 / max|x_g|)), so x ~ q * s. Every kernel
 // quantizes the same way and sums the integer products exactly, so the formats' integer kernels agree

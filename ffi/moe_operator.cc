@@ -31,6 +31,10 @@ int64_t AmxMinTokens(const LayerWeights& layer) {
   // Grouped int8/int4 as int8 tiles (no dequantization either): AMX ahead of AVX-512 VNNI between 8 and 16 tokens
   // per expert on the 2-core dev Xeon (moe_cpu.py --crossover, int8 and int4); to be re-measured on the 16 cores.
   if (name == "amx_int8g") return 16;
+  // Block-scaled FP8 as exact bfloat16 tiles: AMX ahead of AVX-512 from ~10 tokens per expert (moe_cpu.py
+  // --crossover, AMX / AVX-512 at 8 and 16 tokens: 16 cores 10.5 / 9.1 and 10.8 / 17.6 ms; the 2-core dev Xeon 91 / 69
+  // and 95 / 154 ms; the lines cross at 9.4 and 10.2).
+  if (name == "amx_fp8g") return 10;
   switch (layer.format) {
     case WeightFormat::kBf16:
       return 8;

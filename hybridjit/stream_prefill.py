@@ -830,7 +830,7 @@ class PrefillRates:
     gpu_tflops: float = 550.0  # what prefill's GPU work achieves (a dense bf16 GEMM: 784; attention is slower)
     # The CPU expert kernels on one layer, 4096 tokens routed uniformly: bench/prefill.py's cpu_expert_tflops on
     # DeepSeek-V3 FP8 experts, 1x H200 with 16 cores, session 1 (6b0c27d, bench/RESULTS.md), i.e. FP8 through the
-    # amx_bf16 kernel before issue #27. The integer formats now run amx_int8g (grouped int8 tiles): re-measure
+    # amx_bf16 kernel before issue #27. FP8 now runs amx_fp8g and the integer formats amx_int8g: re-measure
     # per format with bench/prefill.py and bench/moe_cpu.py --prefill-cases before relying on this default.
     cpu_expert_tflops: float = 3.8
 

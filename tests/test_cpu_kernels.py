@@ -202,6 +202,8 @@ def arithmetic(kernel, fmt):
     """(activation precision, whether the weights are rounded to bfloat16) of a kernel on a format."""
     if kernel == "amx_bf16":
         return "bf16", fmt not in ("bf16", "f32")
+    if kernel == "amx_fp8g":  # exact weights, scaled per block after the bfloat16 products
+        return "bf16", False
     if fmt in ("int8", "int4"):
         return "int8", False
     if (fmt, kernel) == ("mxfp4", "avx512"):
@@ -268,14 +270,24 @@ def test_matches_float64_reference(family, fmt, block, pool, hidden, inter, toke
         check_layer(layer, dense, fmt, block, x, ids, weights, tokens)
 
 
-# Grouped int8/int4 on AMX (amx_int8g) at sizes that take its blocking apart: several 128-row strips and 512-element
-# k-chunks, a group longer than a chunk (1024), groups that do not divide a chunk (384), rows whose last group and
-# last 64-element k-step are partial (1100), and more tokens per expert than two 16-token tiles.
+# The group-rescaling AMX kernels (grouped int8/int4 as amx_int8g, block-scaled FP8 as amx_fp8g) at sizes that take
+# their blocking apart: several 128-row strips and 512-element k-chunks, a group longer than a chunk (1024), groups
+# that do not divide a chunk (384, 96), rows whose last group and last k-step are partial (1100; 300 with FP8's
+# 64-code loads), row blocks smaller than a strip (fp8 (32, 32)), and more tokens per expert than two 16-token tiles.
 @pytest.mark.parametrize(
-    "fmt, block", [("int8", (1, 128)), ("int4", (1, 128)), ("int8", (1, 384)), ("int4", (1, 1024))]
+    "fmt, block, amx_kernel",
+    [
+        ("int8", (1, 128), "amx_int8g"),
+        ("int4", (1, 128), "amx_int8g"),
+        ("int8", (1, 384), "amx_int8g"),
+        ("int4", (1, 1024), "amx_int8g"),
+        ("fp8", (128, 128), "amx_fp8g"),
+        ("fp8", (32, 32), "amx_fp8g"),
+        ("fp8", (64, 96), "amx_fp8g"),
+    ],
 )
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
-def test_grouped_int_kernels_at_blocking_sizes(family, fmt, block):
+def test_group_rescaling_kernels_at_blocking_sizes(family, fmt, block, amx_kernel):
     rng = np.random.default_rng(zlib.crc32(repr((fmt, block)).encode()))
     hidden, inter, tokens = 1100, 300, 150
     layer, dense, _ = make_layer(rng, fmt, 4, hidden, inter, block)
@@ -283,7 +295,7 @@ def test_grouped_int_kernels_at_blocking_sizes(family, fmt, block):
         x = rng.standard_normal((tokens, hidden)).astype(np.float32)
         ids, weights = routing(rng, tokens, 2, 4)
         if family == "amx":
-            assert layer_kernel(layer, tokens) == "amx_int8g"
+            assert layer_kernel(layer, tokens) == amx_kernel
         check_layer(layer, dense, fmt, block, x, ids, weights, tokens)
 
 
@@ -383,7 +395,7 @@ def test_fp8_nan_reaches_only_the_tokens_of_its_expert(family, tokens):
 
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
 def test_override_forces_each_family(family):
-    expected = {"generic": "generic", "avx2": "avx2", "avx512": "avx512", "amx": "amx_bf16"}[family]
+    expected = {"generic": "generic", "avx2": "avx2", "avx512": "avx512", "amx": "amx_fp8g"}[family]
     layer, _, _ = make_layer(np.random.default_rng(4), "fp8", 2, 128, 128, (128, 128))
     with layer, kernel_family(family):
         assert kernel_info()["kernel"] == family
@@ -452,7 +464,7 @@ def test_amx_takes_over_from_avx512_by_tokens_per_expert():
         with kernel_family("amx", amx_min_tokens=0):  # the measured crossover of each kind of layer
             for key, threshold, kernel in [
                 (("bf16", None), 8, "amx_bf16"),
-                (("fp8", (128, 128)), 32, "amx_bf16"),
+                (("fp8", (128, 128)), 10, "amx_fp8g"),
                 (("int8", (1, 128)), 16, "amx_int8g"),
                 (("int8", (1, 256)), 16, "amx_int8"),
             ]:
