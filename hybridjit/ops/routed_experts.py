@@ -363,8 +363,8 @@ def routed_experts_host(
 
 
 def layer_kernel(layer: ExpertLayer, tokens: int) -> str:
-    """The kernel ("generic", "avx2", "avx512", "amx_bf16", "amx_fp8g", "amx_int8", "amx_int8g") that runs an expert of `layer` routed
-    `tokens` tokens in one call, under the current selection."""
+    """The kernel ("generic", "avx2", "avx512", "amx_bf16", "amx_fp8g", "amx_int8", "amx_int8g") that runs an
+    expert of `layer` routed `tokens` tokens in one call, under the current selection."""
     return _ffi.layer_kernel(layer.id, operator.index(tokens))
 
 
