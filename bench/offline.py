@@ -12,7 +12,9 @@ Each model is a geometry with random FP8 weights (prefill.py's PooledExperts: fa
   routed experts on the CPU, and (--experts, on a GPU) streamed to the GPU each step, and so with the CPU computing
   as many of each layer's blocks meanwhile as the model picks for that batch (co-execution), where it picks any;
   or, with `--experts gpu`, every routed expert placed on the device first (Model.place_experts("auto"), as load
-  places a model whose experts fit), so that the interactive decode is the all-GPU one and the batches run there;
+  places a model whose experts fit), so that the interactive decode is the all-GPU one and the batches run there,
+  and with `--widen` every case again with the FP8 copies held dequantized (Model.hold_resident_experts; the
+  experts column reads "gpu-wide");
 - prefill of every --prefill batch of 512-token prompts (whichever path the engine chooses);
 - the performance model (hybridjit/offline_policy.py) fed with floors measured here (memory read floor, pinned
   H2D, dense GEMM, the device memory's read rate, the CPU expert kernels' rate at each case's tokens per call, the
@@ -47,6 +49,7 @@ from hybridjit.offline_policy import (
     kv_bytes_per_slot,
     predict,
     search,
+    widened_expert_bytes,
 )
 from hybridjit.placement import Placement
 from hybridjit.sampling import SamplingParams
@@ -57,6 +60,7 @@ from prefill import PooledExperts, cpu_expert_tflops, gemm_tflops, h2d_gbps
 ON_GPU = jax.default_backend() == "gpu"
 PROMPT, NEW = 512, 256  # MoE-Gen's setting
 STREAMED_WARMUP_STEPS = 12
+WIDE = f"{RESIDENT}-wide"  # the experts column of --widen's cases: resident, FP8 copies held dequantized
 
 
 def load(geometry: str, layers: int | None, dtype):
@@ -120,7 +124,7 @@ def decode_cases(cfg, floors: Floors, work: Workload, itemsize: int, args) -> li
     """(slots, experts, CPU blocks) of every case: each --slots with each --experts, and where the experts stream,
     also with the CPU blocks the model picks for that batch, where it picks any."""
     cases = []
-    for slots, experts in [(b, e) for b in args.slots for e in args.experts]:
+    for slots, experts in [(b, e) for e in [*args.experts, *([WIDE] if args.widen else [])] for b in args.slots]:
         cases.append((slots, experts, 0))
         if experts == "stream":
             try:
@@ -182,25 +186,31 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
         if time.perf_counter() > deadline:
             print(f"time limit: slots {slots} with experts {experts} ({cpu_blocks} CPU blocks) and on not run")
             break
+        wide = experts == WIDE
         kv = slots * kv_bytes_per_slot(cfg, context + args.steps + 4, itemsize)
-        if floors.device_free_bytes is not None and kv > floors.device_free_bytes:
+        held = kv + wide * widened_expert_bytes(cfg, itemsize)
+        if floors.device_free_bytes is not None and held > floors.device_free_bytes:
             print(f"{slots:6d} slots: their KV cache ({kv / 2**30:.1f} GiB) does not fit the device")
             continue
-        step = decode_step_seconds(model, slots, 1, context, args.steps, rng, experts, cpu_blocks)
-        policy = Policy(slots, 1, 1, experts=experts, cpu_blocks=cpu_blocks)
+        model.hold_resident_experts(wide)
+        step = decode_step_seconds(model, slots, 1, context, args.steps, rng, RESIDENT if wide else experts, cpu_blocks)
+        policy = Policy(slots, 1, 1, experts=RESIDENT if wide else experts, cpu_blocks=cpu_blocks, widened=wide)
         predicted = predict(cfg, floors, work, policy, itemsize, ON_GPU).step_s
         decode[slots, experts, cpu_blocks] = {"step_s": step, "predicted_step_s": predicted}
-        where = f"{experts}+{cpu_blocks}c" if cpu_blocks else experts
-        print(f"{slots:6d} {where:>9} {1e3 * step:9.1f} {slots / step:9.1f} {1e3 * predicted:9.1f} "
+        label = f"{experts}+{cpu_blocks}c" if cpu_blocks else experts
+        print(f"{slots:6d} {label:>9} {1e3 * step:9.1f} {slots / step:9.1f} {1e3 * predicted:9.1f} "
               f"{slots / predicted:10.1f} {predicted / step:9.2f}")  # fmt: skip
     print(f"{'prompts':>7} {'path':>7} {'ms':>9} {'tok/s':>9} {'pred ms':>9}")
-    for batch in args.prefill:
+    for wide, batch in [(w, b) for w in [False, *([True] if args.widen else [])] for b in args.prefill]:
         if time.perf_counter() > deadline:
-            print(f"time limit: prefill {batch} and up not run")
+            print(f"time limit: prefill {batch}{' widened' if wide else ''} and up not run")
             break
+        model.hold_resident_experts(wide)
         seconds, path = prefill_seconds(model, batch, rng)
-        predicted = predict(cfg, floors, work, Policy(1, 1, batch, experts=where), itemsize, ON_GPU).prefill_s
-        prefill[batch] = {"seconds": seconds, "predicted_s": predicted, "path": path}
+        policy = Policy(1, 1, batch, experts=where, widened=wide)
+        predicted = predict(cfg, floors, work, policy, itemsize, ON_GPU).prefill_s
+        prefill[batch, wide] = {"seconds": seconds, "predicted_s": predicted, "path": path}
+        path += "-wide" if wide else ""
         print(f"{batch:7d} {path:>7} {1e3 * seconds:9.1f} {batch * PROMPT / seconds:9.1f} {1e3 * predicted:9.1f}")
 
     def run_tok_s(b, p, step, pre):
@@ -213,15 +223,15 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
         "decode": [{"slots": b, "experts": e, "cpu_blocks": c, "step_ms": round(1e3 * d["step_s"], 2),
                     "tok_s": round(b / d["step_s"], 2), "predicted_tok_s": round(b / d["predicted_step_s"], 2)}
                    for (b, e, c), d in decode.items()],
-        "prefill": [{"prompts": p, "path": d["path"], "ms": round(1e3 * d["seconds"], 1),
+        "prefill": [{"prompts": p, "path": d["path"], "widened": w, "ms": round(1e3 * d["seconds"], 1),
                      "tok_s": round(p * PROMPT / d["seconds"], 1),
-                     "predicted_tok_s": round(p * PROMPT / d["predicted_s"], 1)} for p, d in prefill.items()],
+                     "predicted_tok_s": round(p * PROMPT / d["predicted_s"], 1)} for (p, w), d in prefill.items()],
     }  # fmt: skip
     if decode:
         best_decode = max(b / d["step_s"] for (b, _, _), d in decode.items())
         result["best_decode_vs_interactive"] = round(best_decode / interactive_tok_s, 1)
-    grid = {(b, e, c, p): run_tok_s(b, p, d["step_s"], prefill[p]["seconds"])
-            for (b, e, c), d in decode.items() for p in prefill if p <= b}  # fmt: skip
+    grid = {(b, e, c, p): run_tok_s(b, p, d["step_s"], prefill[p, e == WIDE]["seconds"])
+            for (b, e, c), d in decode.items() for p, w in prefill if p <= b and w == (e == WIDE)}  # fmt: skip
     if not grid:  # the decode figures are kept; a run's throughput needs both phases
         print("no slots x prefill case measured: no run throughput, no pick")
         model.close()
@@ -230,7 +240,7 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
     # The model's pick over the same grid: the policy it predicts fastest among the measured cases.
     picks = {(b, e, c, p): search(cfg, floors, work, itemsize, ON_GPU, slots=b, micro_batches=1, prefill_batch=p,
                                   experts=None if resident else e, cpu_blocks=c if e == "stream" else None,
-                                  resident=resident)
+                                  resident=resident, widened=e == WIDE if resident else None)
              for b, e, c, p in grid}  # fmt: skip
     pick_key = max(picks, key=lambda key: picks[key].prediction.total_tok_s)
     measured_pick, predicted_pick = grid[pick_key], picks[pick_key].prediction.total_tok_s
@@ -281,6 +291,8 @@ def main(argv=None):
                         default=list(EXPERTS) if ON_GPU else ["cpu"],
                         help="where decode steps run the routed experts (stream: to the GPU each step, GPU only; "
                              f"{RESIDENT}: all placed on the device first, alone)")
+    parser.add_argument("--widen", action="store_true",
+                        help=f"with --experts {RESIDENT}: every case also with the FP8 copies held dequantized")
     parser.add_argument("--requests", type=int, default=4096, help="the modelled run's requests")
     parser.add_argument("--steps", type=int, default=6, help="timed decode steps per case")
     parser.add_argument("--dtype", default="bfloat16" if ON_GPU else "float32")
@@ -289,6 +301,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if RESIDENT in args.experts and args.experts != [RESIDENT]:
         parser.error(f"--experts {RESIDENT} places every expert on the device for the whole run: give it alone")
+    if args.widen and args.experts != [RESIDENT]:
+        parser.error(f"--widen holds the resident experts dequantized: it needs --experts {RESIDENT}")
     start = time.perf_counter()
     memory = memory_floors()
     print(floors_line(memory))

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hybridjit import expert_residency, machine_floors
-from hybridjit.auto_placement import DeviceBudget, device_budget, resident_expert_bytes
+from hybridjit.auto_placement import DeviceBudget, device_budget, resident_copies_are_fp8, resident_expert_bytes
 from hybridjit.expert_residency import Residency
 from hybridjit.model_files import open_checkpoint, open_tokenizer
 from hybridjit.models.common.moe import ExpertSchedule, MoE
@@ -173,6 +173,7 @@ class Model:
         number of resident experts has just the changed ones copied. Returns the residency now held."""
         if self._loader is None or not self._loader.expert_names:
             raise ValueError(f"{self.path}: this model has no routed experts in host memory to place on the device")
+        self.hold_resident_experts(widened=False)  # a swap writes copies as stored into the stacks
         source = "residency"
         if isinstance(residency, str | Path) and residency != "auto":
             source, residency = str(residency), Residency.load(residency)
@@ -195,6 +196,26 @@ class Model:
         self.weights = expert_residency.apply(self.weights, residency, self.resident_copies)
         return residency
 
+    def hold_resident_experts(self, widened: bool) -> None:
+        """Holds the device copies of FP8 routed experts dequantized in the compute dtype (`widened`: an offline
+        batch's grouped steps then skip dequantizing every copy each step, at twice the copies' device bytes) or
+        as stored (FP8 with block scales, made again from the pinned host copy or the checkpoint), one layer at a
+        time. Copies of other formats are always held in the compute dtype."""
+        if widened:
+            self.weights = expert_residency.widened(self.weights, self.dtype)
+        elif self.resident_widened:
+            self.weights = expert_residency.rebuilt(
+                self.weights,
+                lambda layer, res: res if res.scales is not None
+                else self.resident_copies(layer, expert_residency.current_ids(res)))  # fmt: skip
+
+    @property
+    def resident_widened(self) -> bool:
+        """Whether resident copies of FP8 experts are held dequantized (hold_resident_experts)."""
+        return resident_copies_are_fp8(self.config) and any(
+            isinstance(layer.mlp, MoE) and layer.mlp.resident is not None and layer.mlp.resident.scales is None
+            for layer in self.weights.layers)  # fmt: skip
+
     def resident_copies(self, layer: int, ids) -> ResidentExperts | None:
         """Device copies of experts `ids` of MoE layer `layer` (what place_experts holds and swap_experts takes
         in): from the pinned host copy where the experts have one (pinned_experts.PinnedExperts.resident), else
@@ -211,6 +232,9 @@ class Model:
         copies[layer] (resident_copies) holding the experts each changed layer takes in: re-placement while
         serving (serving/online_placement.py), between decode steps. The copies take the slots of the experts that
         leave, so it needs no device memory beyond them and the compiled steps stay the same."""
+        if self.resident_widened:
+            raise ValueError("the resident copies are held dequantized (hold_resident_experts): a swap writes copies "
+                             "as stored; hold them as stored first")  # fmt: skip
         before = self.residency.layers
         for layer, ids in residency.layers.items():
             incoming = tuple(sorted(set(ids) - set(before.get(layer, ()))))

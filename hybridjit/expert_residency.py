@@ -141,6 +141,40 @@ def apply(weights, residency: Residency,
     return dataclasses.replace(weights, layers=layers)
 
 
+@partial(jax.jit, static_argnums=1)
+def _widened(res: ResidentExperts, dtype) -> ResidentExperts:
+    return res.widened(dtype)
+
+
+def _delete(arrays) -> None:
+    """Frees the device buffers of `arrays` now, not when the last reference goes (the caller holds one)."""
+    for a in jax.tree.leaves(arrays):
+        a.delete()
+
+
+def rebuilt(weights, build: Callable[[int, ResidentExperts], ResidentExperts]):
+    """`weights` with each MoE layer's resident copies replaced by build(layer, copies), layer by layer: the
+    copies a layer held are freed as soon as its new ones exist (their slot map, which the new copies may share,
+    is kept), so the device needs room for one layer's two sets at a time. The pytree passed in must not be used
+    afterwards."""
+    layers = list(weights.layers)
+    for i, layer in enumerate(layers):
+        res = layer.mlp.resident if isinstance(layer.mlp, MoE) else None
+        if res is None:
+            continue
+        new = build(i, res)
+        if new is not res:
+            _delete((res.experts.gate, res.experts.up, res.experts.down, res.scales))
+        layers[i] = dataclasses.replace(layer, mlp=dataclasses.replace(layer.mlp, resident=new))
+    return dataclasses.replace(weights, layers=layers)
+
+
+def widened(weights, dtype):
+    """`weights` with every resident FP8 copy held dequantized in `dtype` (ResidentExperts.widened), made on the
+    device; copies in other formats as they are."""
+    return rebuilt(weights, lambda _, res: res if res.scales is None else _widened(res, jnp.dtype(dtype)))
+
+
 @partial(jax.jit, donate_argnums=0)
 def _put_rows(stacks, slots, rows):
     return jax.tree.map(lambda stack, new: stack.at[slots].set(new), stacks, rows)

@@ -25,7 +25,9 @@ shapes (the family's cost module):
   step with no more routed pairs than experts reads the distinct experts it routes to, a larger one runs batched
   GEMMs over every expert at CAPACITY_FACTOR times their mean share of the pairs, its FP8 copies first dequantized
   to the compute dtype in device memory (each weight read as held, written and read again): the larger of the
-  bytes at the HBM rate and the FLOPs at the GEMM rate;
+  bytes at the HBM rate and the FLOPs at the GEMM rate. The FP8 copies may instead be held dequantized for the
+  run (`widened`, Engine.hold_resident_experts): no dequantization a step, at twice their device bytes, which
+  the KV cache's slots then do without;
 - prefill, per batch of prompts: the cheaper of the hybrid path (GPU, then CPU experts by the roofline above)
   and, where the engine can stream, the stream-loaded one (stream_prefill.prefill_seconds); all on the GPU for a
   model whose experts are all resident.
@@ -148,6 +150,7 @@ class Policy:
     prediction: Prediction | None = None
     experts: str = "cpu"  # one of EXPERTS, or RESIDENT
     cpu_blocks: int = 0  # with experts "stream": blocks of each layer's BLOCKS_PER_LAYER the CPU computes meanwhile
+    widened: bool = False  # with RESIDENT FP8 copies: held dequantized in the compute dtype for the run
 
     def describe(self) -> str:
         mb = "dual-batch overlap" if self.micro_batches == DUAL else f"{self.micro_batches} attention micro-batch(es)"
@@ -156,6 +159,8 @@ class Policy:
         ]
         if self.cpu_blocks:
             where += f", the CPU computing {self.cpu_blocks} of each layer's {BLOCKS_PER_LAYER} blocks meanwhile"
+        if self.widened:
+            where += " (held dequantized for the run)"
         line = (f"policy: {self.slots} slots, {mb}, routed experts {where}, prefill {self.prefill_batch} prompts at "
                 "a time")  # fmt: skip
         if p := self.prediction:
@@ -194,22 +199,35 @@ def cpu_expert_seconds(cfg: ModelConfig, floors: Floors, tokens: int) -> float:
     return _expert_roofline(cfg, tokens, floors.host_read_gbps * floors.cpu_decode_share, floors.cpu_tflops(tokens))
 
 
-def resident_expert_seconds(cfg: ModelConfig, floors: Floors, tokens: int, itemsize: int) -> float:
+def widened_expert_bytes(cfg: ModelConfig, itemsize: int) -> int:
+    """Device bytes the resident copies of every routed expert take beyond FP8's when held dequantized in the
+    compute dtype of `itemsize` bytes (0 for a model whose copies are not FP8)."""
+    if not resident_copies_are_fp8(cfg):
+        return 0
+    dequantized = 3 * cfg.hidden_size * cfg.moe_intermediate_size * itemsize
+    held = resident_expert_bytes(cfg, np.dtype(f"f{itemsize}"))
+    return _moe_layers(cfg) * cfg.n_routed_experts * (dequantized - held)
+
+
+def resident_expert_seconds(cfg: ModelConfig, floors: Floors, tokens: int, itemsize: int,
+                            widened: bool = False) -> float:  # fmt: skip
     """The routed experts of a call of `tokens` tokens, every one resident on the device, priced as
     models/common/resident_experts computes them (the module docstring above): the gathered path reads the distinct
-    experts a call routes to as held (auto_placement.resident_expert_bytes: FP8 as stored, other formats in the
-    compute dtype of `itemsize` bytes); the grouped one reads every expert, FP8 ones also written and read again
-    dequantized, and multiplies grouped_capacity's slots (bench/resident_grouped.py times it)."""
+    experts a call routes to as held (auto_placement.resident_expert_bytes: FP8 as stored, other formats, and FP8
+    copies `widened`, in the compute dtype of `itemsize` bytes); the grouped one reads every expert, FP8 ones also
+    written and read again dequantized unless widened, and multiplies grouped_capacity's slots
+    (bench/resident_grouped.py times both holdings)."""
     n, k, moe = cfg.n_routed_experts, cfg.num_experts_per_tok, _moe_layers(cfg)
     if not moe:
         return 0.0
-    held = resident_expert_bytes(cfg, np.dtype(f"f{itemsize}"))  # only the dtype's size matters
+    dequantized = 3 * cfg.hidden_size * cfg.moe_intermediate_size * itemsize
+    fp8 = resident_copies_are_fp8(cfg) and not widened
+    held = resident_expert_bytes(cfg, np.dtype(f"f{itemsize}")) if fp8 else dequantized
     flops = family_of(cfg).cost.layer_flops(cfg, tokens, 1)["routed"]
     if gathered(tokens * k, n):
         traffic = _distinct_experts(cfg, tokens) * held
     else:  # every expert, a capacity of slots each
-        dequantized = 3 * cfg.hidden_size * cfg.moe_intermediate_size * itemsize
-        traffic = n * (held + (2 * dequantized if resident_copies_are_fp8(cfg) else 0))
+        traffic = n * (held + (2 * dequantized if fp8 else 0))
         flops *= n * grouped_capacity(tokens, k, n) / (tokens * k)
     return moe * max(traffic / (floors.gpu_hbm_gbps * 1e9), flops / (floors.gpu_tflops * 1e12))
 
@@ -249,13 +267,13 @@ def streamed_expert_seconds(cfg: ModelConfig, floors: Floors, tokens: int) -> tu
 
 
 def decode_step(cfg: ModelConfig, floors: Floors, batch: int, context: float, micro_batches, itemsize: int,
-                experts: str = "cpu", cpu_blocks: int = 0):  # fmt: skip
+                experts: str = "cpu", cpu_blocks: int = 0, widened: bool = False):  # fmt: skip
     """(step seconds, of which routed experts) of one decode step of `batch` slots, the routed experts on the CPU
     or streamed to the GPU (`experts`, one of EXPERTS), `cpu_blocks` of each layer's BLOCKS_PER_LAYER then on the
-    CPU meanwhile, or resident on the GPU (RESIDENT)."""
+    CPU meanwhile, or resident on the GPU (RESIDENT; FP8 copies held dequantized where `widened`)."""
     handoffs = _moe_layers(cfg) * floors.handoff_us * 1e-6
     if experts == RESIDENT:  # no hand-off: the experts are one more part of the GPU's step
-        on_gpu = resident_expert_seconds(cfg, floors, batch, itemsize)
+        on_gpu = resident_expert_seconds(cfg, floors, batch, itemsize, widened)
         return gpu_seconds(cfg, floors, batch, context, micro_batches, itemsize) + on_gpu, on_gpu
     if experts == "stream":  # the copies overlap the GPU's work (the ring loads ahead); one micro-batch
         streamed = 1 - cpu_blocks / BLOCKS_PER_LAYER
@@ -277,16 +295,16 @@ def decode_step(cfg: ModelConfig, floors: Floors, batch: int, context: float, mi
 
 
 def prefill_batch_seconds(cfg: ModelConfig, floors: Floors, batch: int, length: int, can_stream: bool,
-                          resident: bool, itemsize: int) -> float:  # fmt: skip
+                          resident: bool, itemsize: int, widened: bool = False) -> float:  # fmt: skip
     """One prefill of `batch` prompts padded to `length`: the hybrid path by the roofline, or the stream-loaded one
     where the engine can take it and it is faster; all on the GPU where every expert is `resident` (held in the
-    compute dtype of `itemsize` bytes unless FP8)."""
+    compute dtype of `itemsize` bytes unless FP8 and not `widened`)."""
     hybrid = prefill_seconds(cfg, batch, length, floors.prefill_rates())
     gpu_part = hybrid["hybrid"] - family_of(cfg).cost.layer_flops(cfg, batch, length)["routed"] * _moe_layers(cfg) / (
         floors.cpu_expert_tflops * 1e12
     )
     if resident:
-        return gpu_part + resident_expert_seconds(cfg, floors, batch * length, itemsize)
+        return gpu_part + resident_expert_seconds(cfg, floors, batch * length, itemsize, widened)
     seconds = gpu_part + cpu_expert_seconds(cfg, floors, batch * length)
     return min(seconds, hybrid["stream"]) if can_stream else seconds
 
@@ -295,10 +313,11 @@ def predict(
     cfg: ModelConfig, floors: Floors, work: Workload, policy: Policy, itemsize: int, can_stream: bool
 ) -> Prediction:
     step, experts = decode_step(cfg, floors, policy.slots, work.prompt_tokens + work.new_tokens / 2,
-                                policy.micro_batches, itemsize, policy.experts, policy.cpu_blocks)  # fmt: skip
+                                policy.micro_batches, itemsize, policy.experts, policy.cpu_blocks,
+                                policy.widened)  # fmt: skip
     length = bucket(math.ceil(work.prompt_tokens))
     prefill = prefill_batch_seconds(cfg, floors, policy.prefill_batch, length, can_stream, policy.experts == RESIDENT,
-                                    itemsize)
+                                    itemsize, policy.widened)
     generated = work.requests * work.new_tokens
     total = math.ceil(work.requests / policy.prefill_batch) * prefill + generated / policy.slots * step
     prefill_tok_s = policy.prefill_batch * work.prompt_tokens / prefill
@@ -329,18 +348,23 @@ def _slot_grid(limit: int) -> list[int]:
 def search(
     cfg: ModelConfig, floors: Floors, work: Workload, itemsize: int, can_stream: bool,
     slots: int | None = None, micro_batches: int | str | None = None, prefill_batch: int | None = None,
-    experts: str | None = None, cpu_blocks: int | None = None, resident: bool = False,
+    experts: str | None = None, cpu_blocks: int | None = None, resident: bool = False, widened: bool | None = None,
 ) -> Policy:  # fmt: skip
     """The policy of the grid (slots by _slot_grid, micro-batches MICRO_BATCHES and DUAL, prefill batches powers of
     two, the routed experts on the CPU or, where `can_stream`, streamed to the GPU with one micro-batch and 0 to
     BLOCKS_PER_LAYER - 1 blocks of each layer on the CPU meanwhile; the fixed ones as given) with the best predicted
     throughput that fits `floors.device_free_bytes` (None: unbounded). A model whose routed experts are all
-    `resident` on the device runs them there (RESIDENT), with no dual-batch overlap (it overlaps CPU and GPU)."""
+    `resident` on the device runs them there (RESIDENT), with no dual-batch overlap (it overlaps CPU and GPU), its
+    FP8 copies held as stored or dequantized for the run (`widened`, searched unless given)."""
     if resident and (experts is not None or cpu_blocks or micro_batches == DUAL):
         chosen = {"experts": experts, "cpu_blocks": cpu_blocks, "micro_batches": micro_batches}
         asked = ", ".join(f"{name}={value!r}" for name, value in chosen.items() if value)
         raise ValueError(f"{asked}: every routed expert of this model is resident on the device, where its decode "
                          "steps run them; leave where the experts run, and dual-batch overlap, to it")  # fmt: skip
+    can_widen = resident and resident_copies_are_fp8(cfg)
+    if widened and not can_widen:
+        raise ValueError("widened=True holds resident FP8 copies dequantized; this model "
+                         + ("holds none" if not resident else "holds its resident copies in the compute dtype already"))
     if experts is not None and experts not in EXPERTS:
         raise ValueError(f"experts must be one of {', '.join(EXPERTS)}, got {experts!r}")
     if cpu_blocks is not None and not 0 <= cpu_blocks < BLOCKS_PER_LAYER:
@@ -367,13 +391,15 @@ def search(
             continue
         mb_grid = [micro_batches] if micro_batches else [*(m for m in MICRO_BATCHES if m <= b), DUAL]
         if resident:
-            placements = [(RESIDENT, mb, 0) for mb in mb_grid if mb != DUAL]
+            holdings = [widened] if widened is not None else [False, True] if can_widen else [False]
+            placements = [(RESIDENT, mb, w) for mb in mb_grid if mb != DUAL for w in holdings]
         else:
             placements = [("cpu", mb, 0) for mb in mb_grid] if experts != "stream" else []
             if experts == "stream" or (experts is None and can_stream and micro_batches in (None, 1)):
                 splits = [cpu_blocks] if cpu_blocks is not None else range(BLOCKS_PER_LAYER)
                 placements += [("stream", 1, c) for c in splits]
-        for where, mb, split in placements:
+        for where, mb, option in placements:  # option: CPU blocks of a streamed step, widened copies if resident
+            split, wide = (0, option) if where == RESIDENT else (option, False)
             calls = 2 if mb == DUAL else mb
             context = work.cache_len
             # More micro-batches keep attention's scratch small; a streamed step's one is counted in its need.
@@ -383,16 +409,18 @@ def search(
             for p in [prefill_batch] if prefill_batch else _powers_of_two(b):
                 need = kv + max(prefill_bytes(cfg, p, length),
                                 stream_ring_bytes(cfg, b, work.cache_len) if where == "stream" else 0)  # fmt: skip
+                need += widened_expert_bytes(cfg, itemsize) if wide else 0
                 if memory is not None and need > memory and not prefill_batch:
                     continue
-                policy = Policy(b, mb, p, experts=where, cpu_blocks=split)
+                policy = Policy(b, mb, p, experts=where, cpu_blocks=split, widened=wide)
                 prediction = predict(cfg, floors, work, policy, itemsize, can_stream)
                 policy = dataclasses.replace(policy, prediction=prediction)
                 if best is None or policy.prediction.total_tok_s > best.prediction.total_tok_s:
                     best = policy
     if best is None:
         free = "an unbounded device" if memory is None else f"the device's {memory / 2**30:.2f} GiB free"
-        fixed = {"slots": slots, "micro_batches": micro_batches, "experts": experts, "cpu_blocks": cpu_blocks}
+        fixed = {"slots": slots, "micro_batches": micro_batches, "experts": experts, "cpu_blocks": cpu_blocks,
+                 "widened": widened}
         asked = ", ".join(f"{name}={value!r}" for name, value in fixed.items() if value)
         raise ValueError(
             f"no policy of the grid{f' with {asked}' if asked else ''} fits {free}: one slot's KV cache of "
@@ -405,7 +433,7 @@ def search(
 
 def choose_policy(
     model, jobs, cache_len: int, slots=None, micro_batches=None, prefill_batch=None, floors: Floors | None = None,
-    experts: str | None = None, cpu_blocks: int | None = None,
+    experts: str | None = None, cpu_blocks: int | None = None, widened: bool | None = None,
 ) -> Policy:
     """The policy for running `jobs` (runner Jobs) on a loaded model, with the user's choices fixed."""
     from hybridjit.stream_prefill import choose_prefill_path
@@ -420,5 +448,8 @@ def choose_policy(
         model.placement.device.platform == "gpu" or experts == "stream" or bool(cpu_blocks)
     )
     itemsize = jnp.dtype(model.dtype).itemsize
+    if model.resident_widened:  # what the device has free counts the copies as stored (as this run ends with them)
+        raise ValueError("the resident copies are held dequantized (hold_resident_experts): hold them as stored "
+                         "before choosing a policy")  # fmt: skip
     return search(model.config, floors, work, itemsize, can_stream, slots, micro_batches, prefill_batch, experts,
-                  cpu_blocks, resident)
+                  cpu_blocks, resident, widened)

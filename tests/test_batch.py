@@ -12,6 +12,7 @@ import pytest
 import hybridjit
 from hybridjit.offline_policy import RESIDENT, choose_policy
 from hybridjit.placement import Placement
+from hybridjit.resolve import default_model_dir
 from hybridjit.serving.batch_output import ResumableOutput
 from hybridjit.serving.batch_requests import BatchInputError, encode_requests, read_requests
 from hybridjit.serving.chat import ChatTemplate
@@ -82,6 +83,19 @@ def test_a_model_with_every_expert_resident_is_run_with_them_on_the_device(model
             assert record["text"] == alone(model, request["prompt"], request["max_tokens"]), request["id"]
         with pytest.raises(ValueError, match="experts='cpu': every routed expert of this model is resident"):
             run(resident, REQUESTS[:1], experts="cpu")
+
+
+def test_resident_fp8_experts_held_dequantized_for_a_run_give_the_same_outputs_and_are_stored_again():
+    """The FP8 embedded model with every expert resident: a run that holds the copies dequantized (the policy's
+    `widened`, forced) gives every request what generate gives it with the copies as stored, and the model holds
+    them as stored again afterwards."""
+    placement = dataclasses.replace(Placement.default("float32", jax.devices("cpu")[0]), resident_experts="auto")
+    with contextlib.closing(hybridjit.load(default_model_dir().parent / "default-fp8", placement=placement)) as fp8:
+        assert not fp8.experts_on_host and not fp8.resident_widened
+        records = run(fp8, REQUESTS[:4], slots=3, prefill_batch=2, widened=True)
+        assert not fp8.resident_widened
+        for request, record in zip(REQUESTS, records, strict=False):
+            assert record["text"] == alone(fp8, request["prompt"], request["max_tokens"]), request["id"]
 
 
 def test_chat_token_ids_and_stop_strings(model):

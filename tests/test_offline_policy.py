@@ -18,6 +18,7 @@ from hybridjit.offline_policy import (
     resident_expert_seconds,
     search,
     stream_ring_bytes,
+    widened_expert_bytes,
 )
 from hybridjit.synthetic import geometry_config
 
@@ -152,6 +153,28 @@ def test_resident_fp8_experts_are_priced_as_the_grouped_path_computes_them():
     ratio = [resident_expert_seconds(fp8, memory_bound, t, 2) / resident_expert_seconds(QWEN, memory_bound, t, 2)
              for t in (gathered, grouped)]  # fmt: skip
     assert ratio == pytest.approx([0.5, 2.5], rel=0.01)
+
+
+def test_widened_fp8_copies_cost_what_bfloat16_copies_do_and_their_memory_is_traded_against_slots():
+    """FP8 copies held dequantized for the run read as bfloat16 copies do on both paths (so the grouped path is
+    2.5x cheaper than with FP8 copies, the gathered one 2x dearer), and cost their extra bytes of device memory:
+    chosen where that memory would not buy more throughput as KV slots, not chosen where it does not fit."""
+    fp8 = geometry_config("qwen3-30b-a3b", weight_format="fp8")
+    memory_bound = dataclasses.replace(FLOORS, gpu_tflops=1e9)
+    for tokens in (1, 256):
+        widened = resident_expert_seconds(fp8, memory_bound, tokens, 2, widened=True)
+        assert widened == pytest.approx(resident_expert_seconds(QWEN, memory_bound, tokens, 2), rel=0.01)
+    extra = widened_expert_bytes(fp8, 2)
+    assert widened_expert_bytes(QWEN, 2) == 0 and 25e9 < extra < 30e9  # 48 x 128 experts of 3 x 2048 x 768, +1 byte
+    roomy = dataclasses.replace(FLOORS, device_free_bytes=120 << 30)
+    best = search(fp8, roomy, WORK, 2, False, resident=True)
+    assert best.widened and "held dequantized for the run" in best.describe()
+    as_stored = search(fp8, roomy, WORK, 2, False, resident=True, widened=False)
+    assert best.prediction.total_tok_s > as_stored.prediction.total_tok_s
+    tight = dataclasses.replace(FLOORS, device_free_bytes=extra)  # the widening alone would fill it
+    assert not search(fp8, tight, WORK, 2, False, resident=True).widened
+    with pytest.raises(ValueError, match="widened=True holds resident FP8 copies dequantized; this model holds its"):
+        search(QWEN, FLOORS, WORK, 2, False, resident=True, widened=True)
 
 
 def test_resident_experts_are_priced_on_the_gpu():

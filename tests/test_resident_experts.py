@@ -307,18 +307,31 @@ def test_info_shows_the_placement(monkeypatch, capsys):
     assert "long prompts  streamed over gpu:0\n" in out
 
 
-def test_fp8_experts_stay_fp8_on_the_device_and_match():
+def test_fp8_experts_stay_fp8_on_the_device_or_are_widened_and_match():
     """The FP8 embedded model: the resident copies are kept as stored (FP8 and block scales), dequantized where
-    they are used, and the model's logits are the all-CPU ones."""
+    they are used; held widened (dequantized once, as an offline batch may hold them) and then as stored again,
+    the model's logits are the all-CPU ones each time."""
     path = default_model_dir().parent / "default-fp8"
     prompts = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13]]
     with kernel_family(EXACT_FLOAT32_FAMILY):
         with _load(path, None) as ref_model:
             reference = _real(ref_model.logits(prompts), prompts)
         with _load(path, "auto") as m:
-            res = m.weights.layers[1].mlp.resident
-            assert res.experts.gate.dtype == ml_dtypes.float8_e4m3fn and res.scales is not None
-            assert rel_rms(_real(m.logits(prompts), prompts), reference) < SAME_MATH_RTOL
+            placed = m.residency
+            for widened in (False, True, False):
+                m.hold_resident_experts(widened)
+                res = m.weights.layers[1].mlp.resident
+                assert m.resident_widened == widened and m.residency == placed
+                if widened:
+                    assert res.experts.gate.dtype == m.dtype and res.scales is None
+                else:
+                    assert res.experts.gate.dtype == ml_dtypes.float8_e4m3fn and res.scales is not None
+                assert rel_rms(_real(m.logits(prompts), prompts), reference) < SAME_MATH_RTOL
+            m.hold_resident_experts(widened=True)
+            with pytest.raises(ValueError, match="held dequantized"):
+                m.swap_experts(placed, {})
+            m.place_experts(placed)  # holds them as stored again first
+            assert not m.resident_widened
 
 
 # ------------------------------------------------------------------------------ on a GPU

@@ -41,6 +41,7 @@ def batch(
     prefill_batch: int | None = None,
     experts: str | None = None,
     cpu_blocks: int | None = None,
+    widened: bool | None = None,
     progress: bool = True,
     dtype: str | None = None,
     floors: Floors | None = None,
@@ -62,6 +63,9 @@ def batch(
     (streamed to the GPU each step, for large batches; needs a model loaded with its experts pinned, as on a GPU),
     and with "stream", `cpu_blocks`: how many of each layer's expert blocks (pinned_experts.BLOCKS_PER_LAYER) the
     CPU kernels compute while the others stream (co-execution; 0: none).
+    `widened`: with every routed expert resident on the device in FP8, whether the run holds them dequantized in the
+    compute dtype (large steps skip dequantizing them each step, at twice their device bytes; as stored again
+    when the run ends).
     `progress`: a progress bar (tokens/s, ETA) and notes on stderr.
     `dtype`: the compute dtype of a model loaded here (as hybridjit.load's).
     `floors`: the machine's rates the performance model reads (default: offline_policy.Floors.of_machine, this
@@ -72,7 +76,7 @@ def batch(
     defaults = check_defaults({k: v for k, v in given.items() if v is not None})
     source, lines = _lines(requests)
     parsed = read_requests(lines, source, defaults)
-    overrides = (slots, micro_batches, prefill_batch, floors, experts, cpu_blocks)
+    overrides = (slots, micro_batches, prefill_batch, floors, experts, cpu_blocks, widened)
     if isinstance(model, str | Path) or model is None:
         from hybridjit.engine import load  # deferred: loading starts JAX
 
@@ -126,6 +130,15 @@ def _complete(model, todo, out: ResumableOutput | None, done: dict, overrides: t
     policy = choose_policy(model, todo, cache_len, *overrides)
     _note(progress, policy.describe())
     micro_batches = None if policy.micro_batches == DUAL else policy.micro_batches  # None: the Engine's dual overlap
+    model.hold_resident_experts(policy.widened)
+    try:
+        _decode_all(model, todo, out, done, policy, micro_batches, cache_len, progress)
+    finally:
+        model.hold_resident_experts(widened=False)  # as stored again, as interactive decode reads them fastest
+
+
+def _decode_all(model, todo, out: ResumableOutput | None, done: dict, policy, micro_batches, cache_len: int,
+                progress: bool):  # fmt: skip
     runner = ThroughputRunner(
         model, slots=policy.slots, micro_batches=micro_batches, prefill_batch=policy.prefill_batch, cache_len=cache_len,
         stream_experts=policy.experts == "stream", cpu_blocks=policy.cpu_blocks,
