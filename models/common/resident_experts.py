@@ -52,6 +52,11 @@ class ResidentExperts:
             weights = tuple(dequantize_blocks(w, s, self.quant_block, dtype) for w, s in pairs)
         return Experts(*weights, e.gate_bias, e.up_bias, e.down_bias, e.activation)
 
+    def widened(self, dtype) -> "ResidentExperts":
+        """These copies held in `dtype`: FP8 ones dequantized once (the grouped path then multiplies them as they
+        are, where it would dequantize every copy each call, at twice FP8's device bytes); others as they are."""
+        return self if self.scales is None else ResidentExperts(self.slot_of, self.dequantized(dtype))
+
 
 @pytree(meta=("gathered",))
 class ResidentPairs:
