@@ -190,7 +190,8 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
         kv = slots * kv_bytes_per_slot(cfg, context + args.steps + 4, itemsize)
         held = kv + wide * widened_expert_bytes(cfg, itemsize)
         if floors.device_free_bytes is not None and held > floors.device_free_bytes:
-            print(f"{slots:6d} slots: their KV cache ({kv / 2**30:.1f} GiB) does not fit the device")
+            print(f"{slots:6d} slots: their KV cache ({kv / 2**30:.1f} GiB)"
+                  f"{' and the widened copies' if wide else ''} do not fit the device")
             continue
         model.hold_resident_experts(wide)
         step = decode_step_seconds(model, slots, 1, context, args.steps, rng, RESIDENT if wide else experts, cpu_blocks)
@@ -205,6 +206,10 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
         if time.perf_counter() > deadline:
             print(f"time limit: prefill {batch}{' widened' if wide else ''} and up not run")
             break
+        free = floors.device_free_bytes
+        if wide and free is not None and widened_expert_bytes(cfg, itemsize) > free:
+            print(f"prefill {batch}: the widened copies do not fit the device")
+            continue
         model.hold_resident_experts(wide)
         seconds, path = prefill_seconds(model, batch, rng)
         policy = Policy(1, 1, batch, experts=where, widened=wide)

@@ -762,9 +762,9 @@ HJ_AMX void AmxGroupGemm(const LayerWeights& layer, const Projection* w, int n_p
   const int64_t cols = w[0].cols;
   const GroupLayout l(layer, tokens, cols, kInt8);
   const int64_t step = kInt8 ? 64 : 32;
-  // int8: block_cols is a multiple of 128 (kIntGroupQuantum); fp8: of 32 (AmxKernel).
+  // block_cols is a multiple of 128 (int8: kIntGroupQuantum; fp8: AmxKernel).
   const int64_t group_ksteps = layer.block_cols / step;
-  // A strip holds whole groups: 512 elements, or one group where groups are longer.
+  // A strip holds whole groups: the fewest that cover 512 elements.
   const int64_t strip_ksteps = RoundUp(kInt8 ? kKStepsInt8 : kKStepsBf16, group_ksteps);
   const auto* x_scales = static_cast<const float*>(packed);
   const char* b_tiles = static_cast<const char*>(packed) + l.scale_bytes;
@@ -853,9 +853,10 @@ const GemmKernel* AmxKernel(const LayerWeights& layer) {
   if (layer.format == WeightFormat::kF32) return nullptr;  // float32 weights: no lossless AMX type
   if (IntTiles(layer)) return &kInt8Tiles;
   if (layer.format == WeightFormat::kInt8 || layer.format == WeightFormat::kInt4) return &kIntGroupTiles;
-  // FP8 whose scale blocks are whole k-steps and fit a strip (DeepSeek's 128 x 128) rescales per group; other
-  // blocks are dequantized into bfloat16 tiles with the scale applied per weight.
-  if (layer.format == WeightFormat::kFp8E4M3Fn && layer.block_cols % 32 == 0 && layer.block_cols <= kKStepsBf16 * 32) {
+  // FP8 whose scale blocks are 4 k-steps or longer and fit a strip (DeepSeek's 128 x 128; the crossover was measured
+  // there) rescales per group; narrower blocks, whose rescales would come every k-step or two, are dequantized into
+  // bfloat16 tiles with the scale applied per weight.
+  if (layer.format == WeightFormat::kFp8E4M3Fn && layer.block_cols % 128 == 0 && layer.block_cols <= kKStepsBf16 * 32) {
     return &kFp8GroupTiles;
   }
   // bf16, fp8, mxfp4, and the GGUF formats (whose blocks of 32 hold one or two multipliers each: too fine for

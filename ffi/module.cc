@@ -135,8 +135,8 @@ nb::dict KernelInfo() {
   info["numa_forced"] = pool->nodes_forced();
   info["amx_min_tokens"] = AmxMinTokensOverride();
   info["prefetch_bytes"] = WeightPrefetchBytes();  // in effect: the override or the measured default
-  // Per format (int8/int4 with 128-column groups), the kernel that runs an expert with one token and
-  // one with very many; layer_kernel answers for a registered layer and a token count.
+  // Per format (fp8 with 128 x 128 blocks, int8/int4 with 128-column groups), the kernel that runs an expert with
+  // one token and one with very many; layer_kernel answers for a registered layer and a token count.
   nb::dict formats;
   for (WeightFormat f : {WeightFormat::kF32, WeightFormat::kBf16, WeightFormat::kFp8E4M3Fn, WeightFormat::kInt8,
                          WeightFormat::kInt4, WeightFormat::kMxfp4, WeightFormat::kQ8_0, WeightFormat::kQ4K,

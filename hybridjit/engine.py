@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hybridjit import expert_residency, machine_floors
-from hybridjit.auto_placement import DeviceBudget, device_budget, resident_copies_are_fp8, resident_expert_bytes
+from hybridjit.auto_placement import DeviceBudget, device_budget, resident_expert_bytes
 from hybridjit.expert_residency import Residency
 from hybridjit.model_files import open_checkpoint, open_tokenizer
 from hybridjit.models.common.moe import ExpertSchedule, MoE
@@ -201,20 +201,18 @@ class Model:
         batch's grouped steps then skip dequantizing every copy each step, at twice the copies' device bytes) or
         as stored (FP8 with block scales, made again from the pinned host copy or the checkpoint), one layer at a
         time. Copies of other formats are always held in the compute dtype."""
-        if widened:
-            self.weights = expert_residency.widened(self.weights, self.dtype)
-        elif self.resident_widened:
-            self.weights = expert_residency.rebuilt(
-                self.weights,
-                lambda layer, res: res if res.scales is not None
-                else self.resident_copies(layer, expert_residency.current_ids(res)))  # fmt: skip
+        def build(layer: int, res: ResidentExperts) -> ResidentExperts:
+            if widened:
+                return expert_residency.widened_copies(res, self.dtype)
+            return self.resident_copies(layer, expert_residency.current_ids(res)) if res.widened else res
+
+        for layer in expert_residency.resident_layers(self.weights):  # each layer's copies valid whatever fails
+            self.weights = expert_residency.rebuilt_layer(self.weights, layer, build)
 
     @property
     def resident_widened(self) -> bool:
         """Whether resident copies of FP8 experts are held dequantized (hold_resident_experts)."""
-        return resident_copies_are_fp8(self.config) and any(
-            isinstance(layer.mlp, MoE) and layer.mlp.resident is not None and layer.mlp.resident.scales is None
-            for layer in self.weights.layers)  # fmt: skip
+        return any(self.weights.layers[i].mlp.resident.widened for i in expert_residency.resident_layers(self.weights))
 
     def resident_copies(self, layer: int, ids) -> ResidentExperts | None:
         """Device copies of experts `ids` of MoE layer `layer` (what place_experts holds and swap_experts takes

@@ -143,7 +143,7 @@ def apply(weights, residency: Residency,
 
 @partial(jax.jit, static_argnums=1)
 def _widened(res: ResidentExperts, dtype) -> ResidentExperts:
-    return res.widened(dtype)
+    return res.widen(dtype)
 
 
 def _delete(arrays) -> None:
@@ -152,27 +152,31 @@ def _delete(arrays) -> None:
         a.delete()
 
 
-def rebuilt(weights, build: Callable[[int, ResidentExperts], ResidentExperts]):
-    """`weights` with each MoE layer's resident copies replaced by build(layer, copies), layer by layer: the
-    copies a layer held are freed as soon as its new ones exist (their slot map, which the new copies may share,
-    is kept), so the device needs room for one layer's two sets at a time. The pytree passed in must not be used
-    afterwards."""
+def resident_layers(weights) -> list[int]:
+    """The MoE layers that hold resident copies."""
+    return [i for i, layer in enumerate(weights.layers)
+            if isinstance(layer.mlp, MoE) and layer.mlp.resident is not None]  # fmt: skip
+
+
+def rebuilt_layer(weights, layer: int, build: Callable[[int, ResidentExperts], ResidentExperts]):
+    """`weights` with the resident copies of `layer` replaced by build(layer, copies). The copies it held are freed
+    as soon as the new ones exist (their slot map, which the new copies may share, is kept): rebuilding layer by
+    layer needs room for one layer's two sets at a time, and a failure leaves every layer with valid copies. The
+    pytree passed in must not be used afterwards."""
+    old = weights.layers[layer]
+    res = old.mlp.resident
+    new = build(layer, res)
+    if new is res:
+        return weights
+    _delete((res.experts.gate, res.experts.up, res.experts.down, res.scales))
     layers = list(weights.layers)
-    for i, layer in enumerate(layers):
-        res = layer.mlp.resident if isinstance(layer.mlp, MoE) else None
-        if res is None:
-            continue
-        new = build(i, res)
-        if new is not res:
-            _delete((res.experts.gate, res.experts.up, res.experts.down, res.scales))
-        layers[i] = dataclasses.replace(layer, mlp=dataclasses.replace(layer.mlp, resident=new))
+    layers[layer] = dataclasses.replace(old, mlp=dataclasses.replace(old.mlp, resident=new))
     return dataclasses.replace(weights, layers=layers)
 
 
-def widened(weights, dtype):
-    """`weights` with every resident FP8 copy held dequantized in `dtype` (ResidentExperts.widened), made on the
-    device; copies in other formats as they are."""
-    return rebuilt(weights, lambda _, res: res if res.scales is None else _widened(res, jnp.dtype(dtype)))
+def widened_copies(res: ResidentExperts, dtype) -> ResidentExperts:
+    """`res` held dequantized in `dtype` (ResidentExperts.widen), made on the device; `res` itself unless FP8."""
+    return res if res.scales is None else _widened(res, jnp.dtype(dtype))
 
 
 @partial(jax.jit, donate_argnums=0)

@@ -26,7 +26,7 @@ shapes (the family's cost module):
   GEMMs over every expert at CAPACITY_FACTOR times their mean share of the pairs, its FP8 copies first dequantized
   to the compute dtype in device memory (each weight read as held, written and read again): the larger of the
   bytes at the HBM rate and the FLOPs at the GEMM rate. The FP8 copies may instead be held dequantized for the
-  run (`widened`, Engine.hold_resident_experts): no dequantization a step, at twice their device bytes, which
+  run (`widened`, Model.hold_resident_experts): no dequantization a step, at twice their device bytes, which
   the KV cache's slots then do without;
 - prefill, per batch of prompts: the cheaper of the hybrid path (GPU, then CPU experts by the roofline above)
   and, where the engine can stream, the stream-loaded one (stream_prefill.prefill_seconds); all on the GPU for a
@@ -363,8 +363,9 @@ def search(
                          "steps run them; leave where the experts run, and dual-batch overlap, to it")  # fmt: skip
     can_widen = resident and resident_copies_are_fp8(cfg)
     if widened and not can_widen:
-        raise ValueError("widened=True holds resident FP8 copies dequantized; this model "
-                         + ("holds none" if not resident else "holds its resident copies in the compute dtype already"))
+        raise ValueError("widened=True holds resident FP8 copies dequantized; this model " + (
+            "does not hold every routed expert on the device" if not resident
+            else "holds its resident copies in the compute dtype already"))  # fmt: skip
     if experts is not None and experts not in EXPERTS:
         raise ValueError(f"experts must be one of {', '.join(EXPERTS)}, got {experts!r}")
     if cpu_blocks is not None and not 0 <= cpu_blocks < BLOCKS_PER_LAYER:
@@ -410,7 +411,8 @@ def search(
                 need = kv + max(prefill_bytes(cfg, p, length),
                                 stream_ring_bytes(cfg, b, work.cache_len) if where == "stream" else 0)  # fmt: skip
                 need += widened_expert_bytes(cfg, itemsize) if wide else 0
-                if memory is not None and need > memory and not prefill_batch:
+                # A fixed prefill batch is taken as asked; widened copies the search chose must fit.
+                if memory is not None and need > memory and (not prefill_batch or wide and widened is None):
                     continue
                 policy = Policy(b, mb, p, experts=where, cpu_blocks=split, widened=wide)
                 prediction = predict(cfg, floors, work, policy, itemsize, can_stream)
@@ -438,6 +440,9 @@ def choose_policy(
     """The policy for running `jobs` (runner Jobs) on a loaded model, with the user's choices fixed."""
     from hybridjit.stream_prefill import choose_prefill_path
 
+    if model.resident_widened:  # what the device has free counts the copies as stored (as this run ends with them)
+        raise ValueError("the resident copies are held dequantized (hold_resident_experts): hold them as stored "
+                         "before choosing a policy")  # fmt: skip
     floors = floors or Floors.of_machine(model)
     if floors.device_free_bytes is None and model.placement.device.platform != "cpu":
         floors = dataclasses.replace(floors, device_free_bytes=free_device_memory(model.placement.device))
@@ -448,8 +453,5 @@ def choose_policy(
         model.placement.device.platform == "gpu" or experts == "stream" or bool(cpu_blocks)
     )
     itemsize = jnp.dtype(model.dtype).itemsize
-    if model.resident_widened:  # what the device has free counts the copies as stored (as this run ends with them)
-        raise ValueError("the resident copies are held dequantized (hold_resident_experts): hold them as stored "
-                         "before choosing a policy")  # fmt: skip
     return search(model.config, floors, work, itemsize, can_stream, slots, micro_batches, prefill_batch, experts,
                   cpu_blocks, resident, widened)

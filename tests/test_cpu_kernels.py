@@ -272,8 +272,9 @@ def test_matches_float64_reference(family, fmt, block, pool, hidden, inter, toke
 
 # The group-rescaling AMX kernels (grouped int8/int4 as amx_int8g, block-scaled FP8 as amx_fp8g) at sizes that take
 # their blocking apart: several 128-row strips and 512-element k-chunks, a group longer than a chunk (1024), groups
-# that do not divide a chunk (384, 96), rows whose last group and last k-step are partial (1100; 300 with FP8's
-# 64-code loads), row blocks smaller than a strip (fp8 (32, 32)), and more tokens per expert than two 16-token tiles.
+# that do not divide a chunk (384), rows whose last group and last k-step are partial (1100; 300 with FP8's 64-code
+# loads), row blocks smaller than a strip (fp8 (32, 256), (64, 384)), and more tokens per expert than two 16-token
+# tiles.
 @pytest.mark.parametrize(
     "fmt, block, amx_kernel",
     [
@@ -282,8 +283,9 @@ def test_matches_float64_reference(family, fmt, block, pool, hidden, inter, toke
         ("int8", (1, 384), "amx_int8g"),
         ("int4", (1, 1024), "amx_int8g"),
         ("fp8", (128, 128), "amx_fp8g"),
-        ("fp8", (32, 32), "amx_fp8g"),
-        ("fp8", (64, 96), "amx_fp8g"),
+        ("fp8", (32, 256), "amx_fp8g"),
+        ("fp8", (64, 384), "amx_fp8g"),
+        ("fp8", (32, 32), "amx_bf16"),  # blocks narrower than 128 keep the per-weight scaling
     ],
 )
 @pytest.mark.parametrize("family", FAMILY_PARAMS)

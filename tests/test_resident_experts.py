@@ -307,10 +307,10 @@ def test_info_shows_the_placement(monkeypatch, capsys):
     assert "long prompts  streamed over gpu:0\n" in out
 
 
-def test_fp8_experts_stay_fp8_on_the_device_or_are_widened_and_match():
+def test_fp8_experts_stay_fp8_on_the_device_or_are_widened_and_match(monkeypatch):
     """The FP8 embedded model: the resident copies are kept as stored (FP8 and block scales), dequantized where
     they are used; held widened (dequantized once, as an offline batch may hold them) and then as stored again,
-    the model's logits are the all-CPU ones each time."""
+    the model's logits are the all-CPU ones each time, also after a copy failed halfway back."""
     path = default_model_dir().parent / "default-fp8"
     prompts = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13]]
     with kernel_family(EXACT_FLOAT32_FAMILY):
@@ -330,6 +330,19 @@ def test_fp8_experts_stay_fp8_on_the_device_or_are_widened_and_match():
             m.hold_resident_experts(widened=True)
             with pytest.raises(ValueError, match="held dequantized"):
                 m.swap_experts(placed, {})
+            copies, made = m.resident_copies, []
+
+            def second_fails(layer, ids):  # the first layer is held as stored again, the next copy fails
+                if made:
+                    raise RuntimeError("out of device memory")
+                made.append(layer)
+                return copies(layer, ids)
+
+            monkeypatch.setattr(m, "resident_copies", second_fails)
+            with pytest.raises(RuntimeError, match="out of device memory"):
+                m.hold_resident_experts(widened=False)
+            monkeypatch.undo()
+            assert m.resident_widened and rel_rms(_real(m.logits(prompts), prompts), reference) < SAME_MATH_RTOL
             m.place_experts(placed)  # holds them as stored again first
             assert not m.resident_widened
 

@@ -82,8 +82,8 @@ def batch(
 
         _note(progress, f"loading {model or 'the embedded model'}...")
         with contextlib.closing(load(model, dtype=dtype)) as loaded:
-            return _run(loaded, parsed, source, output, overrides, progress)
-    return _run(model, parsed, source, output, overrides, progress)
+            return _run(loaded, parsed, source, output, overrides, progress, owned=True)
+    return _run(model, parsed, source, output, overrides, progress, owned=False)
 
 
 def _lines(requests) -> tuple[str, Iterable[tuple[str, str | dict]]]:
@@ -107,7 +107,8 @@ def _note(progress: bool, message: str):
         print(message, file=sys.stderr, flush=True)
 
 
-def _run(model, parsed, source: str, output, overrides: tuple, progress: bool) -> list[dict]:
+def _run(model, parsed, source: str, output, overrides: tuple, progress: bool, owned: bool) -> list[dict]:
+    """`owned`: the model was loaded for this run and is closed after it."""
     jobs = encode_requests(model, parsed, source)
     out = ResumableOutput(output) if output is not None else None
     try:
@@ -118,23 +119,24 @@ def _run(model, parsed, source: str, output, overrides: tuple, progress: bool) -
         if len(todo) < len(jobs):
             _note(progress, f"resuming: {len(jobs) - len(todo)} of {len(jobs)} requests are already in {out.path}")
         if todo:
-            _complete(model, todo, out, done, overrides, progress)
+            _complete(model, todo, out, done, overrides, progress, owned)
         return [done[id_key(j.key.id)] for j in jobs]
     finally:
         if out is not None:
             out.close()
 
 
-def _complete(model, todo, out: ResumableOutput | None, done: dict, overrides: tuple, progress: bool):
+def _complete(model, todo, out: ResumableOutput | None, done: dict, overrides: tuple, progress: bool, owned: bool):
     cache_len = cache_len_for(model, todo)
     policy = choose_policy(model, todo, cache_len, *overrides)
     _note(progress, policy.describe())
     micro_batches = None if policy.micro_batches == DUAL else policy.micro_batches  # None: the Engine's dual overlap
-    model.hold_resident_experts(policy.widened)
     try:
+        model.hold_resident_experts(policy.widened)
         _decode_all(model, todo, out, done, policy, micro_batches, cache_len, progress)
     finally:
-        model.hold_resident_experts(widened=False)  # as stored again, as interactive decode reads them fastest
+        if not owned:  # as stored again, as interactive decode reads them fastest (a model closed next needs not)
+            model.hold_resident_experts(widened=False)
 
 
 def _decode_all(model, todo, out: ResumableOutput | None, done: dict, policy, micro_batches, cache_len: int,
