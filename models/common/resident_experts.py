@@ -27,16 +27,18 @@ from hybridjit.models.common.pytree import pytree
 CAPACITY_FACTOR = 4
 
 
-@pytree(meta=("quant_block",))
+@pytree(meta=("quant_block", "widened"))
 class ResidentExperts:
     """Some of a layer's routed experts on the device: `slot_of` [e] int32 gives each expert's index in the
     stacks of `experts` (-1: not resident); `experts` holds them [r, ...] in the compute dtype, or FP8 with
-    block `scales` (gate, up, down) [r, out blocks, in blocks] float32, dequantized where they are used."""
+    block `scales` (gate, up, down) [r, out blocks, in blocks] float32, dequantized where they are used.
+    `widened`: FP8 copies held dequantized in the compute dtype (ResidentExperts.widen)."""
 
     slot_of: jax.Array
     experts: Experts
     scales: tuple[jax.Array, jax.Array, jax.Array] | None = None
     quant_block: tuple[int, int] | None = None
+    widened: bool = False
 
     @property
     def count(self) -> int:
@@ -52,10 +54,10 @@ class ResidentExperts:
             weights = tuple(dequantize_blocks(w, s, self.quant_block, dtype) for w, s in pairs)
         return Experts(*weights, e.gate_bias, e.up_bias, e.down_bias, e.activation)
 
-    def widened(self, dtype) -> "ResidentExperts":
+    def widen(self, dtype) -> "ResidentExperts":
         """These copies held in `dtype`: FP8 ones dequantized once (the grouped path then multiplies them as they
         are, where it would dequantize every copy each call, at twice FP8's device bytes); others as they are."""
-        return self if self.scales is None else ResidentExperts(self.slot_of, self.dequantized(dtype))
+        return self if self.scales is None else ResidentExperts(self.slot_of, self.dequantized(dtype), widened=True)
 
 
 @pytree(meta=("gathered",))
