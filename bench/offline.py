@@ -14,7 +14,9 @@ Each model is a geometry with random FP8 weights (prefill.py's PooledExperts: fa
   or, with `--experts gpu`, every routed expert placed on the device first (Model.place_experts("auto"), as load
   places a model whose experts fit), so that the interactive decode is the all-GPU one and the batches run there,
   and with `--widen` every case again with the FP8 copies held dequantized (Model.hold_resident_experts; the
-  experts column reads "gpu-wide");
+  experts column reads "gpu-wide"); with `--kv-in-host`, every streamed case again with the KV cache in pinned host
+  memory, copied to the GPU a layer at a time (hybridjit/host_kv_cache.py; the experts column reads "stream-hkv"),
+  at up to hybridjit.offline_policy.MAX_HOST_KV_SLOTS slots;
 - prefill of every --prefill batch of 512-token prompts (whichever path the engine chooses);
 - the performance model (hybridjit/offline_policy.py) fed with floors measured here (memory read floor, pinned
   H2D, dense GEMM, the device memory's read rate, the CPU expert kernels' rate at each case's tokens per call, the
@@ -24,7 +26,9 @@ Each model is a geometry with random FP8 weights (prefill.py's PooledExperts: fa
 A truncated model's figures are also projected to full depth: the prediction for the policy the model picks at
 full depth (the pick's expert placement, as many slots as the full model's KV cache lets fit) times the measured /
 predicted ratio of the truncated one (labelled "projected"; not with --experts gpu, which is for models whose
-experts fit the device at full depth). Ends with one JSON line.
+experts fit the device at full depth). With --kv-in-host, also the full-depth pick with the KV cache in host memory
+(within --host-kv-gib, the full-size host's budget for it) times the measured / predicted of the largest measured
+"stream-hkv" case. Ends with one JSON line.
 """
 
 import argparse
@@ -39,6 +43,7 @@ import numpy as np
 
 from bench_model import load_model
 from floors import floors_line, machine, memory_floors
+from hybridjit.host_kv_cache import host_kv_budget
 from hybridjit.machine_floors import hbm_read_gbps
 from hybridjit.offline_policy import (
     EXPERTS,
@@ -61,6 +66,7 @@ ON_GPU = jax.default_backend() == "gpu"
 PROMPT, NEW = 512, 256  # MoE-Gen's setting
 STREAMED_WARMUP_STEPS = 12
 WIDE = f"{RESIDENT}-wide"  # the experts column of --widen's cases: resident, FP8 copies held dequantized
+HKV = "stream-hkv"  # the experts column of --kv-in-host's cases: streamed, the KV cache in host memory
 
 
 def load(geometry: str, layers: int | None, dtype):
@@ -78,21 +84,24 @@ def measured_floors(model, memory: dict, tokens: list[int]) -> Floors:
                "cpu_expert_tflops_by_tokens": by_tokens}  # fmt: skip
     if ON_GPU:
         figures |= {"pcie_gbps": h2d_gbps(device), "gpu_tflops": gemm_tflops(device),
-                    "gpu_hbm_gbps": hbm_read_gbps(device), "device_free_bytes": free_device_memory(device)}  # fmt: skip
+                    "gpu_hbm_gbps": hbm_read_gbps(device), "device_free_bytes": free_device_memory(device),
+                    "host_free_bytes": host_kv_budget()}  # fmt: skip
     return dataclasses.replace(Floors(), **figures)
 
 
 def decode_step_seconds(model, slots: int, micro_batches: int | None, context: int, steps: int, rng,
-                        experts: str = "cpu", cpu_blocks: int = 0) -> float:  # fmt: skip
+                        experts: str = "cpu", cpu_blocks: int = 0, kv_in_host: bool = False) -> float:  # fmt: skip
     """Median seconds of a decode step of `slots` sequences each at `context` cached positions, run as the runner
     runs them (the next step dispatched before this one's tokens are read), the routed experts on the CPU or
-    streamed to the GPU each step (`experts`), `cpu_blocks` of each layer's then on the CPU meanwhile. The caches
+    streamed to the GPU each step (`experts`), `cpu_blocks` of each layer's then on the CPU meanwhile, the KV cache
+    in host memory with `kv_in_host`. The caches
     hold zeros: a step's time depends on how much cache it reads, not on what is in it; its routing depends on the
     tokens, which differ."""
     cfg = model.config
     most = model.decode_steps or DEVICE_ONLY_DECODE_STEPS  # decode steps a call may run
     cache_len = -(-(context + (steps + 2) * most + 4) // 256) * 256  # as decode.py
-    engine = Engine(model, slots, cache_len, micro_batches, stream_experts=experts == "stream", cpu_blocks=cpu_blocks)
+    engine = Engine(model, slots, cache_len, micro_batches, stream_experts=experts == "stream", cpu_blocks=cpu_blocks,
+                    kv_in_host=kv_in_host)
     calls = -(-steps // engine.steps)
     one = model.family.model.init_cache(cfg, 1, context, model.dtype, model.placement.device)
     tokens = rng.integers(2, cfg.vocab_size, slots)
@@ -124,11 +133,14 @@ def decode_cases(cfg, floors: Floors, work: Workload, itemsize: int, args) -> li
     """(slots, experts, CPU blocks) of every case: each --slots with each --experts, and where the experts stream,
     also with the CPU blocks the model picks for that batch, where it picks any."""
     cases = []
-    for slots, experts in [(b, e) for e in [*args.experts, *([WIDE] if args.widen else [])] for b in args.slots]:
+    streamed = ["stream", *([HKV] if args.kv_in_host else [])] if "stream" in args.experts else []
+    labels = [*args.experts, *([WIDE] if args.widen else []), *streamed[1:]]
+    for slots, experts in [(b, e) for e in labels for b in args.slots]:
         cases.append((slots, experts, 0))
-        if experts == "stream":
+        if experts in streamed:
             try:
-                split = search(cfg, floors, work, itemsize, True, slots=slots, micro_batches=1, experts="stream")
+                split = search(cfg, floors, work, itemsize, True, slots=slots, micro_batches=1, experts="stream",
+                               kv_in_host=experts == HKV)  # fmt: skip
             except ValueError:  # nothing fits at that many slots: the case is reported as not fitting
                 continue
             if split.cpu_blocks:
@@ -186,16 +198,20 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
         if time.perf_counter() > deadline:
             print(f"time limit: slots {slots} with experts {experts} ({cpu_blocks} CPU blocks) and on not run")
             break
-        wide = experts == WIDE
+        wide, in_host = experts == WIDE, experts == HKV
         kv = slots * kv_bytes_per_slot(cfg, context + args.steps + 4, itemsize)
-        held = kv + wide * widened_expert_bytes(cfg, itemsize)
+        held = (2 * kv // cfg.num_hidden_layers if in_host else kv) + wide * widened_expert_bytes(cfg, itemsize)
         if floors.device_free_bytes is not None and held > floors.device_free_bytes:
             print(f"{slots:6d} slots: their KV cache ({kv / 2**30:.1f} GiB)"
                   f"{' and the widened copies' if wide else ''} do not fit the device")
             continue
+        if in_host and floors.host_free_bytes is not None and kv > floors.host_free_bytes:
+            print(f"{slots:6d} slots: their KV cache ({kv / 2**30:.1f} GiB) does not fit host memory")
+            continue
+        runs = RESIDENT if wide else "stream" if in_host else experts
         model.hold_resident_experts(wide)
-        step = decode_step_seconds(model, slots, 1, context, args.steps, rng, RESIDENT if wide else experts, cpu_blocks)
-        policy = Policy(slots, 1, 1, experts=RESIDENT if wide else experts, cpu_blocks=cpu_blocks, widened=wide)
+        step = decode_step_seconds(model, slots, 1, context, args.steps, rng, runs, cpu_blocks, in_host)
+        policy = Policy(slots, 1, 1, experts=runs, cpu_blocks=cpu_blocks, widened=wide, kv_in_host=in_host)
         predicted = predict(cfg, floors, work, policy, itemsize, ON_GPU).step_s
         decode[slots, experts, cpu_blocks] = {"step_s": step, "predicted_step_s": predicted}
         label = f"{experts}+{cpu_blocks}c" if cpu_blocks else experts
@@ -244,8 +260,10 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
     best = max(grid, key=grid.get)
     # The model's pick over the same grid: the policy it predicts fastest among the measured cases.
     picks = {(b, e, c, p): search(cfg, floors, work, itemsize, ON_GPU, slots=b, micro_batches=1, prefill_batch=p,
-                                  experts=None if resident else e, cpu_blocks=c if e == "stream" else None,
-                                  resident=resident, widened=e == WIDE if resident else None)
+                                  experts=None if resident else "stream" if e == HKV else e,
+                                  cpu_blocks=c if e in ("stream", HKV) else None, resident=resident,
+                                  widened=e == WIDE if resident else None,
+                                  kv_in_host=e == HKV if e in ("stream", HKV) else None)
              for b, e, c, p in grid}  # fmt: skip
     pick_key = max(picks, key=lambda key: picks[key].prediction.total_tok_s)
     measured_pick, predicted_pick = grid[pick_key], picks[pick_key].prediction.total_tok_s
@@ -263,7 +281,9 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
         scale = result["measured_vs_predicted"]
         # The model's own full-depth pick with the pick's expert placement, not the pick's slots: the full model's
         # KV cache is deeper, and as many slots as the truncated one ran need not fit the device.
-        full_pick = search(full, floors, work, itemsize, ON_GPU, experts=pick_key[1])
+        streams = pick_key[1] in ("stream", HKV)
+        full_pick = search(full, floors, work, itemsize, ON_GPU, experts="stream" if streams else pick_key[1],
+                           kv_in_host=pick_key[1] == HKV if streams else None)
         interactive_full = predict(full, floors, work, Policy(1, 1, 1), itemsize, ON_GPU).decode_tok_s
         interactive_trunc = predict(cfg, floors, work, Policy(1, 1, 1), itemsize, ON_GPU).decode_tok_s
         projected_interactive = interactive_tok_s * interactive_full / interactive_trunc
@@ -275,13 +295,27 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
             "interactive_tok_s": round(projected_interactive, 2),
             "decode_vs_interactive": round(full_pick.prediction.decode_tok_s * scale / projected_interactive, 1),
         }  # fmt: skip
+        in_host = [(b, d) for (b, e, _), d in decode.items() if e == HKV]
+        if in_host:  # the KV cache in host memory at full depth, scaled by its largest measured step
+            b, d = max(in_host, key=lambda case: case[0])
+            host_scale = d["predicted_step_s"] / d["step_s"]
+            full_host = dataclasses.replace(floors, host_free_bytes=int(args.host_kv_gib * 2**30))
+            host_pick = search(full, full_host, work, itemsize, ON_GPU, experts="stream", kv_in_host=True)
+            decode_tok_s = host_pick.prediction.decode_tok_s * host_scale
+            result["projected_full_depth_kv_in_host"] = {
+                "host_kv_gib": args.host_kv_gib, "slots": host_pick.slots, "cpu_blocks": host_pick.cpu_blocks,
+                "scaled_by_slots": b, "measured_vs_predicted": round(host_scale, 3),
+                "decode_tok_s": round(decode_tok_s, 2), "interactive_tok_s": round(projected_interactive, 2),
+                "decode_vs_interactive": round(decode_tok_s / projected_interactive, 1),
+            }  # fmt: skip
     print(f"best of the grid: {best[0]} slots, experts {best[1]} ({best[2]} CPU blocks), prefill {best[3]}: "
           f"{grid[best]:.1f} tok/s; the model's pick: {pick_key[0]} slots, experts {pick_key[1]} ({pick_key[2]} CPU "
           f"blocks), prefill {pick_key[3]}: {measured_pick:.1f} "
           f"tok/s measured, {predicted_pick:.1f} predicted; best decode / interactive = "
           f"{result['best_decode_vs_interactive']}x")  # fmt: skip
-    if "projected_full_depth" in result:
-        print(f"projected to full depth: {result['projected_full_depth']}")
+    for key in ("projected_full_depth", "projected_full_depth_kv_in_host"):
+        if key in result:
+            print(f"{key.replace('_', ' ')}: {result[key]}")
     model.close()
     return result
 
@@ -298,6 +332,11 @@ def main(argv=None):
                              f"{RESIDENT}: all placed on the device first, alone)")
     parser.add_argument("--widen", action="store_true",
                         help=f"with --experts {RESIDENT}: every case also with the FP8 copies held dequantized")
+    parser.add_argument("--kv-in-host", action="store_true",
+                        help="with --experts stream: every streamed case also with the KV cache in host memory")
+    parser.add_argument("--host-kv-gib", type=float, default=256.0,
+                        help="with --kv-in-host: the host memory a full-size host gives the KV cache, for the "
+                             "full-depth projection")
     parser.add_argument("--requests", type=int, default=4096, help="the modelled run's requests")
     parser.add_argument("--steps", type=int, default=6, help="timed decode steps per case")
     parser.add_argument("--dtype", default="bfloat16" if ON_GPU else "float32")
@@ -306,6 +345,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if RESIDENT in args.experts and args.experts != [RESIDENT]:
         parser.error(f"--experts {RESIDENT} places every expert on the device for the whole run: give it alone")
+    if args.kv_in_host and "stream" not in args.experts:
+        parser.error("--kv-in-host holds the KV cache of streamed steps in host memory: it needs --experts stream")
     if args.widen and args.experts != [RESIDENT]:
         parser.error(f"--widen holds the resident experts dequantized: it needs --experts {RESIDENT}")
     start = time.perf_counter()

@@ -143,7 +143,8 @@ def cmd_batch(args) -> int:
         args.model, args.input, args.output, dtype=args.dtype, max_tokens=args.max_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
         slots=args.slots, micro_batches=args.micro_batches, prefill_batch=args.prefill_batch,
-        experts=args.experts, cpu_blocks=args.cpu_blocks, widened=args.widened, progress=not args.quiet,
+        experts=args.experts, cpu_blocks=args.cpu_blocks, widened=args.widened, kv_in_host=args.kv_in_host,
+        progress=not args.quiet,
     )  # fmt: skip
     return 0
 
@@ -371,6 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
     bat.add_argument("--widen", dest="widened", action=argparse.BooleanOptionalAction,
                      help="with every routed expert resident on the GPU in FP8: hold them dequantized for the run "
                           "(faster large steps, twice their memory) or not (default: the performance model's)")
+    bat.add_argument("--kv-in-host", action=argparse.BooleanOptionalAction,
+                     help="with the experts streamed: hold the KV cache in pinned host memory, copied to the GPU a "
+                          "layer at a time (more slots than the GPU holds) or on the GPU (default: the performance "
+                          "model's)")
     bat.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: the backend's)")
     bat.add_argument("--quiet", action="store_true", help="no progress bar or notes")
     bat.set_defaults(run=cmd_batch)

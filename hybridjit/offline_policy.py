@@ -19,7 +19,9 @@ shapes (the family's cost module):
   batch is so large that the CPU, at its rate for that many tokens per expert, takes longer than the link. With
   `cpu_blocks` of a layer's BLOCKS_PER_LAYER blocks left to the CPU (CoX-MoE's co-execution), the link carries
   the rest while the CPU kernels compute those blocks' pairs after each layer's router: the larger of the two
-  shares' times, plus a hand-off per layer; the copies take their rate off the host read floor the CPU reads at;
+  shares' times, plus a hand-off per layer; the copies take their rate off the host read floor the CPU reads at.
+  A streamed step may also hold the KV cache in pinned host memory (`kv_in_host`, host_kv_cache.py): every slot's
+  cache then crosses the link too, each step, and the slots are bounded by the host's memory, not the device's;
 - or, for a model holding every routed expert on the device (Engine.place_experts, auto placement where they fit:
   experts="gpu", RESIDENT), the routed experts on the GPU as models/common/resident_experts computes them: a
   step with no more routed pairs than experts reads the distinct experts it routes to, a larger one runs batched
@@ -46,6 +48,7 @@ import numpy as np
 
 from hybridjit import machine_floors
 from hybridjit.auto_placement import resident_copies_are_fp8, resident_expert_bytes
+from hybridjit.host_kv_cache import host_kv_budget
 from hybridjit.models.common.resident_experts import gathered, grouped_capacity
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.pinned_experts import BLOCKS_PER_LAYER
@@ -65,6 +68,8 @@ RESIDENT = "gpu"  # Policy.experts of a model holding every routed expert on the
 # then cached): decode steps of tens to thousands of slots, and a prefill's worth.
 RATE_TOKENS = (16, 64, 256, 1024, 4096)
 MAX_SLOTS = 1024
+# With the KV cache in host memory the device no longer bounds the slots: MoE-Gen's batches reach thousands.
+MAX_HOST_KV_SLOTS = 8192
 MICRO_BATCHES = (1, 2, 4, 8)
 # Bytes a prompt token takes while prefilled, besides the weights: float32 logits over the vocabulary (the hybrid
 # prefill program computes every position's) and a few hidden-size activations.
@@ -88,6 +93,7 @@ class Floors:
     handoff_us: float = 22.0  # one routed-expert call's GPU -> CPU -> GPU hand-off: 21-23 us (DESIGN.md §1)
     gpu_layer_us: float = 40.0  # launches and small kernels per layer and attention call (a guess; see offline.py)
     device_free_bytes: int | None = None  # for KV cache and prefill; None: measured when the policy is chosen
+    host_free_bytes: int | None = None  # for a KV cache in host memory; None: measured when the policy is chosen
     # The CPU expert kernels' rate on one of the model's MoE layers by tokens per call, routed uniformly:
     # ((tokens, TFLOP/s), ...) ascending. It falls steeply with tokens per expert (fewer tokens to amortize each
     # expert's read and FP8 expansion over; bench/RESULTS.md: FP8 at 64 per expert 0.42x its rate at 512), which
@@ -151,6 +157,7 @@ class Policy:
     experts: str = "cpu"  # one of EXPERTS, or RESIDENT
     cpu_blocks: int = 0  # with experts "stream": blocks of each layer's BLOCKS_PER_LAYER the CPU computes meanwhile
     widened: bool = False  # with RESIDENT FP8 copies: held dequantized in the compute dtype for the run
+    kv_in_host: bool = False  # with experts "stream": the KV cache in pinned host memory, copied in a layer at a time
 
     def describe(self) -> str:
         mb = "dual-batch overlap" if self.micro_batches == DUAL else f"{self.micro_batches} attention micro-batch(es)"
@@ -161,6 +168,8 @@ class Policy:
             where += f", the CPU computing {self.cpu_blocks} of each layer's {BLOCKS_PER_LAYER} blocks meanwhile"
         if self.widened:
             where += " (held dequantized for the run)"
+        if self.kv_in_host:
+            where += ", the KV cache in host memory"
         line = (f"policy: {self.slots} slots, {mb}, routed experts {where}, prefill {self.prefill_batch} prompts at "
                 "a time")  # fmt: skip
         if p := self.prediction:
@@ -267,10 +276,12 @@ def streamed_expert_seconds(cfg: ModelConfig, floors: Floors, tokens: int) -> tu
 
 
 def decode_step(cfg: ModelConfig, floors: Floors, batch: int, context: float, micro_batches, itemsize: int,
-                experts: str = "cpu", cpu_blocks: int = 0, widened: bool = False):  # fmt: skip
+                experts: str = "cpu", cpu_blocks: int = 0, widened: bool = False,
+                host_kv_positions: int = 0):  # fmt: skip
     """(step seconds, of which routed experts) of one decode step of `batch` slots, the routed experts on the CPU
     or streamed to the GPU (`experts`, one of EXPERTS), `cpu_blocks` of each layer's BLOCKS_PER_LAYER then on the
-    CPU meanwhile, or resident on the GPU (RESIDENT; FP8 copies held dequantized where `widened`)."""
+    CPU meanwhile, or resident on the GPU (RESIDENT; FP8 copies held dequantized where `widened`). A streamed step
+    whose KV cache is in host memory copies `host_kv_positions` positions of every slot over the link as well."""
     handoffs = _moe_layers(cfg) * floors.handoff_us * 1e-6
     if experts == RESIDENT:  # no hand-off: the experts are one more part of the GPU's step
         on_gpu = resident_expert_seconds(cfg, floors, batch, itemsize, widened)
@@ -278,6 +289,7 @@ def decode_step(cfg: ModelConfig, floors: Floors, batch: int, context: float, mi
     if experts == "stream":  # the copies overlap the GPU's work (the ring loads ahead); one micro-batch
         streamed = 1 - cpu_blocks / BLOCKS_PER_LAYER
         copies, expert_gpu = (streamed * t for t in streamed_expert_seconds(cfg, floors, batch))
+        copies += batch * kv_bytes_per_slot(cfg, host_kv_positions, itemsize) / (floors.pcie_gbps * 1e9)
         # From each layer's router to its combine, reading host memory while the copies read it too.
         sharing = dataclasses.replace(floors, host_read_gbps=max(floors.host_read_gbps - floors.pcie_gbps, 1.0))
         cpu = (1 - streamed) * cpu_expert_seconds(cfg, sharing, batch)
@@ -314,7 +326,7 @@ def predict(
 ) -> Prediction:
     step, experts = decode_step(cfg, floors, policy.slots, work.prompt_tokens + work.new_tokens / 2,
                                 policy.micro_batches, itemsize, policy.experts, policy.cpu_blocks,
-                                policy.widened)  # fmt: skip
+                                policy.widened, work.cache_len if policy.kv_in_host else 0)  # fmt: skip
     length = bucket(math.ceil(work.prompt_tokens))
     prefill = prefill_batch_seconds(cfg, floors, policy.prefill_batch, length, can_stream, policy.experts == RESIDENT,
                                     itemsize, policy.widened)
@@ -349,13 +361,16 @@ def search(
     cfg: ModelConfig, floors: Floors, work: Workload, itemsize: int, can_stream: bool,
     slots: int | None = None, micro_batches: int | str | None = None, prefill_batch: int | None = None,
     experts: str | None = None, cpu_blocks: int | None = None, resident: bool = False, widened: bool | None = None,
+    kv_in_host: bool | None = None,
 ) -> Policy:  # fmt: skip
     """The policy of the grid (slots by _slot_grid, micro-batches MICRO_BATCHES and DUAL, prefill batches powers of
     two, the routed experts on the CPU or, where `can_stream`, streamed to the GPU with one micro-batch and 0 to
     BLOCKS_PER_LAYER - 1 blocks of each layer on the CPU meanwhile; the fixed ones as given) with the best predicted
     throughput that fits `floors.device_free_bytes` (None: unbounded). A model whose routed experts are all
     `resident` on the device runs them there (RESIDENT), with no dual-batch overlap (it overlaps CPU and GPU), its
-    FP8 copies held as stored or dequantized for the run (`widened`, searched unless given)."""
+    FP8 copies held as stored or dequantized for the run (`widened`, searched unless given). A streamed step's KV
+    cache is on the device or in host memory (`kv_in_host`, searched unless given; in host memory up to
+    MAX_HOST_KV_SLOTS slots within `floors.host_free_bytes`, two layers' caches on the device)."""
     if resident and (experts is not None or cpu_blocks or micro_batches == DUAL):
         chosen = {"experts": experts, "cpu_blocks": cpu_blocks, "micro_batches": micro_batches}
         asked = ", ".join(f"{name}={value!r}" for name, value in chosen.items() if value)
@@ -373,34 +388,44 @@ def search(
                          f"CPU computes while the rest stream), got {cpu_blocks}")  # fmt: skip
     if cpu_blocks and experts == "cpu":
         raise ValueError(f"cpu_blocks={cpu_blocks} splits a streamed step's experts; it needs experts='stream'")
-    if cpu_blocks and experts is None:
+    if kv_in_host and (resident or experts == "cpu" or micro_batches not in (None, 1)):
+        raise ValueError("kv_in_host=True: the KV cache in host memory is read by streamed decode steps of one "
+                         "micro-batch; it needs experts='stream'")  # fmt: skip
+    if (cpu_blocks or kv_in_host) and experts is None:
         experts = "stream"
     if experts == "stream" and not can_stream:
         raise ValueError("experts='stream' needs the routed experts pinned for streaming (a GPU placement with "
                          "Placement(pinned_experts=True))")  # fmt: skip
     if experts == "stream" and micro_batches not in (None, 1):
         raise ValueError(f"experts='stream' decodes one micro-batch, got micro_batches={micro_batches!r}")
-    memory = floors.device_free_bytes
+    memory, host_memory = floors.device_free_bytes, floors.host_free_bytes
     per_slot = kv_bytes_per_slot(cfg, work.cache_len, itemsize)
     length = bucket(math.ceil(work.prompt_tokens))
-    most = min(work.requests, MAX_SLOTS)
+    streams = experts == "stream" or (experts is None and can_stream and micro_batches in (None, 1))
+    kv_holdings = [kv_in_host] if kv_in_host is not None else [False, True] if streams else [False]
+    most = min(work.requests, MAX_HOST_KV_SLOTS if True in kv_holdings else MAX_SLOTS)
     slot_grid = [slots] if slots else _slot_grid(most)
     best = None
     for b in slot_grid:
-        kv = b * per_slot
-        if memory is not None and kv > memory and slots is None:
-            continue
         mb_grid = [micro_batches] if micro_batches else [*(m for m in MICRO_BATCHES if m <= b), DUAL]
         if resident:
             holdings = [widened] if widened is not None else [False, True] if can_widen else [False]
             placements = [(RESIDENT, mb, w) for mb in mb_grid if mb != DUAL for w in holdings]
         else:
             placements = [("cpu", mb, 0) for mb in mb_grid] if experts != "stream" else []
-            if experts == "stream" or (experts is None and can_stream and micro_batches in (None, 1)):
+            if streams:
                 splits = [cpu_blocks] if cpu_blocks is not None else range(BLOCKS_PER_LAYER)
-                placements += [("stream", 1, c) for c in splits]
+                placements += [(("stream", in_host), 1, c) for in_host in kv_holdings for c in splits]
         for where, mb, option in placements:  # option: CPU blocks of a streamed step, widened copies if resident
             split, wide = (0, option) if where == RESIDENT else (option, False)
+            where, in_host = where if isinstance(where, tuple) else (where, False)
+            # On the device, all the slots' caches; in host memory, the layer read and the next one coming.
+            kv = 2 * b * per_slot // cfg.num_hidden_layers if in_host else b * per_slot
+            if slots is None and (
+                (memory is not None and kv > memory) or (b > MAX_SLOTS and not in_host)
+                or (in_host and host_memory is not None and b * per_slot > host_memory)
+            ):
+                continue
             calls = 2 if mb == DUAL else mb
             context = work.cache_len
             # More micro-batches keep attention's scratch small; a streamed step's one is counted in its need.
@@ -414,7 +439,7 @@ def search(
                 # A fixed prefill batch is taken as asked; widened copies the search chose must fit.
                 if memory is not None and need > memory and (not prefill_batch or wide and widened is None):
                     continue
-                policy = Policy(b, mb, p, experts=where, cpu_blocks=split, widened=wide)
+                policy = Policy(b, mb, p, experts=where, cpu_blocks=split, widened=wide, kv_in_host=in_host)
                 prediction = predict(cfg, floors, work, policy, itemsize, can_stream)
                 policy = dataclasses.replace(policy, prediction=prediction)
                 if best is None or policy.prediction.total_tok_s > best.prediction.total_tok_s:
@@ -422,7 +447,7 @@ def search(
     if best is None:
         free = "an unbounded device" if memory is None else f"the device's {memory / 2**30:.2f} GiB free"
         fixed = {"slots": slots, "micro_batches": micro_batches, "experts": experts, "cpu_blocks": cpu_blocks,
-                 "widened": widened}
+                 "widened": widened, "kv_in_host": kv_in_host}
         asked = ", ".join(f"{name}={value!r}" for name, value in fixed.items() if value)
         raise ValueError(
             f"no policy of the grid{f' with {asked}' if asked else ''} fits {free}: one slot's KV cache of "
@@ -436,6 +461,7 @@ def search(
 def choose_policy(
     model, jobs, cache_len: int, slots=None, micro_batches=None, prefill_batch=None, floors: Floors | None = None,
     experts: str | None = None, cpu_blocks: int | None = None, widened: bool | None = None,
+    kv_in_host: bool | None = None,
 ) -> Policy:
     """The policy for running `jobs` (runner Jobs) on a loaded model, with the user's choices fixed."""
     from hybridjit.stream_prefill import choose_prefill_path
@@ -446,12 +472,14 @@ def choose_policy(
     floors = floors or Floors.of_machine(model)
     if floors.device_free_bytes is None and model.placement.device.platform != "cpu":
         floors = dataclasses.replace(floors, device_free_bytes=free_device_memory(model.placement.device))
+    if floors.host_free_bytes is None:
+        floors = dataclasses.replace(floors, host_free_bytes=host_kv_budget())
     work = Workload.of_jobs(jobs, cache_len)
     resident = not model.experts_on_host and _moe_layers(model.config) > 0
     # Pinned, streamable experts. Chosen only on a GPU; forced, the same program runs on any device (tests).
     can_stream = not resident and choose_prefill_path(model, 1, 1, threshold=0) == "stream" and (
-        model.placement.device.platform == "gpu" or experts == "stream" or bool(cpu_blocks)
+        model.placement.device.platform == "gpu" or experts == "stream" or bool(cpu_blocks) or bool(kv_in_host)
     )
     itemsize = jnp.dtype(model.dtype).itemsize
     return search(model.config, floors, work, itemsize, can_stream, slots, micro_batches, prefill_batch, experts,
-                  cpu_blocks, resident, widened)
+                  cpu_blocks, resident, widened, kv_in_host)

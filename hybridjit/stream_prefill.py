@@ -48,6 +48,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from hybridjit.checkpoint import DTYPES
+from hybridjit.host_kv_cache import HostKVCache
 from hybridjit.models.common.expert_storage import ExpertStorage
 from hybridjit.models.common.experts import experts_grouped, group_by_expert
 from hybridjit.models.common.layers import linear, mlp, rms_norm
@@ -580,6 +581,7 @@ class StreamStats:
     expert_slots: int = 0  # the slots the expert GEMMs ran over them: pairs / slots is their occupancy
     block_passes: int = 0  # passes over expert blocks, over all MoE layers (one per block without skew)
     largest_pass_slots: int = 0  # the slots of the largest pass: at most plan.block_slots
+    kv_copied_bytes: int = 0  # a decode step's KV cache copied from host memory (HostKVCache), over all layers
 
 
 # ------------------------------------------------------------------------------------------ prefill
@@ -638,14 +640,20 @@ def stream_decode_step(model, tokens, positions, live, cache, *, vram_budget: in
 
     With `cpu_blocks`, the last that many expert blocks of each MoE layer are not streamed: the CPU kernels compute
     their pairs while the GPU streams and computes the others (CoX-MoE's co-execution), handed off after the layer's
-    router and taken back in its combine: the step then takes about the larger of the two shares' times."""
+    router and taken back in its combine: the step then takes about the larger of the two shares' times.
+
+    `cache` may instead be a HostKVCache (the KV cache in pinned host memory): each layer's cache is then copied to
+    the device for its attention and the step's entries written back to host memory; it is returned as is."""
     tokens = np.asarray(tokens, np.int32)[:, None]
     positions = np.asarray(positions, np.int32)[:, None]
     live = np.asarray(live, bool)
     # The ring's plan counts a prompt's activations, not the decode attention's scores over the whole cache.
     if vram_budget is None and (free := free_device_memory(model.placement.device)) is not None:
-        cache_len = max(a.shape[1] for a in jax.tree.leaves(cache))
+        layers = cache.layers if isinstance(cache, HostKVCache) else cache
+        cache_len = max(a.shape[1] for a in jax.tree.leaves(layers))
         vram_budget = free - decode_scores_bytes(model.config, len(tokens), cache_len)
+        if isinstance(cache, HostKVCache):  # two layers' copies on the device: the one read, the next one coming
+            vram_budget -= 2 * max(sum(a.nbytes for a in jax.tree.leaves(layer)) for layer in layers)
     return _stream_layers(model, (model.placement.device,), tokens, positions, live, np.zeros(len(tokens), np.int32),
                           cache, vram_budget, None, None, stats, None, None, cpu_blocks)  # fmt: skip
 
@@ -663,11 +671,15 @@ def _stream_layers(model, devices, tokens, positions, live, last, cache, vram_bu
     shares = _cpu_shares(weights, steps, cpu_blocks, mesh.size)
     steps = {i: layer_steps[: len(layer_steps) - cpu_blocks] for i, layer_steps in steps.items()}
     replicated = NamedSharding(mesh, P())
+    host = cache if isinstance(cache, HostKVCache) else None
+    if host is not None and (positions is None or mesh.size > 1):
+        raise ValueError("a cache in host memory is read by decode steps on one device, not by prefill")
+    host_positions = None if positions is None else positions[:, 0]
     tokens, last = jax.device_put((tokens, last), replicated)
     if positions is not None:
         positions, live = jax.device_put((positions, np.broadcast_to(live[:, None], tokens.shape).reshape(-1)),
                                          replicated)  # fmt: skip
-    cache = jax.device_put(list(cache), replicated)
+    cache = [None] * len(host) if host is not None else jax.device_put(list(cache), replicated)
     firsts = _step_firsts(steps, replicated)
     plan = plan_ring(
         cfg, list(pinned.values()), *tokens.shape, dtype, _least_free(mesh.devices.flat),
@@ -682,6 +694,8 @@ def _stream_layers(model, devices, tokens, positions, live, last, cache, vram_bu
     x = ring.run("embed", _embed, layout, weights.embed, tokens)
     for i, layer in enumerate(weights.layers):
         ring.phase_seconds.clear()
+        if host is not None:
+            cache[i] = host.take(i, replicated)
         if i in pinned:
             x, cache[i], slots = _moe_layer(cfg, plan, attend, layout, layer, pinned[i].storage, steps[i],
                                             shares.get(i), firsts, x, cache[i], positions, live, ring,
@@ -692,12 +706,17 @@ def _stream_layers(model, devices, tokens, positions, live, last, cache, vram_bu
             stats.routed_pairs += tokens.size * cfg.num_experts_per_tok
         else:
             x, cache[i] = ring.run("attention+mlp", _dense_layer, cfg, attend, layout, layer, x, cache[i], positions)
+        if host is not None:
+            host.write_back(i, cache[i], host_positions)
+            stats.kv_copied_bytes += sum(a.nbytes for a in jax.tree.leaves(host.layers[i]))
         stats.layer_done_s.append(time.perf_counter() - start)
         stats.layer_phase_s.append(dict(ring.phase_seconds))
     logits = _last_logits(cfg, layout, weights.norm, weights.lm_head, x, last)
     stats.streamed_bytes, stats.peak_ring_bytes, stats.peak_device_bytes = (
         ring.streamed_bytes, ring.peak_bytes, ring.peak_in_use
     )
+    if host is not None:
+        return _on(model.placement.device, logits), host
     return jax.tree.map(partial(_on, model.placement.device), (logits, cache))
 
 

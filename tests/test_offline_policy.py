@@ -135,12 +135,41 @@ def test_streaming_is_chosen_only_where_its_ring_fits_beside_the_kv_cache():
     long_decode = Workload(requests=4096, prompt_tokens=100, new_tokens=900, cache_len=1024)
     kv = 192 * kv_bytes_per_slot(V3, long_decode.cache_len, 2)
     tight = Floors(device_free_bytes=kv + (1 << 28), cpu_expert_tflops_by_tokens=slow)
-    assert search(V3, tight, long_decode, 2, True, slots=192).experts == "cpu"
+    on_device = {"kv_in_host": False}
+    assert search(V3, tight, long_decode, 2, True, slots=192, **on_device).experts == "cpu"
     roomy = dataclasses.replace(tight, device_free_bytes=kv + stream_ring_bytes(V3, 192, 1024) + (1 << 30))
-    assert search(V3, roomy, long_decode, 2, True, slots=192).experts == "stream"
+    assert search(V3, roomy, long_decode, 2, True, slots=192, **on_device).experts == "stream"
     forced = "no policy of the grid with slots=192, experts='stream' fits the device's .* GiB free"
     with pytest.raises(ValueError, match=forced):
-        search(V3, tight, long_decode, 2, True, slots=192, experts="stream")
+        search(V3, tight, long_decode, 2, True, slots=192, experts="stream", **on_device)
+
+
+def test_the_kv_cache_in_host_memory_trades_link_time_for_slots_the_device_cannot_hold():
+    """Streaming V3's experts, a 40 GiB device holds the KV cache of a few hundred slots (61 layers of MLA latents,
+    0.067 GiB a slot at 1,024 positions). In host memory every slot's cache also crosses the link each step (priced:
+    the step grows by those bytes at the pinned rate) and the device holds two layers' caches, so the slots are
+    bounded by the host instead: the search takes more of them, for more throughput, within the host's memory. The
+    cache in host memory is for streamed steps only."""
+    slow = Floors(device_free_bytes=40 << 30, host_free_bytes=1 << 40,
+                  cpu_expert_tflops_by_tokens=((1, 0.05), (512, 1.0), (4096, 4.0)))  # fmt: skip
+    per_slot = kv_bytes_per_slot(V3, WORK.cache_len, 2)
+    on_device = search(V3, slow, WORK, 2, True, experts="stream", kv_in_host=False)
+    in_host = search(V3, slow, WORK, 2, True, experts="stream")
+    assert not on_device.kv_in_host and on_device.slots * per_slot <= slow.device_free_bytes
+    assert in_host.kv_in_host and in_host.slots > 2 * on_device.slots
+    assert "KV cache in host memory" in in_host.describe()
+    assert in_host.prediction.decode_tok_s > 1.5 * on_device.prediction.decode_tok_s
+    link_bound = dataclasses.replace(slow, gpu_tflops=1e9, gpu_hbm_gbps=1e9)  # the step is the copies
+    steps = [predict(V3, link_bound, WORK, Policy(2048, 1, 1, experts="stream", kv_in_host=h), 2, True).step_s
+             for h in (False, True)]  # fmt: skip
+    assert steps[1] - steps[0] == pytest.approx(2048 * per_slot / (slow.pcie_gbps * 1e9), rel=1e-6)
+    small_host = dataclasses.replace(slow, host_free_bytes=1000 * per_slot)
+    bounded = search(V3, small_host, WORK, 2, True, experts="stream")
+    assert bounded.slots * per_slot <= small_host.host_free_bytes or not bounded.kv_in_host
+    assert bounded.slots < in_host.slots
+    for options in ({"experts": "cpu"}, {"micro_batches": 2}):
+        with pytest.raises(ValueError, match="kv_in_host=True: the KV cache in host memory is read by streamed"):
+            search(V3, slow, WORK, 2, True, kv_in_host=True, **options)
 
 
 def test_resident_fp8_experts_are_priced_as_the_grouped_path_computes_them():

@@ -346,20 +346,30 @@ def test_streamed_decode_steps_match_the_decode_step(case, model, exact_model, t
 def test_an_engine_streaming_its_experts_decodes_as_the_engine_on_xla_experts(case, model, exact_model):
     """Engine(stream_experts=True) generates the greedy tokens of an engine whose experts are XLA arrays, over slots
     joined at different prompt lengths with one left free. (Not against the CPU kernels' engine: the integer
-    formats' kernels quantize activations, and greedy tokens part at near-ties.) MLA and gpt-oss's windowed rings:
-    the other families' streamed steps are checked against the decode step above."""
-    only(case, FULL, "gpt_oss-mxfp4")
+    formats' kernels quantize activations, and greedy tokens part at near-ties.) Also with the KV cache in pinned host
+    memory (each layer's copied to the device for its attention, the step's entries written back). MLA, GQA, and
+    gpt-oss's windowed rings, which the host cache refuses: the other families' streamed steps are checked against
+    the decode step above."""
+    only(case, FULL, "gpt_oss-mxfp4", "glm4_moe-bf16")
     prompts = [[5, 9, 2, 7, 11, 3], [4, 8, 15, 16, 23, 42, 7, 1, 9, 12, 30]]
+    rings = case == "gpt_oss-mxfp4"
     generated = []
-    for stream in (False, True):
-        engine = Engine(model if stream else exact_model, 3, CACHE_LEN, micro_batches=1, stream_experts=stream)
+    for stream, in_host in [(False, False), (True, False), *([] if rings else [(True, True)])]:
+        engine = Engine(model if stream else exact_model, 3, CACHE_LEN, micro_batches=1, stream_experts=stream,
+                        kv_in_host=in_host)  # fmt: skip
         prefilled = engine.prefill(prompts, [SamplingParams()] * 2)
         for row, slot in enumerate((0, 2)):
             engine.insert(prefilled, row, slot, SamplingParams())
         steps = [engine.generate() for _ in range(4)]
         generated.append(np.concatenate([s.tokens() for s in steps])[:, [0, 2]])
         assert engine.steps == 1
-    np.testing.assert_array_equal(generated[1], generated[0])
+    for tokens in generated[1:]:
+        np.testing.assert_array_equal(tokens, generated[0])
+    if rings:
+        with pytest.raises(ValueError, match="kv_in_host: gpt_oss's sliding-window layers keep their window as a ring"):
+            Engine(model, 3, CACHE_LEN, micro_batches=1, stream_experts=True, kv_in_host=True)
+    with pytest.raises(ValueError, match="kv_in_host: a cache in host memory is read by streamed decode steps"):
+        Engine(model, 3, CACHE_LEN, micro_batches=1, kv_in_host=True)
 
 
 def test_an_engine_streams_its_experts_only_when_they_are_pinned_and_all_run(case, model, exact_model, monkeypatch):

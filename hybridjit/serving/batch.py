@@ -42,6 +42,7 @@ def batch(
     experts: str | None = None,
     cpu_blocks: int | None = None,
     widened: bool | None = None,
+    kv_in_host: bool | None = None,
     progress: bool = True,
     dtype: str | None = None,
     floors: Floors | None = None,
@@ -66,6 +67,8 @@ def batch(
     `widened`: with every routed expert resident on the device in FP8, whether the run holds them dequantized in the
     compute dtype (large steps skip dequantizing them each step, at twice their device bytes; as stored again
     when the run ends).
+    `kv_in_host`: with the experts streamed, whether the KV cache is held in pinned host memory and copied to the
+    GPU a layer at a time (more slots than the device's memory holds, for the link's time; host_kv_cache.py).
     `progress`: a progress bar (tokens/s, ETA) and notes on stderr.
     `dtype`: the compute dtype of a model loaded here (as hybridjit.load's).
     `floors`: the machine's rates the performance model reads (default: offline_policy.Floors.of_machine, this
@@ -76,7 +79,7 @@ def batch(
     defaults = check_defaults({k: v for k, v in given.items() if v is not None})
     source, lines = _lines(requests)
     parsed = read_requests(lines, source, defaults)
-    overrides = (slots, micro_batches, prefill_batch, floors, experts, cpu_blocks, widened)
+    overrides = (slots, micro_batches, prefill_batch, floors, experts, cpu_blocks, widened, kv_in_host)
     if isinstance(model, str | Path) or model is None:
         from hybridjit.engine import load  # deferred: loading starts JAX
 
@@ -143,7 +146,7 @@ def _decode_all(model, todo, out: ResumableOutput | None, done: dict, policy, mi
                 progress: bool):  # fmt: skip
     runner = ThroughputRunner(
         model, slots=policy.slots, micro_batches=micro_batches, prefill_batch=policy.prefill_batch, cache_len=cache_len,
-        stream_experts=policy.experts == "stream", cpu_blocks=policy.cpu_blocks,
+        stream_experts=policy.experts == "stream", cpu_blocks=policy.cpu_blocks, kv_in_host=policy.kv_in_host,
     )
     bar = tqdm(total=sum(j.max_tokens for j in todo), unit="tok", desc="generating", file=sys.stderr,
                disable=not progress, dynamic_ncols=True)  # fmt: skip

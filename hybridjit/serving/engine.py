@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hybridjit.host_kv_cache import HostKVCache
 from hybridjit.models.common.moe import MoE
 from hybridjit.models.common.ring_cache import from_prompt, is_ring
 from hybridjit.models.registry import family_of
@@ -258,7 +259,9 @@ class Engine:
     from their pinned host copy, as stream-loaded prefill does (stream_prefill.stream_decode_step): one micro-batch,
     one step a call, attending over the whole cache; its generate returns once the step has run (the step is a host
     loop over per-layer executables). With `cpu_blocks` as well, the last that many expert blocks of each layer stay
-    on the CPU, whose kernels compute them while the rest streams (co-execution).
+    on the CPU, whose kernels compute them while the rest streams (co-execution). With `kv_in_host` as well, the
+    cache is held in pinned host memory (host_kv_cache.HostKVCache) and copied to the device a layer at a time:
+    the slots are then bounded by host memory, not the device's.
 
     Each generate call runs `steps` decode steps: model.decode_steps if set (the interactive engine then decodes
     one micro-batch), else DEVICE_ONLY_DECODE_STEPS when the whole model runs on a GPU (no routed expert on the
@@ -271,7 +274,7 @@ class Engine:
     """
 
     def __init__(self, model, slots: int, cache_len: int, micro_batches: int | None = None, tally: bool = False,
-                 stream_experts: bool = False, cpu_blocks: int = 0):  # fmt: skip
+                 stream_experts: bool = False, cpu_blocks: int = 0, kv_in_host: bool = False):  # fmt: skip
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if not 1 <= cache_len <= model.config.max_position_embeddings:
@@ -298,6 +301,9 @@ class Engine:
             raise ValueError(f"cpu_blocks={cpu_blocks}: the CPU takes blocks of a streamed step; set stream_experts")
         if cpu_blocks:
             check_cpu_blocks(model, cpu_blocks)
+        if kv_in_host and not stream_experts:
+            raise ValueError("kv_in_host: a cache in host memory is read by streamed decode steps; set stream_experts")
+        self.kv_in_host = kv_in_host
         if stream_experts:
             if choose_prefill_path(model, 1, 1, threshold=0) != "stream":
                 raise ValueError("stream_experts: the model's routed experts are not pinned for streaming; load it "
@@ -321,9 +327,13 @@ class Engine:
         """Every slot free, the cache zeroed: also the way back after a step failed (its donated cache is gone)."""
         m = self.model
         init = partial(m.family.model.init_cache, ring=True)
-        self.caches = [init(m.config, len(g), self.cache_len, m.dtype, m.placement.device) for g in self.groups]
+        if self.kv_in_host:
+            self.caches = None  # the old buffers go before the new ones are pinned
+            self.caches = [HostKVCache(m, self.slots, self.cache_len)]
+        else:
+            self.caches = [init(m.config, len(g), self.cache_len, m.dtype, m.placement.device) for g in self.groups]
         # Whether some layer keeps only its window (a ring), so that a slot no longer holds all its positions.
-        self.has_rings = any(is_ring(layer) for layer in self.caches[0])
+        self.has_rings = not self.kv_in_host and any(is_ring(layer) for layer in self.caches[0])
         # Per micro-batch, the tokens [steps, b] of the last call, whose last row the next call decodes from:
         self.tokens = [jnp.zeros((self.steps, len(g)), jnp.int32) for g in self.groups]
         self.positions = np.zeros(self.slots, np.int32)
@@ -398,7 +408,10 @@ class Engine:
         if (width := jax.tree.leaves(prefilled.cache)[0].shape[1]) > self.cache_len:
             raise ValueError(f"a prefilled cache of {width} positions does not fit slots of {self.cache_len}")
         g, r = self._where(slot)
-        self.caches[g] = _insert_program(self.caches[g], prefilled.cache, row, prefilled.lengths[row], r)
+        if self.kv_in_host:
+            self.caches[g].insert(prefilled.cache, row, int(prefilled.lengths[row]), r)
+        else:
+            self.caches[g] = _insert_program(self.caches[g], prefilled.cache, row, prefilled.lengths[row], r)
         self.tokens[g] = self.tokens[g].at[-1, r].set(prefilled.tokens[row])
         self.positions[slot] = prefilled.lengths[row]
         self.counts[slot] = 1  # the first token, sampled by prefill
@@ -415,6 +428,8 @@ class Engine:
         with rings: a ring layer of a slot keeps only its last positions."""
         if self.has_rings:
             raise ValueError(f"slot: slot {slot} keeps only the windows of its sliding-window layers")
+        if self.kv_in_host:
+            raise ValueError("read_span: this engine's cache is in host memory, for streamed offline decoding")
         g, r = self._where(slot)
         return _read_span(self.caches[g], r, length, start)
 

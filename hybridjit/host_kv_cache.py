@@ -1,0 +1,113 @@
+"""The KV cache of an offline run in pinned host memory (issue #25; MoE-Gen keeps its KV cache in host memory).
+
+On the device the cache bounds the batch: DeepSeek-V3's 61 layers of MLA latents at 1,024 positions take 0.067 GiB
+a slot, so an H200 holds about a thousand slots beside the weights, while the streamed decode step's cost, every
+expert's bytes over PCIe, is the same for any batch and is shared by more tokens the more slots there are. Held in
+pinned host memory, the cache is bounded by the host instead. A streamed decode step
+(stream_prefill.stream_decode_step) then copies each layer's cache to the GPU just before that layer's attention, an
+asynchronous DMA over the same link as the experts (the next layer's copy is issued while this layer runs), and
+writes back only the entries the step added; the device holds two layers' caches, not all of them.
+
+The buffers are JAX arrays in the device's "pinned_host" memory (page-locked: the GPU pulls them at the link's full
+rate), written in place through numpy views of their host addresses, as pinned_experts does for the experts; a
+buffer is never written while a copy of it may be in flight (a layer's entries are written after its attention has
+read its copy, and its next copy is issued at the next step).
+"""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Sharding, SingleDeviceSharding
+
+from hybridjit.models.common.ring_cache import is_ring
+from hybridjit.pinned_experts import PINNED_HOST, host_view
+
+# Of the host memory available when a run starts, the share a KV cache there may pin: the rest stays for the
+# process's own arrays (prompt caches on their way, outputs) and the system.
+HOST_KV_SHARE = 0.8
+
+
+def host_kv_budget() -> int | None:
+    """Bytes of host memory a KV cache may pin now: HOST_KV_SHARE of the kernel's MemAvailable (None where there
+    is no /proc/meminfo)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+    except OSError:
+        return None
+    kib = int(fields["MemAvailable"].split()[0])
+    return int(HOST_KV_SHARE * kib * 1024)
+
+
+class HostKVCache:
+    """The decode cache of `slots` sequences of `cache_len` positions of `model` (a hybridjit.engine.Model), every
+    layer in pinned host memory: the layout init_cache gives ([slots, cache_len, ...] per leaf), host-resident."""
+
+    def __init__(self, model, slots: int, cache_len: int):
+        family, cfg = model.family, model.config
+        shapes = jax.eval_shape(partial(family.model.init_cache, cfg, slots, cache_len, model.dtype, ring=True))
+        if any(is_ring(layer) for layer in shapes):
+            raise ValueError(
+                f"kv_in_host: {cfg.model_type}'s sliding-window layers keep their window as a ring on the device, "
+                "which the host cache does not hold; keep the KV cache on the device for this model"
+            )
+        host = SingleDeviceSharding(model.placement.device, memory_kind=PINNED_HOST)
+
+        def pinned(shape: jax.ShapeDtypeStruct) -> jax.Array:
+            # One leaf at a time, so that the zeroed source is never more than a layer's leaf.
+            return jax.device_put(np.zeros(shape.shape, shape.dtype), host).block_until_ready()
+
+        self.layers = [jax.tree.map(pinned, layer) for layer in shapes]
+        self._views = [jax.tree.map(lambda a: host_view(a, None), layer) for layer in self.layers]
+        self._copies: dict[int, object] = {}  # layer -> its device copy, issued and not yet taken
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in jax.tree.leaves(self.layers))
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def issue(self, layer: int, sharding: Sharding) -> None:
+        """Starts the copy of `layer`'s cache to the device(s) of `sharding` (asynchronous), unless it is issued."""
+        if layer < len(self.layers) and layer not in self._copies:
+            self._copies[layer] = jax.device_put(self.layers[layer], sharding)
+
+    def take(self, layer: int, sharding: Sharding):
+        """`layer`'s cache on the device(s) of `sharding` (its copy may still be in flight): the caller's to donate.
+        The next layer's copy is issued first, to overlap this layer's work."""
+        self.issue(layer, sharding)
+        self.issue(layer + 1, sharding)
+        return self._copies.pop(layer)
+
+    def write_back(self, layer: int, updated, positions: np.ndarray) -> None:
+        """Writes the entries the step added to `layer`'s device copy `updated` (each row's at its position in
+        positions [b]) to the host buffers, then frees the copy."""
+        entries = jax.device_get(_entries_at(updated, jnp.asarray(positions)))
+        rows = np.arange(len(positions))
+        for view, new in zip(jax.tree.leaves(self._views[layer]), jax.tree.leaves(entries), strict=True):
+            view[rows, positions] = new
+        for a in jax.tree.leaves(updated):
+            a.delete()
+
+    def insert(self, prompt_cache: list, row: int, length: int, slot: int) -> None:
+        """Positions [0, length) of row `row` of a prompt cache (every layer [b, t, ...], on the device) into slot
+        `slot`."""
+        prompt = jax.device_get(_row(prompt_cache, row, length))
+        for views, layer in zip(self._views, prompt, strict=True):
+            for view, new in zip(jax.tree.leaves(views), jax.tree.leaves(layer), strict=True):
+                view[slot, :length] = new
+
+
+@jax.jit
+def _entries_at(cache, positions):
+    """Each row's entry at its position: every leaf [b, L, ...] -> [b, ...]."""
+    return jax.tree.map(lambda a: a[jnp.arange(a.shape[0]), positions], cache)
+
+
+@partial(jax.jit, static_argnums=2)
+def _row(cache, row, length):
+    """Positions [0, length) of row `row` of every leaf [b, t, ...]: [length, ...]."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row, 0, keepdims=False)[:length], cache)
