@@ -126,6 +126,11 @@ def pair_matvec(w: jax.Array, scale: jax.Array | None, block: tuple[int, int] | 
 def resident_output(res: ResidentExperts, x: jax.Array, pairs: ResidentPairs) -> jax.Array:
     """The resident experts on their pairs of x [T, d] (from split_routes): float32 [T, d]."""
     if not pairs.gathered:
+        if res.scales is not None:
+            # The copies' dequantization depends on nothing of the step: without the barrier XLA schedules every
+            # layer's at the start, all live at once (48 layers of 1.1 GiB at Qwen3-30B-A3B's shapes: the 512-slot
+            # step wanted 74 GiB). Tied to this layer's input, at most one layer's dequantized copies exist.
+            x, res = jax.lax.optimization_barrier((x, res))
         return experts_grouped(res.dequantized(x.dtype), x, pairs.index, pairs.weights, jnp.zeros(x.shape, jnp.float32))
     t, k = pairs.index.shape
     flat = pairs.index.reshape(-1)
