@@ -90,16 +90,18 @@ def measured_floors(model, memory: dict, tokens: list[int]) -> Floors:
 
 
 def decode_step_seconds(model, slots: int, micro_batches: int | None, context: int, steps: int, rng,
-                        experts: str = "cpu", cpu_blocks: int = 0, kv_in_host: bool = False) -> float:  # fmt: skip
+                        experts: str = "cpu", cpu_blocks: int = 0, kv_in_host: bool = False,
+                        cache_len: int = 0) -> float:  # fmt: skip
     """Median seconds of a decode step of `slots` sequences each at `context` cached positions, run as the runner
     runs them (the next step dispatched before this one's tokens are read), the routed experts on the CPU or
     streamed to the GPU each step (`experts`), `cpu_blocks` of each layer's then on the CPU meanwhile, the KV cache
-    in host memory with `kv_in_host`. The caches
-    hold zeros: a step's time depends on how much cache it reads, not on what is in it; its routing depends on the
-    tokens, which differ."""
+    in host memory with `kv_in_host`. Each slot has room for `cache_len` positions (a run's: its prompts and new
+    tokens, bucketed as the runner does; a streamed step attends over, and with the cache in host memory copies, all
+    of them), or for what the timed steps need if that is more. The caches hold zeros: a step's time depends on how
+    much cache it reads, not on what is in it; its routing depends on the tokens, which differ."""
     cfg = model.config
     most = model.decode_steps or DEVICE_ONLY_DECODE_STEPS  # decode steps a call may run
-    cache_len = -(-(context + (steps + 2) * most + 4) // 256) * 256  # as decode.py
+    cache_len = max(cache_len, -(-(context + (steps + 2) * most + 4) // 256) * 256)  # as decode.py
     engine = Engine(model, slots, cache_len, micro_batches, stream_experts=experts == "stream", cpu_blocks=cpu_blocks,
                     kv_in_host=kv_in_host)
     calls = -(-steps // engine.steps)
@@ -199,7 +201,7 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
             print(f"time limit: slots {slots} with experts {experts} ({cpu_blocks} CPU blocks) and on not run")
             break
         wide, in_host = experts == WIDE, experts == HKV
-        kv = slots * kv_bytes_per_slot(cfg, context + args.steps + 4, itemsize)
+        kv = slots * kv_bytes_per_slot(cfg, max(work.cache_len, context + args.steps + 4), itemsize)
         held = (2 * kv // cfg.num_hidden_layers if in_host else kv) + wide * widened_expert_bytes(cfg, itemsize)
         if floors.device_free_bytes is not None and held > floors.device_free_bytes:
             print(f"{slots:6d} slots: their KV cache ({kv / 2**30:.1f} GiB)"
@@ -210,7 +212,7 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
             continue
         runs = RESIDENT if wide else "stream" if in_host else experts
         model.hold_resident_experts(wide)
-        step = decode_step_seconds(model, slots, 1, context, args.steps, rng, runs, cpu_blocks, in_host)
+        step = decode_step_seconds(model, slots, 1, context, args.steps, rng, runs, cpu_blocks, in_host, work.cache_len)
         policy = Policy(slots, 1, 1, experts=runs, cpu_blocks=cpu_blocks, widened=wide, kv_in_host=in_host)
         predicted = predict(cfg, floors, work, policy, itemsize, ON_GPU).step_s
         decode[slots, experts, cpu_blocks] = {"step_s": step, "predicted_step_s": predicted}

@@ -141,11 +141,6 @@ def apply(weights, residency: Residency,
     return dataclasses.replace(weights, layers=layers)
 
 
-@partial(jax.jit, static_argnums=1)
-def _widened(res: ResidentExperts, dtype) -> ResidentExperts:
-    return res.widen(dtype)
-
-
 def _delete(arrays) -> None:
     """Frees the device buffers of `arrays` now, not when the last reference goes (the caller holds one)."""
     for a in jax.tree.leaves(arrays):
@@ -174,9 +169,12 @@ def rebuilt_layer(weights, layer: int, build: Callable[[int, ResidentExperts], R
     return dataclasses.replace(weights, layers=layers)
 
 
+_widen_on_device = jax.jit(ResidentExperts.widen, static_argnums=1)
+
+
 def widened_copies(res: ResidentExperts, dtype) -> ResidentExperts:
     """`res` held dequantized in `dtype` (ResidentExperts.widen), made on the device; `res` itself unless FP8."""
-    return res if res.scales is None else _widened(res, jnp.dtype(dtype))
+    return res if res.scales is None else _widen_on_device(res, jnp.dtype(dtype))
 
 
 @partial(jax.jit, donate_argnums=0)

@@ -208,12 +208,17 @@ def cpu_expert_seconds(cfg: ModelConfig, floors: Floors, tokens: int) -> float:
     return _expert_roofline(cfg, tokens, floors.host_read_gbps * floors.cpu_decode_share, floors.cpu_tflops(tokens))
 
 
+def _expert_bytes_in(cfg: ModelConfig, itemsize: int) -> int:
+    """One routed expert's weights (gate, up, down) in a dtype of `itemsize` bytes."""
+    return 3 * cfg.hidden_size * cfg.moe_intermediate_size * itemsize
+
+
 def widened_expert_bytes(cfg: ModelConfig, itemsize: int) -> int:
     """Device bytes the resident copies of every routed expert take beyond FP8's when held dequantized in the
     compute dtype of `itemsize` bytes (0 for a model whose copies are not FP8)."""
     if not resident_copies_are_fp8(cfg):
         return 0
-    dequantized = 3 * cfg.hidden_size * cfg.moe_intermediate_size * itemsize
+    dequantized = _expert_bytes_in(cfg, itemsize)
     held = resident_expert_bytes(cfg, np.dtype(f"f{itemsize}"))
     return _moe_layers(cfg) * cfg.n_routed_experts * (dequantized - held)
 
@@ -229,7 +234,7 @@ def resident_expert_seconds(cfg: ModelConfig, floors: Floors, tokens: int, items
     n, k, moe = cfg.n_routed_experts, cfg.num_experts_per_tok, _moe_layers(cfg)
     if not moe:
         return 0.0
-    dequantized = 3 * cfg.hidden_size * cfg.moe_intermediate_size * itemsize
+    dequantized = _expert_bytes_in(cfg, itemsize)
     fp8 = resident_copies_are_fp8(cfg) and not widened
     held = resident_expert_bytes(cfg, np.dtype(f"f{itemsize}")) if fp8 else dequantized
     flops = family_of(cfg).cost.layer_flops(cfg, tokens, 1)["routed"]
@@ -391,6 +396,10 @@ def search(
     if kv_in_host and (resident or experts == "cpu" or micro_batches not in (None, 1)):
         raise ValueError("kv_in_host=True: the KV cache in host memory is read by streamed decode steps of one "
                          "micro-batch; it needs experts='stream'")  # fmt: skip
+    if kv_in_host and not can_stream:
+        raise ValueError("kv_in_host=True: the KV cache in host memory is read by decode steps that stream the routed "
+                         "experts, and this model's are not pinned for streaming (a GPU placement with "
+                         "Placement(pinned_experts=True))")  # fmt: skip
     if (cpu_blocks or kv_in_host) and experts is None:
         experts = "stream"
     if experts == "stream" and not can_stream:

@@ -65,3 +65,16 @@ def test_bad_input_is_one_error_of_status_2(tmp_path):
         f"hybridjit: error: {source}: 1 bad line, nothing was run:",
         "  line 1: top_p: Input should be greater than 0",
     ]
+
+
+def test_a_choice_the_model_cannot_take_is_one_error_of_status_2(tmp_path):
+    """--kv-in-host reaches the policy, which names what it needs: the embedded model on the CPU has no experts
+    pinned for streaming."""
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"id": 1, "prompt": "x"}\n')
+    proc = batch_process(source, tmp_path / "out.jsonl", "--kv-in-host")
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 2 and b"Traceback" not in err
+    assert "hybridjit: error: kv_in_host=True: the KV cache in host memory is read by decode steps that stream" in (
+        err.decode()
+    )

@@ -170,6 +170,8 @@ def test_the_kv_cache_in_host_memory_trades_link_time_for_slots_the_device_canno
     for options in ({"experts": "cpu"}, {"micro_batches": 2}):
         with pytest.raises(ValueError, match="kv_in_host=True: the KV cache in host memory is read by streamed"):
             search(V3, slow, WORK, 2, True, kv_in_host=True, **options)
+    with pytest.raises(ValueError, match="kv_in_host=True: .* this model's are not pinned for streaming"):
+        search(V3, slow, WORK, 2, False, kv_in_host=True)
 
 
 def test_resident_fp8_experts_are_priced_as_the_grouped_path_computes_them():
