@@ -62,6 +62,7 @@ class HostKVCache:
         self.layers = [jax.tree.map(pinned, layer) for layer in shapes]
         self._views = [jax.tree.map(lambda a: host_view(a, None), layer) for layer in self.layers]
         self._copies: dict[int, object] = {}  # layer -> its device copy, issued and not yet taken
+        self._written = False  # since allocated or cleared
 
     @property
     def nbytes(self) -> int:
@@ -69,6 +70,15 @@ class HostKVCache:
 
     def __len__(self) -> int:
         return len(self.layers)
+
+    def clear(self) -> None:
+        """Every position zeroed, as allocated: masked positions are still read, and a failed step may have left
+        non-finite entries, which a zero weight does not cancel. Copies issued and not taken are dropped."""
+        self._copies.clear()
+        if self._written:
+            for view in jax.tree.leaves(self._views):
+                view.fill(0)
+            self._written = False
 
     def issue(self, layer: int, sharding: Sharding) -> None:
         """Starts the copy of `layer`'s cache to the device(s) of `sharding` (asynchronous), unless it is issued."""
@@ -87,6 +97,7 @@ class HostKVCache:
         positions [b]) to the host buffers, then frees the copy."""
         entries = jax.device_get(_entries_at(updated, jnp.asarray(positions)))
         rows = np.arange(len(positions))
+        self._written = True
         for view, new in zip(jax.tree.leaves(self._views[layer]), jax.tree.leaves(entries), strict=True):
             view[rows, positions] = new
         for a in jax.tree.leaves(updated):
@@ -95,10 +106,11 @@ class HostKVCache:
     def insert(self, prompt_cache: list, row: int, length: int, slot: int) -> None:
         """Positions [0, length) of row `row` of a prompt cache (every layer [b, t, ...], on the device) into slot
         `slot`."""
-        prompt = jax.device_get(_row(prompt_cache, row, length))
+        prompt = jax.device_get(_row(prompt_cache, row))
+        self._written = True
         for views, layer in zip(self._views, prompt, strict=True):
             for view, new in zip(jax.tree.leaves(views), jax.tree.leaves(layer), strict=True):
-                view[slot, :length] = new
+                view[slot, :length] = new[:length]
 
 
 @jax.jit
@@ -107,7 +119,7 @@ def _entries_at(cache, positions):
     return jax.tree.map(lambda a: a[jnp.arange(a.shape[0]), positions], cache)
 
 
-@partial(jax.jit, static_argnums=2)
-def _row(cache, row, length):
-    """Positions [0, length) of row `row` of every leaf [b, t, ...]: [length, ...]."""
-    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row, 0, keepdims=False)[:length], cache)
+@jax.jit
+def _row(cache, row):
+    """Row `row` of every leaf [b, t, ...]: [t, ...]. (Not cut to the prompt's length here: a program per length.)"""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, row, 0, keepdims=False), cache)

@@ -327,9 +327,12 @@ class Engine:
         """Every slot free, the cache zeroed: also the way back after a step failed (its donated cache is gone)."""
         m = self.model
         init = partial(m.family.model.init_cache, ring=True)
-        if self.kv_in_host:
-            self.caches = None  # the old buffers go before the new ones are pinned
-            self.caches = [HostKVCache(m, self.slots, self.cache_len)]
+        if self.kv_in_host:  # pinned once: allocating and pinning host memory takes far longer than zeroing it
+            host = getattr(self, "caches", None)
+            if host is None:
+                host = [HostKVCache(m, self.slots, self.cache_len)]
+            host[0].clear()
+            self.caches = host
         else:
             self.caches = [init(m.config, len(g), self.cache_len, m.dtype, m.placement.device) for g in self.groups]
         # Whether some layer keeps only its window (a ring), so that a slot no longer holds all its positions.
