@@ -43,7 +43,7 @@ import numpy as np
 
 from bench_model import load_model
 from floors import floors_line, machine, memory_floors
-from hybridjit.host_kv_cache import host_kv_budget
+from hybridjit.host_kv_cache import DEVICE_LAYERS, host_kv_budget
 from hybridjit.machine_floors import hbm_read_gbps
 from hybridjit.offline_policy import (
     EXPERTS,
@@ -85,7 +85,7 @@ def measured_floors(model, memory: dict, tokens: list[int]) -> Floors:
     if ON_GPU:
         figures |= {"pcie_gbps": h2d_gbps(device), "gpu_tflops": gemm_tflops(device),
                     "gpu_hbm_gbps": hbm_read_gbps(device), "device_free_bytes": free_device_memory(device),
-                    "host_free_bytes": host_kv_budget()}  # fmt: skip
+                    "host_free_bytes": host_kv_budget(model)}  # fmt: skip
     return dataclasses.replace(Floors(), **figures)
 
 
@@ -202,7 +202,8 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
             break
         wide, in_host = experts == WIDE, experts == HKV
         kv = slots * kv_bytes_per_slot(cfg, max(work.cache_len, context + args.steps + 4), itemsize)
-        held = (2 * kv // cfg.num_hidden_layers if in_host else kv) + wide * widened_expert_bytes(cfg, itemsize)
+        on_device = DEVICE_LAYERS * kv // cfg.num_hidden_layers if in_host else kv
+        held = on_device + wide * widened_expert_bytes(cfg, itemsize)
         if floors.device_free_bytes is not None and held > floors.device_free_bytes:
             print(f"{slots:6d} slots: their KV cache ({kv / 2**30:.1f} GiB)"
                   f"{' and the widened copies' if wide else ''} do not fit the device")

@@ -14,6 +14,7 @@ buffer is never written while a copy of it may be in flight (a layer's entries a
 read its copy, and its next copy is issued at the next step).
 """
 
+import math
 from functools import partial
 
 import jax
@@ -22,23 +23,34 @@ import numpy as np
 from jax.sharding import Sharding, SingleDeviceSharding
 
 from hybridjit.models.common.ring_cache import is_ring
-from hybridjit.pinned_experts import PINNED_HOST, host_view
+from hybridjit.pinned_experts import HOST_MEMORY_LIMIT_VAR, PINNED_HOST, host_view, pinned_pool_room
 
 # Of the host memory available when a run starts, the share a KV cache there may pin: the rest stays for the
 # process's own arrays (prompt caches on their way, outputs) and the system.
 HOST_KV_SHARE = 0.8
+# Layers of the cache on the device at once during a step: the one its attention reads, the next one coming.
+DEVICE_LAYERS = 2
 
 
-def host_kv_budget() -> int | None:
-    """Bytes of host memory a KV cache may pin now: HOST_KV_SHARE of the kernel's MemAvailable (None where there
-    is no /proc/meminfo)."""
+def host_memory_bytes(field: str) -> int | None:
+    """A /proc/meminfo figure ("MemAvailable", "MemTotal") in bytes; None where there is none."""
     try:
         with open("/proc/meminfo") as f:
             fields = dict(line.split(":", 1) for line in f)
-    except OSError:
+        return int(fields[field].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
         return None
-    kib = int(fields["MemAvailable"].split()[0])
-    return int(HOST_KV_SHARE * kib * 1024)
+
+
+def host_kv_budget(model) -> int | None:
+    """Bytes of host memory a KV cache of `model` (a hybridjit.engine.Model) may pin now: HOST_KV_SHARE of what the
+    host has available, and on a GPU no more than its pinned pool has beyond the routed experts (None: unbounded,
+    where neither says)."""
+    available = host_memory_bytes("MemAvailable")
+    bounds = [] if available is None else [int(HOST_KV_SHARE * available)]
+    if model.placement.device.platform == "gpu":
+        bounds.append(pinned_pool_room(sum(layer.nbytes for layer in model.expert_layers)))
+    return min(bounds, default=None)
 
 
 class HostKVCache:
@@ -57,16 +69,20 @@ class HostKVCache:
 
         def pinned(shape: jax.ShapeDtypeStruct) -> jax.Array:
             # One leaf at a time, so that the zeroed source is never more than a layer's leaf.
-            return jax.device_put(np.zeros(shape.shape, shape.dtype), host).block_until_ready()
+            try:
+                return jax.device_put(np.zeros(shape.shape, shape.dtype), host).block_until_ready()
+            except jax.errors.JaxRuntimeError as e:
+                total = sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+                raise ValueError(
+                    f"kv_in_host: pinning the {total / 2**30:.1f} GiB KV cache of {slots} slots failed ({e}); on a GPU "
+                    f"the pinned pool's size is {HOST_MEMORY_LIMIT_VAR} (GiB, read when JAX starts): raise it, or use "
+                    "fewer slots, or keep the cache on the device"
+                ) from None
 
         self.layers = [jax.tree.map(pinned, layer) for layer in shapes]
         self._views = [jax.tree.map(lambda a: host_view(a, None), layer) for layer in self.layers]
         self._copies: dict[int, object] = {}  # layer -> its device copy, issued and not yet taken
         self._written = False  # since allocated or cleared
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in jax.tree.leaves(self.layers))
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -106,6 +122,7 @@ class HostKVCache:
     def insert(self, prompt_cache: list, row: int, length: int, slot: int) -> None:
         """Positions [0, length) of row `row` of a prompt cache (every layer [b, t, ...], on the device) into slot
         `slot`."""
+        assert not self._copies, "a prompt inserted while a step's copies are pending"
         prompt = jax.device_get(_row(prompt_cache, row))
         self._written = True
         for views, layer in zip(self._views, prompt, strict=True):

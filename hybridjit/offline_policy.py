@@ -48,7 +48,7 @@ import numpy as np
 
 from hybridjit import machine_floors
 from hybridjit.auto_placement import resident_copies_are_fp8, resident_expert_bytes
-from hybridjit.host_kv_cache import host_kv_budget
+from hybridjit.host_kv_cache import DEVICE_LAYERS, host_kv_budget
 from hybridjit.models.common.resident_experts import gathered, grouped_capacity
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.pinned_experts import BLOCKS_PER_LAYER
@@ -348,8 +348,11 @@ def kv_bytes_per_slot(cfg: ModelConfig, cache_len: int, itemsize: int) -> int:
     return cfg.num_hidden_layers * cache_len * family_of(cfg).cost.kv_elements_per_token(cfg) * itemsize
 
 
-def prefill_bytes(cfg: ModelConfig, batch: int, length: int) -> int:
-    return batch * length * (4 * cfg.vocab_size + PREFILL_ACTIVATION_HIDDEN_COPIES * cfg.hidden_size * 4)
+def prefill_bytes(cfg: ModelConfig, batch: int, length: int, itemsize: int) -> int:
+    """Device bytes a prefill of `batch` prompts of `length` tokens takes besides the weights: its activations and
+    the prompts' own cache (on the device until inserted into the slots, wherever those hold theirs)."""
+    activations = 4 * cfg.vocab_size + PREFILL_ACTIVATION_HIDDEN_COPIES * cfg.hidden_size * 4
+    return batch * (length * activations + kv_bytes_per_slot(cfg, length, itemsize))
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -429,11 +432,15 @@ def search(
             split, wide = (0, option) if where == RESIDENT else (option, False)
             where, in_host = where if isinstance(where, tuple) else (where, False)
             # On the device, all the slots' caches; in host memory, the layer read and the next one coming.
-            kv = 2 * b * per_slot // cfg.num_hidden_layers if in_host else b * per_slot
-            if slots is None and (
-                (memory is not None and kv > memory) or (b > MAX_SLOTS and not in_host)
-                or (in_host and host_memory is not None and b * per_slot > host_memory)
-            ):
+            kv = DEVICE_LAYERS * b * per_slot // cfg.num_hidden_layers if in_host else b * per_slot
+            fits = (memory is None or kv <= memory) and not (
+                in_host and host_memory is not None and b * per_slot > host_memory
+            )
+            # Fixed slots are taken as asked; but where the cache's holding is searched, never into one that cannot
+            # hold them.
+            if not fits and (slots is None or len(kv_holdings) > 1):
+                continue
+            if slots is None and b > MAX_SLOTS and not in_host:
                 continue
             calls = 2 if mb == DUAL else mb
             context = work.cache_len
@@ -442,7 +449,7 @@ def search(
             if where != "stream" and scores > ATTENTION_SCRATCH and not micro_batches:
                 continue
             for p in [prefill_batch] if prefill_batch else _powers_of_two(b):
-                need = kv + max(prefill_bytes(cfg, p, length),
+                need = kv + max(prefill_bytes(cfg, p, length, itemsize),
                                 stream_ring_bytes(cfg, b, work.cache_len) if where == "stream" else 0)  # fmt: skip
                 need += widened_expert_bytes(cfg, itemsize) if wide else 0
                 # A fixed prefill batch is taken as asked; widened copies the search chose must fit.
@@ -455,6 +462,8 @@ def search(
                     best = policy
     if best is None:
         free = "an unbounded device" if memory is None else f"the device's {memory / 2**30:.2f} GiB free"
+        if True in kv_holdings and host_memory is not None:
+            free += f" (and a cache in host memory {host_memory / 2**30:.2f} GiB of it)"
         fixed = {"slots": slots, "micro_batches": micro_batches, "experts": experts, "cpu_blocks": cpu_blocks,
                  "widened": widened, "kv_in_host": kv_in_host}
         asked = ", ".join(f"{name}={value!r}" for name, value in fixed.items() if value)
@@ -482,7 +491,7 @@ def choose_policy(
     if floors.device_free_bytes is None and model.placement.device.platform != "cpu":
         floors = dataclasses.replace(floors, device_free_bytes=free_device_memory(model.placement.device))
     if floors.host_free_bytes is None:
-        floors = dataclasses.replace(floors, host_free_bytes=host_kv_budget())
+        floors = dataclasses.replace(floors, host_free_bytes=host_kv_budget(model))
     work = Workload.of_jobs(jobs, cache_len)
     resident = not model.experts_on_host and _moe_layers(model.config) > 0
     # Pinned, streamable experts. Chosen only on a GPU; forced, the same program runs on any device (tests).

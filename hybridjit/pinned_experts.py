@@ -191,6 +191,19 @@ def size_host_memory_pool(expert_bytes: int, device: jax.Device | None = None) -
         os.environ[HOST_MEMORY_LIMIT_VAR] = str(value)
 
 
+def pinned_pool_room(pinned_bytes: int) -> int:
+    """Bytes a GPU backend's pinned pool has beyond `pinned_bytes` of routed experts and the headroom load() gives
+    them (host_memory_limit_gb): what other pinned buffers, a KV cache in host memory, may take."""
+    return max(0, _limit_gb(os.environ.get(HOST_MEMORY_LIMIT_VAR)) - host_memory_limit_gb(pinned_bytes)) * 2**30
+
+
+def open_host_memory_pool(gib: int) -> None:
+    """Lets the pinned pool grow to `gib` GiB, if the backend has not started and its limit is lower: the pool takes
+    host memory as it is used, not at once, so a larger limit only moves the bound to what the caller checks."""
+    if not xla_bridge.backends_are_initialized() and _limit_gb(os.environ.get(HOST_MEMORY_LIMIT_VAR)) < gib:
+        os.environ[HOST_MEMORY_LIMIT_VAR] = str(gib)
+
+
 def _limit_gb(value: str | None) -> int:
     """The pool size XLA takes from the variable's value."""
     try:

@@ -48,7 +48,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from hybridjit.checkpoint import DTYPES
-from hybridjit.host_kv_cache import HostKVCache
+from hybridjit.host_kv_cache import DEVICE_LAYERS, HostKVCache
 from hybridjit.models.common.expert_storage import ExpertStorage
 from hybridjit.models.common.experts import experts_grouped, group_by_expert
 from hybridjit.models.common.layers import linear, mlp, rms_norm
@@ -581,7 +581,6 @@ class StreamStats:
     expert_slots: int = 0  # the slots the expert GEMMs ran over them: pairs / slots is their occupancy
     block_passes: int = 0  # passes over expert blocks, over all MoE layers (one per block without skew)
     largest_pass_slots: int = 0  # the slots of the largest pass: at most plan.block_slots
-    kv_copied_bytes: int = 0  # a decode step's KV cache copied from host memory (HostKVCache), over all layers
 
 
 # ------------------------------------------------------------------------------------------ prefill
@@ -652,8 +651,8 @@ def stream_decode_step(model, tokens, positions, live, cache, *, vram_budget: in
         layers = cache.layers if isinstance(cache, HostKVCache) else cache
         cache_len = max(a.shape[1] for a in jax.tree.leaves(layers))
         vram_budget = free - decode_scores_bytes(model.config, len(tokens), cache_len)
-        if isinstance(cache, HostKVCache):  # two layers' copies on the device: the one read, the next one coming
-            vram_budget -= 2 * max(sum(a.nbytes for a in jax.tree.leaves(layer)) for layer in layers)
+        if isinstance(cache, HostKVCache):  # its layers' copies on the device
+            vram_budget -= DEVICE_LAYERS * max(sum(a.nbytes for a in jax.tree.leaves(layer)) for layer in layers)
     return _stream_layers(model, (model.placement.device,), tokens, positions, live, np.zeros(len(tokens), np.int32),
                           cache, vram_budget, None, None, stats, None, None, cpu_blocks)  # fmt: skip
 
@@ -708,7 +707,6 @@ def _stream_layers(model, devices, tokens, positions, live, last, cache, vram_bu
             x, cache[i] = ring.run("attention+mlp", _dense_layer, cfg, attend, layout, layer, x, cache[i], positions)
         if host is not None:
             host.write_back(i, cache[i], host_positions)
-            stats.kv_copied_bytes += sum(a.nbytes for a in jax.tree.leaves(host.layers[i]))
         stats.layer_done_s.append(time.perf_counter() - start)
         stats.layer_phase_s.append(dict(ring.phase_seconds))
     logits = _last_logits(cfg, layout, weights.norm, weights.lm_head, x, last)

@@ -164,9 +164,14 @@ def test_the_kv_cache_in_host_memory_trades_link_time_for_slots_the_device_canno
              for h in (False, True)]  # fmt: skip
     assert steps[1] - steps[0] == pytest.approx(2048 * per_slot / (slow.pcie_gbps * 1e9), rel=1e-6)
     small_host = dataclasses.replace(slow, host_free_bytes=1000 * per_slot)
-    bounded = search(V3, small_host, WORK, 2, True, experts="stream")
-    assert bounded.slots * per_slot <= small_host.host_free_bytes or not bounded.kv_in_host
-    assert bounded.slots < in_host.slots
+    bounded = search(V3, small_host, WORK, 2, True, experts="stream", kv_in_host=True)
+    assert bounded.slots * per_slot <= small_host.host_free_bytes and bounded.slots < in_host.slots
+    # Fixed slots with the holding searched: only one that holds them, whichever the model prices faster.
+    assert search(V3, slow, WORK, 2, True, slots=2048, prefill_batch=64).kv_in_host  # 137 GiB: not the device
+    tiny_host = dataclasses.replace(slow, host_free_bytes=100 * per_slot)
+    assert not search(V3, tiny_host, WORK, 2, True, slots=256, experts="stream").kv_in_host  # the device holds them
+    with pytest.raises(ValueError, match=r"fits the device's 40.00 GiB free \(and a cache in host memory .* of it\)"):
+        search(V3, small_host, WORK, 2, True, slots=2048, experts="stream")
     for options in ({"experts": "cpu"}, {"micro_batches": 2}):
         with pytest.raises(ValueError, match="kv_in_host=True: the KV cache in host memory is read by streamed"):
             search(V3, slow, WORK, 2, True, kv_in_host=True, **options)

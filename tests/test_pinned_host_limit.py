@@ -13,7 +13,12 @@ import pytest
 
 from hybridjit.checkpoint import Checkpoint
 from hybridjit.models.registry import config_from_json
-from hybridjit.pinned_experts import HOST_MEMORY_LIMIT_VAR, host_memory_limit_action, host_memory_limit_gb
+from hybridjit.pinned_experts import (
+    HOST_MEMORY_LIMIT_VAR,
+    host_memory_limit_action,
+    host_memory_limit_gb,
+    pinned_pool_room,
+)
 from hybridjit.resolve import default_model_dir
 from hybridjit.weights import routed_expert_bytes
 
@@ -46,6 +51,15 @@ def test_too_late_on_a_gpu_gives_the_exact_setting():
         host_memory_limit_action(200 * GIB, "100", True, "gpu")
     with pytest.raises(ValueError, match=rf"started with {HOST_MEMORY_LIMIT_VAR} unset \(64 GiB\)"):
         host_memory_limit_action(200 * GIB, None, True, "gpu")
+
+
+def test_the_pool_room_beyond_the_experts_bounds_a_kv_cache_in_host_memory(monkeypatch):
+    """What a KV cache in host memory may pin on a GPU: the pool less the experts and load()'s headroom for them."""
+    monkeypatch.setenv(HOST_MEMORY_LIMIT_VAR, "300")
+    assert pinned_pool_room(200 * GIB) == (300 - host_memory_limit_gb(200 * GIB)) * GIB
+    monkeypatch.delenv(HOST_MEMORY_LIMIT_VAR)  # XLA's 64 GiB
+    assert pinned_pool_room(10 * GIB) == (64 - host_memory_limit_gb(10 * GIB)) * GIB
+    assert pinned_pool_room(200 * GIB) == 0
 
 
 def test_routed_expert_bytes_come_from_the_index():

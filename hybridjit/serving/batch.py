@@ -19,7 +19,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from hybridjit.host_kv_cache import host_memory_bytes
 from hybridjit.offline_policy import DUAL, Floors, choose_policy
+from hybridjit.pinned_experts import open_host_memory_pool
 from hybridjit.serving.batch_output import ResumableOutput
 from hybridjit.serving.batch_requests import check_defaults, encode_requests, id_key, read_requests
 from hybridjit.serving.throughput import Completion, ThroughputRunner, cache_len_for
@@ -83,6 +85,11 @@ def batch(
     if isinstance(model, str | Path) or model is None:
         from hybridjit.engine import load  # deferred: loading starts JAX
 
+        # A run that loads its own model lets the pinned pool grow to the host's memory (before JAX starts): a KV
+        # cache in host memory, if the policy picks one, is then bounded by what the host has available, not by the
+        # pool that load() sizes for the experts alone.
+        if (total := host_memory_bytes("MemTotal")) is not None:
+            open_host_memory_pool(total // 2**30)
         _note(progress, f"loading {model or 'the embedded model'}...")
         with contextlib.closing(load(model, dtype=dtype)) as loaded:
             return _run(loaded, parsed, source, output, overrides, progress, owned=True)
