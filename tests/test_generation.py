@@ -14,7 +14,7 @@ from kernel_choice import EXACT_FLOAT32_FAMILY, kernel_family
 import hybridjit
 from hybridjit.models import deepseek_v3 as dsv3
 from hybridjit.placement import Placement
-from hybridjit.sampling import SamplingParams
+from hybridjit.sampling import SamplingParams, sample
 
 # Relative RMS error between two float32 computations of the same logits by different association
 # orders (expanded vs absorbed attention): rounding only.
@@ -98,6 +98,40 @@ def test_sampled_tokens_respect_top_k(model):
         model.generate(prompt, max_new_tokens=1, temperature=2.0, top_k=3, seed=s)[0] for s in range(12)
     }
     assert firsts <= allowed and len(firsts) > 1
+
+
+def test_each_row_draws_by_its_own_parameters_whatever_the_others_ask():
+    """sample(): a row that neither restricts (top_k 0, top_p 1) draws over its logits as they are, without the sort
+    a restricting row needs, and a step sorts only where some row restricts: so a row's token must not depend on
+    whether another row of the step restricts. Draws follow softmax(logits / temperature) (a chi-square bound far
+    above its 99.9th percentile: the test fails on a wrong distribution, not by chance); top_k and top_p keep to
+    their tokens; temperature 0 is the argmax."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.standard_normal((4, 8)).astype(np.float32) * 2)
+    keys = jax.random.split(jax.random.key(1), 4)
+    temperature = jnp.array([0.7, 1.0, 0.0, 1.5], jnp.float32)
+    top_k, top_p = jnp.array([0, 2, 0, 0], jnp.int32), jnp.array([1.0, 1.0, 1.0, 0.5], jnp.float32)
+    together = np.asarray(sample(logits, keys, temperature, top_k, top_p))
+    for row in range(4):
+        alone = sample(logits[row : row + 1], keys[row : row + 1], temperature[row : row + 1], top_k[row : row + 1],
+                       top_p[row : row + 1])  # fmt: skip
+        assert int(alone[0]) == together[row], row
+    assert together[2] == int(jnp.argmax(logits[2]))
+
+    draws = 4000
+    many = jax.random.split(jax.random.key(2), draws)
+    row = jnp.broadcast_to(logits[0], (draws, 8))
+
+    def counts(k, p):
+        tokens = sample(row, many, jnp.full(draws, 0.7), jnp.full(draws, k, jnp.int32), jnp.full(draws, p))
+        return np.bincount(np.asarray(tokens), minlength=8)
+
+    expected = draws * np.asarray(jax.nn.softmax(logits[0] / 0.7))
+    plain = counts(0, 1.0)
+    assert np.sum((plain - expected) ** 2 / expected) < 40  # 7 degrees of freedom: 99.9th percentile 24.3
+    top2 = set(np.argsort(np.asarray(logits[0]))[-2:].tolist())
+    assert set(np.flatnonzero(counts(2, 1.0))) == top2
+    assert set(np.flatnonzero(counts(0, 1e-6))) == {int(jnp.argmax(logits[0]))}
 
 
 def test_stream_yields_what_generate_returns(model):

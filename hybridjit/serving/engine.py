@@ -55,10 +55,7 @@ def _sample_rows(logits, keys, counts, temperature, top_k, top_p):
     parameters [b]: (token ids [b], whether each row of logits is finite [b]). Checking finiteness next to
     sampling costs the host no extra wait."""
 
-    def one(row, key, count, t, k, p):
-        return sample(row[None], jax.random.fold_in(key, count), t, k, p)[0]
-
-    tokens = jax.vmap(one)(logits, keys, counts, temperature, top_k, top_p)
+    tokens = sample(logits, jax.vmap(jax.random.fold_in)(keys, counts), temperature, top_k, top_p)
     return tokens, jnp.isfinite(logits).all(axis=-1)
 
 
