@@ -88,10 +88,11 @@ def sample(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p) -> jax
     sampling = temperature > 0
     restricts = sampling & ((top_k > 0) | (top_p < 1))
 
-    def draw():
-        plain = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    def draw():  # each kind of draw only where some row takes it (greedy stands in for the rows that do not)
+        plain = jax.lax.cond((sampling & ~restricts).any(),
+                             lambda: jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32), lambda: greedy)
         restricted = jax.lax.cond(restricts.any(), lambda: jax.vmap(_restricted)(keys, scaled, top_k, top_p),
-                                  lambda: plain)  # fmt: skip
+                                  lambda: greedy)  # fmt: skip
         return jnp.where(restricts, restricted, plain)
 
     sampled = jax.lax.cond(sampling.any(), draw, lambda: greedy)
