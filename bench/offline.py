@@ -65,8 +65,6 @@ from prefill import PooledExperts, cpu_expert_tflops, gemm_tflops, h2d_gbps
 ON_GPU = jax.default_backend() == "gpu"
 PROMPT, NEW = 512, 256  # MoE-Gen's setting
 STREAMED_WARMUP_STEPS = 12
-WIDE = f"{RESIDENT}-wide"  # the experts column of --widen's cases: resident, FP8 copies held dequantized
-HKV = "stream-hkv"  # the experts column of --kv-in-host's cases: streamed, the KV cache in host memory
 
 
 def load(geometry: str, layers: int | None, dtype):
@@ -131,23 +129,41 @@ def decode_step_seconds(model, slots: int, micro_batches: int | None, context: i
     return statistics.median(times)
 
 
-def decode_cases(cfg, floors: Floors, work: Workload, itemsize: int, args) -> list[tuple[int, str, int]]:
-    """(slots, experts, CPU blocks) of every case: each --slots with each --experts, and where the experts stream,
-    also with the CPU blocks the model picks for that batch, where it picks any."""
+def decode_cases(cfg, floors: Floors, work: Workload, itemsize: int, args) -> list[Policy]:
+    """The decode steps to time, as policies of one attention micro-batch: each --slots with each --experts, and with
+    --widen the resident copies held dequantized, with --kv-in-host streamed steps with the KV cache in host memory;
+    where the experts stream, also with the CPU blocks the model picks for that batch, where it picks any."""
+    holdings = [(experts, False, False) for experts in args.experts]  # (experts, widened, kv_in_host)
+    holdings += [(RESIDENT, True, False)] if args.widen else []
+    holdings += [("stream", False, True)] if args.kv_in_host else []
     cases = []
-    streamed = ["stream", *([HKV] if args.kv_in_host else [])] if "stream" in args.experts else []
-    labels = [*args.experts, *([WIDE] if args.widen else []), *streamed[1:]]
-    for slots, experts in [(b, e) for e in labels for b in args.slots]:
-        cases.append((slots, experts, 0))
-        if experts in streamed:
+    for (experts, widened, in_host), slots in [(h, b) for h in holdings for b in args.slots]:
+        case = Policy(slots, 1, 1, experts=experts, widened=widened, kv_in_host=in_host)
+        cases.append(case)
+        if experts == "stream":
             try:
                 split = search(cfg, floors, work, itemsize, True, slots=slots, micro_batches=1, experts="stream",
-                               kv_in_host=experts == HKV)  # fmt: skip
+                               kv_in_host=in_host)  # fmt: skip
             except ValueError:  # nothing fits at that many slots: the case is reported as not fitting
                 continue
             if split.cpu_blocks:
-                cases.append((slots, experts, split.cpu_blocks))
+                cases.append(dataclasses.replace(case, cpu_blocks=split.cpu_blocks))
     return cases
+
+
+def holding(case: Policy) -> str:
+    """A case's experts column: where its experts run, "-wide" where resident copies are held dequantized ("gpu-wide"),
+    "-hkv" where the KV cache is in host memory ("stream-hkv")."""
+    return case.experts + ("-wide" if case.widened else "") + ("-hkv" if case.kv_in_host else "")
+
+
+def label(case: Policy) -> str:
+    return holding(case) + (f"+{case.cpu_blocks}c" if case.cpu_blocks else "")
+
+
+def case_fields(case: Policy, prefill: int | None = None) -> dict:
+    fields = {"slots": case.slots, "experts": holding(case), "cpu_blocks": case.cpu_blocks}
+    return fields if prefill is None else fields | {"prefill": prefill}
 
 
 def prefill_seconds(model, batch: int, rng, repeats: int = 3, warmup: int = 3) -> tuple[float, str]:
@@ -194,31 +210,29 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
     interactive_tok_s = 1 / interactive
     print(f"interactive batch 1: {1e3 * interactive:.1f} ms/step, {interactive_tok_s:.2f} tok/s")
 
-    decode, prefill = {}, {}  # decode: {(slots, experts, cpu_blocks): ...}
+    decode, prefill = {}, {}  # decode: {case: ...}, prefill: {(prompts, widened): ...}
     print(f"{'slots':>6} {'experts':>9} {'step ms':>9} {'tok/s':>9} {'pred ms':>9} {'pred tok/s':>10} {'meas/pred':>9}")
-    for slots, experts, cpu_blocks in decode_cases(cfg, floors, work, itemsize, args):
+    for case in decode_cases(cfg, floors, work, itemsize, args):
+        slots = case.slots
         if time.perf_counter() > deadline:
-            print(f"time limit: slots {slots} with experts {experts} ({cpu_blocks} CPU blocks) and on not run")
+            print(f"time limit: slots {slots} with experts {label(case)} and on not run")
             break
-        wide, in_host = experts == WIDE, experts == HKV
         kv = slots * kv_bytes_per_slot(cfg, max(work.cache_len, context + args.steps + 4), itemsize)
-        on_device = DEVICE_LAYERS * kv // cfg.num_hidden_layers if in_host else kv
-        held = on_device + wide * widened_expert_bytes(cfg, itemsize)
+        on_device = DEVICE_LAYERS * kv // cfg.num_hidden_layers if case.kv_in_host else kv
+        held = on_device + case.widened * widened_expert_bytes(cfg, itemsize)
         if floors.device_free_bytes is not None and held > floors.device_free_bytes:
             print(f"{slots:6d} slots: their KV cache ({kv / 2**30:.1f} GiB)"
-                  f"{' and the widened copies' if wide else ''} do not fit the device")
+                  f"{' and the widened copies' if case.widened else ''} do not fit the device")
             continue
-        if in_host and floors.host_free_bytes is not None and kv > floors.host_free_bytes:
+        if case.kv_in_host and floors.host_free_bytes is not None and kv > floors.host_free_bytes:
             print(f"{slots:6d} slots: their KV cache ({kv / 2**30:.1f} GiB) does not fit host memory")
             continue
-        runs = RESIDENT if wide else "stream" if in_host else experts
-        model.hold_resident_experts(wide)
-        step = decode_step_seconds(model, slots, 1, context, args.steps, rng, runs, cpu_blocks, in_host, work.cache_len)
-        policy = Policy(slots, 1, 1, experts=runs, cpu_blocks=cpu_blocks, widened=wide, kv_in_host=in_host)
-        predicted = predict(cfg, floors, work, policy, itemsize, ON_GPU).step_s
-        decode[slots, experts, cpu_blocks] = {"step_s": step, "predicted_step_s": predicted}
-        label = f"{experts}+{cpu_blocks}c" if cpu_blocks else experts
-        print(f"{slots:6d} {label:>9} {1e3 * step:9.1f} {slots / step:9.1f} {1e3 * predicted:9.1f} "
+        model.hold_resident_experts(case.widened)
+        step = decode_step_seconds(model, slots, 1, context, args.steps, rng, case.experts, case.cpu_blocks,
+                                   case.kv_in_host, work.cache_len)  # fmt: skip
+        predicted = predict(cfg, floors, work, case, itemsize, ON_GPU).step_s
+        decode[case] = {"step_s": step, "predicted_step_s": predicted}
+        print(f"{slots:6d} {label(case):>9} {1e3 * step:9.1f} {slots / step:9.1f} {1e3 * predicted:9.1f} "
               f"{slots / predicted:10.1f} {predicted / step:9.2f}")  # fmt: skip
     print(f"{'prompts':>7} {'path':>7} {'ms':>9} {'tok/s':>9} {'pred ms':>9}")
     for wide, batch in [(w, b) for w in [False, *([True] if args.widen else [])] for b in args.prefill]:
@@ -244,38 +258,38 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
     result = {
         "model": name, "layers": cfg.num_hidden_layers, "full_layers": full.num_hidden_layers,
         "floors": dataclasses.asdict(floors), "interactive_tok_s": round(interactive_tok_s, 2),
-        "decode": [{"slots": b, "experts": e, "cpu_blocks": c, "step_ms": round(1e3 * d["step_s"], 2),
-                    "tok_s": round(b / d["step_s"], 2), "predicted_tok_s": round(b / d["predicted_step_s"], 2)}
-                   for (b, e, c), d in decode.items()],
+        "decode": [case_fields(c) | {"step_ms": round(1e3 * d["step_s"], 2), "tok_s": round(c.slots / d["step_s"], 2),
+                                     "predicted_tok_s": round(c.slots / d["predicted_step_s"], 2)}
+                   for c, d in decode.items()],
         "prefill": [{"prompts": p, "path": d["path"], "widened": w, "ms": round(1e3 * d["seconds"], 1),
                      "tok_s": round(p * PROMPT / d["seconds"], 1),
                      "predicted_tok_s": round(p * PROMPT / d["predicted_s"], 1)} for (p, w), d in prefill.items()],
     }  # fmt: skip
     if decode:
-        best_decode = max(b / d["step_s"] for (b, _, _), d in decode.items())
+        best_decode = max(c.slots / d["step_s"] for c, d in decode.items())
         result["best_decode_vs_interactive"] = round(best_decode / interactive_tok_s, 1)
-    grid = {(b, e, c, p): run_tok_s(b, p, d["step_s"], prefill[p, e == WIDE]["seconds"])
-            for (b, e, c), d in decode.items() for p, w in prefill if p <= b and w == (e == WIDE)}  # fmt: skip
+    grid = {(c, p): run_tok_s(c.slots, p, d["step_s"], prefill[p, c.widened]["seconds"])
+            for c, d in decode.items() for p, w in prefill if p <= c.slots and w == c.widened}  # fmt: skip
     if not grid:  # the decode figures are kept; a run's throughput needs both phases
         print("no slots x prefill case measured: no run throughput, no pick")
         model.close()
         return result | {"error": "no slots x prefill case ran within the time limit"}
     best = max(grid, key=grid.get)
     # The model's pick over the same grid: the policy it predicts fastest among the measured cases.
-    picks = {(b, e, c, p): search(cfg, floors, work, itemsize, ON_GPU, slots=b, micro_batches=1, prefill_batch=p,
-                                  experts=None if resident else "stream" if e == HKV else e,
-                                  cpu_blocks=c if e in ("stream", HKV) else None, resident=resident,
-                                  widened=e == WIDE if resident else None,
-                                  kv_in_host=e == HKV if e in ("stream", HKV) else None)
-             for b, e, c, p in grid}  # fmt: skip
+    def pick(c: Policy, p: int) -> Policy:
+        streams = c.experts == "stream"
+        return search(cfg, floors, work, itemsize, ON_GPU, slots=c.slots, micro_batches=1, prefill_batch=p,
+                      experts=None if resident else c.experts, cpu_blocks=c.cpu_blocks if streams else None,
+                      resident=resident, widened=c.widened if resident else None,
+                      kv_in_host=c.kv_in_host if streams else None)  # fmt: skip
+
+    picks = {key: pick(*key) for key in grid}
     pick_key = max(picks, key=lambda key: picks[key].prediction.total_tok_s)
     measured_pick, predicted_pick = grid[pick_key], picks[pick_key].prediction.total_tok_s
     result |= {
-        "best_of_grid": {"slots": best[0], "experts": best[1], "cpu_blocks": best[2], "prefill": best[3],
-                         "tok_s": round(grid[best], 2)},
-        "policy_pick": {"slots": pick_key[0], "experts": pick_key[1], "cpu_blocks": pick_key[2],
-                        "prefill": pick_key[3], "measured_tok_s": round(measured_pick, 2),
-                        "predicted_tok_s": round(predicted_pick, 2)},
+        "best_of_grid": case_fields(*best) | {"tok_s": round(grid[best], 2)},
+        "policy_pick": case_fields(*pick_key) | {"measured_tok_s": round(measured_pick, 2),
+                                                 "predicted_tok_s": round(predicted_pick, 2)},
         "pick_vs_best": round(measured_pick / grid[best], 3),
         "measured_vs_predicted": round(measured_pick / predicted_pick, 3),
     }  # fmt: skip
@@ -284,9 +298,9 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
         scale = result["measured_vs_predicted"]
         # The model's own full-depth pick with the pick's expert placement, not the pick's slots: the full model's
         # KV cache is deeper, and as many slots as the truncated one ran need not fit the device.
-        streams = pick_key[1] in ("stream", HKV)
-        full_pick = search(full, floors, work, itemsize, ON_GPU, experts="stream" if streams else pick_key[1],
-                           kv_in_host=pick_key[1] == HKV if streams else None)
+        picked = pick_key[0]
+        full_pick = search(full, floors, work, itemsize, ON_GPU, experts=picked.experts,
+                           kv_in_host=picked.kv_in_host if picked.experts == "stream" else None)
         interactive_full = predict(full, floors, work, Policy(1, 1, 1), itemsize, ON_GPU).decode_tok_s
         interactive_trunc = predict(cfg, floors, work, Policy(1, 1, 1), itemsize, ON_GPU).decode_tok_s
         projected_interactive = interactive_tok_s * interactive_full / interactive_trunc
@@ -298,7 +312,7 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
             "interactive_tok_s": round(projected_interactive, 2),
             "decode_vs_interactive": round(full_pick.prediction.decode_tok_s * scale / projected_interactive, 1),
         }  # fmt: skip
-        in_host = [(b, d) for (b, e, _), d in decode.items() if e == HKV]
+        in_host = [(c.slots, d) for c, d in decode.items() if c.kv_in_host]
         if in_host:  # the KV cache in host memory at full depth, scaled by its largest measured step
             b, d = max(in_host, key=lambda case: case[0])
             host_scale = d["predicted_step_s"] / d["step_s"]
@@ -311,9 +325,9 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
                 "decode_tok_s": round(decode_tok_s, 2), "interactive_tok_s": round(projected_interactive, 2),
                 "decode_vs_interactive": round(decode_tok_s / projected_interactive, 1),
             }  # fmt: skip
-    print(f"best of the grid: {best[0]} slots, experts {best[1]} ({best[2]} CPU blocks), prefill {best[3]}: "
-          f"{grid[best]:.1f} tok/s; the model's pick: {pick_key[0]} slots, experts {pick_key[1]} ({pick_key[2]} CPU "
-          f"blocks), prefill {pick_key[3]}: {measured_pick:.1f} "
+    print(f"best of the grid: {best[0].slots} slots, experts {label(best[0])}, prefill {best[1]}: {grid[best]:.1f} "
+          f"tok/s; the model's pick: {pick_key[0].slots} slots, experts {label(pick_key[0])}, prefill {pick_key[1]}: "
+          f"{measured_pick:.1f} "
           f"tok/s measured, {predicted_pick:.1f} predicted; best decode / interactive = "
           f"{result['best_decode_vs_interactive']}x")  # fmt: skip
     for key in ("projected_full_depth", "projected_full_depth_kv_in_host"):
