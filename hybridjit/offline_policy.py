@@ -422,15 +422,15 @@ def search(
         mb_grid = [micro_batches] if micro_batches else [*(m for m in MICRO_BATCHES if m <= b), DUAL]
         if resident:
             holdings = [widened] if widened is not None else [False, True] if can_widen else [False]
-            placements = [(RESIDENT, mb, w) for mb in mb_grid if mb != DUAL for w in holdings]
+            placements = [(RESIDENT, mb, w, False) for mb in mb_grid if mb != DUAL for w in holdings]
         else:
-            placements = [("cpu", mb, 0) for mb in mb_grid] if experts != "stream" else []
+            placements = [("cpu", mb, 0, False) for mb in mb_grid] if experts != "stream" else []
             if streams:
                 splits = [cpu_blocks] if cpu_blocks is not None else range(BLOCKS_PER_LAYER)
-                placements += [(("stream", in_host), 1, c) for in_host in kv_holdings for c in splits]
-        for where, mb, option in placements:  # option: CPU blocks of a streamed step, widened copies if resident
+                placements += [("stream", 1, c, in_host) for in_host in kv_holdings for c in splits]
+        # option: CPU blocks of a streamed step, widened copies if resident; in_host: the KV cache in host memory
+        for where, mb, option, in_host in placements:
             split, wide = (0, option) if where == RESIDENT else (option, False)
-            where, in_host = where if isinstance(where, tuple) else (where, False)
             # On the device, all the slots' caches; in host memory, the layer read and the next one coming.
             kv = DEVICE_LAYERS * b * per_slot // cfg.num_hidden_layers if in_host else b * per_slot
             fits = (memory is None or kv <= memory) and not (

@@ -88,15 +88,13 @@ def sample(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p) -> jax
     sampling = temperature > 0
     restricts = sampling & ((top_k > 0) | (top_p < 1))
 
-    def draw():  # each kind of draw only where some row takes it (greedy stands in for the rows that do not)
-        plain = jax.lax.cond((sampling & ~restricts).any(),
-                             lambda: jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32), lambda: greedy)
-        restricted = jax.lax.cond(restricts.any(), lambda: jax.vmap(_restricted)(keys, scaled, top_k, top_p),
-                                  lambda: greedy)  # fmt: skip
-        return jnp.where(restricts, restricted, plain)
-
-    sampled = jax.lax.cond(sampling.any(), draw, lambda: greedy)
-    return jnp.where(sampling, sampled, greedy)
+    # Each kind of draw only where some row takes it (greedy stands in for the rows that do not): an all-greedy step
+    # draws nothing.
+    plain = jax.lax.cond((sampling & ~restricts).any(),
+                         lambda: jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32), lambda: greedy)
+    restricted = jax.lax.cond(restricts.any(), lambda: jax.vmap(_restricted)(keys, scaled, top_k, top_p),
+                              lambda: greedy)  # fmt: skip
+    return jnp.where(restricts, restricted, jnp.where(sampling, plain, greedy))
 
 
 def _restricted(key: jax.Array, scaled: jax.Array, top_k, top_p) -> jax.Array:
