@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from hybridjit.machine_floors import best_seconds, hbm_read_gbps
-from hybridjit.sampling import sample
+from hybridjit.sampling import restricts, sample
 
 KINDS = {  # (temperature, top_k, top_p) of every row
     "greedy": (0.0, 0, 1.0),
@@ -33,7 +33,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     device = jax.devices()[0]
     read = hbm_read_gbps(device)
-    step = jax.jit(sample)
+    step = jax.jit(sample, static_argnums=5)
     print(f"sampling: {device.device_kind}; vocabulary {args.vocab}; device read {read:.0f} GB/s")
     rows = []
     for b in args.rows:
@@ -42,7 +42,7 @@ def main(argv=None):
         floor = b * args.vocab * 4 / (read * 1e9)
         for kind, (temperature, top_k, top_p) in KINDS.items():
             params = (jnp.full(b, temperature), jnp.full(b, top_k, jnp.int32), jnp.full(b, top_p))
-            seconds = best_seconds(step, logits, keys, *params)
+            seconds = best_seconds(step, logits, keys, *params, restricts(temperature, top_k, top_p))
             share = floor / seconds
             rows.append({"rows": b, "kind": kind, "ms": round(1e3 * seconds, 3), "read_share": round(share, 4)})
             print(f"{b:5d} rows  {kind:10s} {1e3 * seconds:9.3f} ms  read share {share:.3f}")

@@ -18,12 +18,21 @@ random bytes, whose many subnormal codes the CPU kernels decode far slower; rout
 copy, shared by the CPU kernels and the stream-loaded prefill), truncated to --layers: both P's streamed
 layers and D's decode steps keep their per-layer cost, which is what the ratios compare. With --devices N (N GPUs)
 P streams over all N while nothing decodes and, arriving while D decodes, on the N - 1 that do not decode
-(prefill-decode disaggregation, seed 000 §3.3.2; D decodes on the first). Ends with one JSON line.
+(prefill-decode disaggregation, seed 000 §3.3.2; D decodes on the first).
+
+What else a disaggregated P takes from D is the host: its memory bandwidth (`read_while_copying`), its cores (the
+CPU kernels' pool beside P's prefill thread: `--threads` runs the workloads under each pool size) and Python's
+lock, which P's prefill thread holds while it dispatches each layer's executables and which D's scheduler thread
+needs for each step (`--switch-interval-ms`: how long a thread waiting for it lets the holder run, Python's
+sys.setswitchinterval; its default is 5 ms). `--workloads` times a subset (1P and 1D always run: the baselines).
+Ends with one JSON line.
 """
 
 import argparse
+import itertools
 import json
 import statistics
+import sys
 import threading
 import time
 
@@ -33,6 +42,7 @@ import numpy as np
 
 from bench_model import add_model_arguments, load_model
 from floors import floors_line, machine, memory_floors
+from hybridjit.ops.routed_experts import configure_threads
 from hybridjit.placement import Placement
 from hybridjit.sampling import SamplingParams
 from hybridjit.serving.scheduler import Finished, Request, Scheduler, Token
@@ -90,8 +100,8 @@ def run_workload(scheduler: Scheduler, name: str, prefill: list[int], decode: li
 
 
 def run_policy(model, policy: str, prefill_tokens: int, decode_tokens: int, args, rng) -> tuple[list[dict], int]:
-    """The five workloads under `policy`, each after a warm-up run of itself (compiles, fills the graphs);
-    returns (results with ratios to the baselines, the decode tokens used)."""
+    """The baselines and the chosen workloads under `policy`, each after a warm-up run of itself (compiles, fills
+    the graphs); returns (results with ratios to the baselines, the decode tokens used)."""
     vocab = model.config.vocab_size
     prefill = rng.integers(2, vocab, prefill_tokens).tolist()
     decode = rng.integers(2, vocab, (2, 10)).tolist()
@@ -108,7 +118,8 @@ def run_policy(model, policy: str, prefill_tokens: int, decode_tokens: int, args
         if not decode_tokens:  # D alone lasting as long as P alone
             probe = measured("1D", 64)
             decode_tokens = max(32, round(base_p["ttft_p_s"] / (probe["tpot_d_ms"] / 1e3)))
-        results = [base_p] + [measured(name, decode_tokens) for name in WORKLOADS[1:]]
+        chosen = [name for name in WORKLOADS[1:] if name == "1D" or name in args.workloads]
+        results = [base_p] + [measured(name, decode_tokens) for name in chosen]
     finally:
         scheduler.shutdown()
     base_d = next(r for r in results if r["workload"] == "1D")
@@ -133,6 +144,11 @@ def main(argv=None):
     parser.add_argument("--chunk", type=int, default=256, help="the chunked policy's chunk")
     parser.add_argument("--policies", nargs="+", default=["slo", "chunked"], choices=("slo", "chunked"))
     parser.add_argument("--devices", type=int, default=1, help="GPUs to prefill on (Placement.prefill_devices)")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--threads", type=int, nargs="+", default=[0],
+                        help="CPU kernel pool sizes to run under, the calling thread counted (0: one per CPU)")
+    parser.add_argument("--switch-interval-ms", type=float, nargs="+", default=[1e3 * sys.getswitchinterval()],
+                        help="Python's thread switch intervals to run under")
     args = parser.parse_args(argv)
     if args.devices > len(jax.devices()):
         parser.error(f"--devices {args.devices}, but this machine has {len(jax.devices())}")
@@ -150,16 +166,22 @@ def main(argv=None):
               f"{args.devices - 1} GPU(s) copy pinned memory at {sharing['h2d_gbps_each_while_reading']} GB/s each")
     rng = np.random.default_rng(0)
     results = []
-    print(f"{'policy':>8} {'workload':>8} {'P tokens':>8} {'D tokens':>8} {'TTFT P s':>9} {'x 1P':>6} "
-          f"{'TPOT D ms':>9} {'x 1D':>6} {'total s':>8} {'x base':>6}")
+    print(f"{'policy':>8} {'threads':>7} {'switch':>6} {'workload':>8} {'P tokens':>8} {'D tokens':>8} "
+          f"{'TTFT P s':>9} {'x 1P':>6} {'TPOT D ms':>9} {'x 1D':>6} {'total s':>8} {'x base':>6}")
     for policy in args.policies:
         length = args.prefill_tokens if policy == "slo" else args.chunked_prefill_tokens
-        rows, _ = run_policy(model, policy, length, args.decode_tokens, args, rng)
-        for r in rows:
-            print(f"{policy:>8} {r['workload']:>8} {r['prefill_tokens']:8d} {r['decode_tokens']:8d} "
-                  f"{r['ttft_p_s'] or '-':>9} {r.get('ttft_ratio', '-'):>6} {r['tpot_d_ms'] or '-':>9} "
-                  f"{r.get('tpot_ratio', '-'):>6} {r['total_s']:8.3f} {r['total_ratio']:6.3f}", flush=True)
-        results += rows
+        decode_tokens = args.decode_tokens  # set by the first setting's run where 0, then kept: one D for all
+        for threads, switch_ms in itertools.product(args.threads, args.switch_interval_ms):
+            configure_threads(threads)
+            sys.setswitchinterval(switch_ms / 1e3)
+            rows, decode_tokens = run_policy(model, policy, length, decode_tokens, args, rng)
+            for r in rows:
+                r["threads"], r["switch_interval_ms"] = threads, switch_ms
+                print(f"{policy:>8} {threads or 'all':>7} {switch_ms:6.2f} {r['workload']:>8} {r['prefill_tokens']:8d} "
+                      f"{r['decode_tokens']:8d} {r['ttft_p_s'] or '-':>9} {r.get('ttft_ratio', '-'):>6} "
+                      f"{r['tpot_d_ms'] or '-':>9} {r.get('tpot_ratio', '-'):>6} {r['total_s']:8.3f} "
+                      f"{r['total_ratio']:6.3f}", flush=True)
+            results += rows
     print(json.dumps({"bench": "serve", "model": name, "layers": model.config.num_hidden_layers,
                       "devices": args.devices, "full_layers": full.num_hidden_layers, "machine": machine(),
                       "floors": {"h2d_gbps": h2d, "read_gbps": memory["read_gbps"], "read_while_copying": sharing},

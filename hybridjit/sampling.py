@@ -73,28 +73,32 @@ class SamplingParams:
         return jax.random.fold_in(key, self.row) if self.row else key
 
 
-def sample(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p) -> jax.Array:
+def restricts(temperature, top_k, top_p) -> bool:
+    """Whether some row of these host-side parameters [b] (numpy) samples within top_k or top_p: `sample`'s
+    `restricted` for them."""
+    return bool(((np.asarray(temperature) > 0) & ((np.asarray(top_k) > 0) | (np.asarray(top_p) < 1))).any())
+
+
+def sample(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p, restricted: bool = True) -> jax.Array:
     """logits [b, vocab] float32, each row with its own key and parameters [b] -> token ids [b] int32: greedy where
     the temperature is 0; else a draw from softmax(logits / temperature), restricted to the top_k tokens (0: all) and
     then to the smallest prefix of them holding top_p of the mass. A row's token depends on its own key and
     parameters only, never on the other rows.
 
     Only rows that restrict need the logits sorted, and a sort of the whole vocabulary costs far more than the draw
-    (768 rows of Qwen3's 151,936 logits are 117M entries a step), so the sort runs only in a step where some row
-    restricts; the others draw over the logits as they are. Whether a step sorts is one condition for the batch:
-    under vmap, a condition per row would compute both sides for every row."""
+    (768 rows of Qwen3's 151,936 logits: 10.0 ms against 1.1 on an H200, bench/RESULTS.md), so the rows sort only
+    with `restricted` (a static argument: pass `restricts(...)` of the host's copy of the parameters; False with a
+    row that restricts would draw that row unrestricted). It is the caller's to know rather than a condition on
+    the device because XLA on a GPU reads a condition's predicate back to the host: a `lax.cond` here made every
+    step of a looped decode wait for the device, and Qwen3-30B-A3B's batch-1 step took 4.9 ms instead of 2.9."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
     sampling = temperature > 0
-    restricts = sampling & ((top_k > 0) | (top_p < 1))
-
-    # Each kind of draw only where some row takes it (greedy stands in for the rows that do not): an all-greedy step
-    # draws nothing.
-    plain = jax.lax.cond((sampling & ~restricts).any(),
-                         lambda: jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32), lambda: greedy)
-    restricted = jax.lax.cond(restricts.any(), lambda: jax.vmap(_restricted)(keys, scaled, top_k, top_p),
-                              lambda: greedy)  # fmt: skip
-    return jnp.where(restricts, restricted, jnp.where(sampling, plain, greedy))
+    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    if restricted:
+        restricting = sampling & ((top_k > 0) | (top_p < 1))
+        drawn = jnp.where(restricting, jax.vmap(_restricted)(keys, scaled, top_k, top_p), drawn)
+    return jnp.where(sampling, drawn, greedy)
 
 
 def _restricted(key: jax.Array, scaled: jax.Array, top_k, top_p) -> jax.Array:

@@ -159,6 +159,11 @@ def test_the_kv_cache_in_host_memory_trades_link_time_for_slots_the_device_canno
     assert in_host.kv_in_host and in_host.slots > 2 * on_device.slots
     assert "KV cache in host memory" in in_host.describe()
     assert in_host.prediction.decode_tok_s > 1.5 * on_device.prediction.decode_tok_s
+    # No CPU blocks beside a cache in host memory unless asked for (measured slower, offline_policy._searched_splits),
+    # though this host's kernels make the model price co-execution faster.
+    assert in_host.cpu_blocks == 0
+    asked = search(V3, slow, WORK, 2, True, slots=in_host.slots, prefill_batch=64, cpu_blocks=3, kv_in_host=True)
+    assert asked.cpu_blocks == 3 and asked.prediction.step_s < in_host.prediction.step_s
     link_bound = dataclasses.replace(slow, gpu_tflops=1e9, gpu_hbm_gbps=1e9)  # the step is the copies
     steps = [predict(V3, link_bound, WORK, Policy(2048, 1, 1, experts="stream", kv_in_host=h), 2, True).step_s
              for h in (False, True)]  # fmt: skip

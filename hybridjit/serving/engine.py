@@ -27,7 +27,7 @@ from hybridjit.host_kv_cache import HostKVCache
 from hybridjit.models.common.moe import MoE
 from hybridjit.models.common.ring_cache import from_prompt, is_ring
 from hybridjit.models.registry import family_of
-from hybridjit.sampling import SamplingParams, sample
+from hybridjit.sampling import SamplingParams, restricts, sample
 from hybridjit.stream_prefill import check_cpu_blocks, choose_prefill_path, stream_decode_step, stream_prefill
 
 MIN_BUCKET = 8
@@ -50,31 +50,31 @@ def bucket(n: int) -> int:
     return max(MIN_BUCKET, 1 << (n - 1).bit_length())
 
 
-def _sample_rows(logits, keys, counts, temperature, top_k, top_p):
+def _sample_rows(logits, keys, counts, temperature, top_k, top_p, restricted):
     """Each row of logits [b, vocab] sampled with its own key folded with its token count and its own
-    parameters [b]: (token ids [b], whether each row of logits is finite [b]). Checking finiteness next to
-    sampling costs the host no extra wait."""
+    parameters [b] (`restricted`: whether some row samples within top_k / top_p, sampling.sample's): (token ids [b],
+    whether each row of logits is finite [b]). Checking finiteness next to sampling costs the host no extra wait."""
 
-    tokens = sample(logits, jax.vmap(jax.random.fold_in)(keys, counts), temperature, top_k, top_p)
+    tokens = sample(logits, jax.vmap(jax.random.fold_in)(keys, counts), temperature, top_k, top_p, restricted)
     return tokens, jnp.isfinite(logits).all(axis=-1)
 
 
-@partial(jax.jit, static_argnums=0, donate_argnames="cache")
-def _prefill_program(cfg, weights, tokens, lengths, cache, keys, temperature, top_k, top_p):
+@partial(jax.jit, static_argnums=(0, 9), donate_argnames="cache")
+def _prefill_program(cfg, weights, tokens, lengths, cache, keys, temperature, top_k, top_p, restricted):
     logits, cache = family_of(cfg).model.prefill(cfg, weights, tokens, cache)
     last = logits[jnp.arange(tokens.shape[0]), lengths - 1]
-    return _sample_rows(last, keys, jnp.zeros_like(lengths), temperature, top_k, top_p), cache
+    return _sample_rows(last, keys, jnp.zeros_like(lengths), temperature, top_k, top_p, restricted), cache
 
 
-@partial(jax.jit, static_argnums=0, donate_argnames="cache")
-def _extend_program(cfg, weights, tokens, starts, lengths, cache, keys, temperature, top_k, top_p):
+@partial(jax.jit, static_argnums=(0, 10), donate_argnames="cache")
+def _extend_program(cfg, weights, tokens, starts, lengths, cache, keys, temperature, top_k, top_p, restricted):
     positions = starts[:, None] + jnp.arange(tokens.shape[1])
     logits, cache = family_of(cfg).model.extend(cfg, weights, tokens, positions, cache)
     last = logits[jnp.arange(tokens.shape[0]), jnp.clip(lengths - starts - 1, 0, tokens.shape[1] - 1)]
-    return _sample_rows(last, keys, jnp.zeros_like(lengths), temperature, top_k, top_p), cache
+    return _sample_rows(last, keys, jnp.zeros_like(lengths), temperature, top_k, top_p, restricted), cache
 
 
-_sample_program = jax.jit(_sample_rows)
+_sample_program = jax.jit(_sample_rows, static_argnums=6)
 
 
 def span_of(cache_len: int, last_position: int) -> int:
@@ -98,26 +98,27 @@ def _within_span(span: int, caches, run):
     return out, jax.tree.map(back, caches, views, is_leaf=is_ring)
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames="tally", donate_argnames="cache")
+@partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("restricted", "tally"), donate_argnames="cache")
 def _decode_program(
     cfg, schedule, steps, span, weights, tokens, positions, live, cache, keys, counts, temperature, top_k, top_p,
-    tally=False,
+    restricted, tally=False,
 ):
     """`steps` decode steps of one micro-batch from the last row of tokens [n, b], each step's tokens fed to the
     next, attending over the cache's first `span` positions: (((tokens, finite) [steps, b], with `tally` the
     experts each MoE layer chose for each slot's token [steps, moe layers, b, k] (-1: a free slot), else None),
     the cache)."""
     return _within_span(span, cache, partial(_decode_steps, cfg, schedule, steps, tally, weights, tokens, positions,
-                                             live, keys, counts, temperature, top_k, top_p))
+                                             live, keys, counts, temperature, top_k, top_p, restricted))
 
 
 def _decode_steps(cfg, schedule, steps, tally, weights, tokens, positions, live, keys, counts, temperature, top_k,
-                  top_p, cache):
+                  top_p, restricted, cache):
     def step(i, tokens, cache):
         logits, cache, *tallied = family_of(cfg).model.decode_step(
             cfg, weights, tokens, positions + i, cache, schedule, live, tally
         )
-        return _sample_rows(logits, keys, counts + i, temperature, top_k, top_p), cache, tallied[0] if tally else None
+        sampled = _sample_rows(logits, keys, counts + i, temperature, top_k, top_p, restricted)
+        return sampled, cache, tallied[0] if tally else None
 
     if steps == 1:  # no loop around the custom calls of a hybrid step
         (new, finite), cache, tallied = step(0, tokens[-1], cache)
@@ -143,10 +144,10 @@ def _first(tallied: list):
     return tallied[0][None] if tallied else None
 
 
-@partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames="tally", donate_argnames="caches")
+@partial(jax.jit, static_argnums=(0, 1, 2, 3), static_argnames=("restricted", "tally"), donate_argnames="caches")
 def _decode_micro_batches_program(
     cfg, schedule, span, coalesced, weights, tokens, positions, live, caches, keys, counts, temperature, top_k, top_p,
-    tally=False,
+    restricted, tally=False,
 ):
     """One decode step of several micro-batches: their routed experts coalesced into one call per layer
     (decode_step_grouped) or, two of them, overlapping each other's (decode_step_dual)."""
@@ -156,15 +157,16 @@ def _decode_micro_batches_program(
     def run(caches):
         last = tuple(t[-1] for t in tokens)
         logits, caches, *tallied = decode_step(cfg, weights, last, positions, caches, schedule, live, tally)
-        return (_sampled_rows(logits, keys, counts, temperature, top_k, top_p), _first(tallied)), caches
+        return (_sampled_rows(logits, keys, counts, temperature, top_k, top_p, restricted), _first(tallied)), caches
 
     return _within_span(span, caches, run)
 
 
-def _sampled_rows(logits, keys, counts, temperature, top_k, top_p) -> tuple:
+def _sampled_rows(logits, keys, counts, temperature, top_k, top_p, restricted) -> tuple:
     """Each micro-batch's logits sampled as one step: ((tokens, finite) [1, b_g], ...)."""
     per_batch = zip(logits, keys, counts, temperature, top_k, top_p, strict=True)
-    return tuple((tokens[None], finite[None]) for tokens, finite in (_sample_rows(*args) for args in per_batch))
+    sampled = (_sample_rows(*args, restricted) for args in per_batch)
+    return tuple((tokens[None], finite[None]) for tokens, finite in sampled)
 
 
 @partial(jax.jit, donate_argnames="cache")
@@ -236,10 +238,13 @@ class Step:
 
 
 def sampling_arrays(params: list[SamplingParams]) -> tuple:
-    """Per-row device arguments of the programs: (keys [b], temperature [b], top_k [b], top_p [b])."""
+    """Per-row arguments of the programs: (keys [b], temperature [b], top_k [b], top_p [b]) on the device, and
+    whether some row restricts (the programs' static `restricted`)."""
     args = [p.device_args() for p in params]
     keys = jnp.stack([p.key() for p in params])
-    return (keys, *(jnp.stack(column) for column in zip(*args, strict=True)))
+    temperature, top_k, top_p = (jnp.stack(column) for column in zip(*args, strict=True))
+    restricted = any(restricts(p.temperature, p.top_k, p.top_p) for p in params)
+    return keys, temperature, top_k, top_p, restricted
 
 
 class Engine:
@@ -422,6 +427,8 @@ class Engine:
     def free(self, slot: int):
         self.occupied[slot] = False
         self.positions[slot] = 0
+        # Greedy, so that a free slot never makes a step sort for top_k / top_p (sampling.sample's `restricted`).
+        self.temperature[slot], self.top_k[slot], self.top_p[slot] = 0.0, 0, 1.0
 
     def read_span(self, slot: int, start: int, length: int) -> list:
         """Cache positions [start, start + length) of a slot, a one-row cache pytree (for the prefix cache). Not
@@ -470,24 +477,27 @@ class Engine:
             )
             for g in self.groups
         ]
+        # Sorted for top_k / top_p only in a step where some slot asks for it (free slots are greedy).
+        restricted = restricts(self.temperature, self.top_k, self.top_p)
         if self.stream_experts:
             (positions, live, counts, temperature, top_k, top_p), = split
             logits, cache = stream_decode_step(m, self.tokens[0][-1], positions, live, self.caches[0],
                                                cpu_blocks=self.cpu_blocks)
-            new, finite = _sample_program(logits, self.keys[0], counts, temperature, top_k, top_p)
+            new, finite = _sample_program(logits, self.keys[0], counts, temperature, top_k, top_p, restricted)
             sampled, routed, self.caches = ((new[None], finite[None]),), None, [cache]
         elif len(self.groups) > 1:
             positions, live, counts, temperature, top_k, top_p = zip(*split, strict=True)
             (sampled, routed), caches = _decode_micro_batches_program(
                 m.config, schedule, span, self.coalesced, m.weights, tuple(self.tokens), positions, live,
-                tuple(self.caches), tuple(self.keys), counts, temperature, top_k, top_p, tally=self.tally,
+                tuple(self.caches), tuple(self.keys), counts, temperature, top_k, top_p, restricted=restricted,
+                tally=self.tally,
             )
             self.caches = list(caches)
         else:
             (positions, live, counts, temperature, top_k, top_p), = split
             (sampled, routed), cache = _decode_program(
                 m.config, schedule, self.steps, span, m.weights, self.tokens[0], positions, live, self.caches[0],
-                self.keys[0], counts, temperature, top_k, top_p, tally=self.tally,
+                self.keys[0], counts, temperature, top_k, top_p, restricted=restricted, tally=self.tally,
             )
             sampled, self.caches = (sampled,), [cache]
         self.tokens = [tokens for tokens, _ in sampled]
