@@ -16,7 +16,8 @@ Each model is a geometry with random FP8 weights (prefill.py's PooledExperts: fa
   and with `--widen` every case again with the FP8 copies held dequantized (Model.hold_resident_experts; the
   experts column reads "gpu-wide"); with `--kv-in-host`, every streamed case again with the KV cache in pinned host
   memory, copied to the GPU a layer at a time (hybridjit/host_kv_cache.py; the experts column reads "stream-hkv"),
-  at up to hybridjit.offline_policy.MAX_HOST_KV_SLOTS slots;
+  at up to hybridjit.offline_policy.MAX_HOST_KV_SLOTS slots; with `--attention-on-cpu`, again with the CPU attending
+  over that cache where it is ("stream-cpuattn"; hybridjit/ops/cpu_attention.py);
 - prefill of every --prefill batch of 512-token prompts (whichever path the engine chooses);
 - the performance model (hybridjit/offline_policy.py) fed with floors measured here (memory read floor, pinned
   H2D, dense GEMM, the device memory's read rate, the CPU expert kernels' rate at each case's tokens per call, the
@@ -89,7 +90,7 @@ def measured_floors(model, memory: dict, tokens: list[int]) -> Floors:
 
 def decode_step_seconds(model, slots: int, micro_batches: int | None, context: int, steps: int, rng,
                         experts: str = "cpu", cpu_blocks: int = 0, kv_in_host: bool = False,
-                        cache_len: int = 0) -> float:  # fmt: skip
+                        cache_len: int = 0, attention_on_cpu: bool = False) -> float:  # fmt: skip
     """Median seconds of a decode step of `slots` sequences each at `context` cached positions, run as the runner
     runs them (the next step dispatched before this one's tokens are read), the routed experts on the CPU or
     streamed to the GPU each step (`experts`), `cpu_blocks` of each layer's then on the CPU meanwhile, the KV cache
@@ -101,7 +102,7 @@ def decode_step_seconds(model, slots: int, micro_batches: int | None, context: i
     most = model.decode_steps or DEVICE_ONLY_DECODE_STEPS  # decode steps a call may run
     cache_len = max(cache_len, -(-(context + (steps + 2) * most + 4) // 256) * 256)  # as decode.py
     engine = Engine(model, slots, cache_len, micro_batches, stream_experts=experts == "stream", cpu_blocks=cpu_blocks,
-                    kv_in_host=kv_in_host)
+                    kv_in_host=kv_in_host, attention_on_cpu=attention_on_cpu)
     calls = -(-steps // engine.steps)
     one = model.family.model.init_cache(cfg, 1, context, model.dtype, model.placement.device)
     tokens = rng.integers(2, cfg.vocab_size, slots)
@@ -131,19 +132,21 @@ def decode_step_seconds(model, slots: int, micro_batches: int | None, context: i
 
 def decode_cases(cfg, floors: Floors, work: Workload, itemsize: int, args) -> list[Policy]:
     """The decode steps to time, as policies of one attention micro-batch: each --slots with each --experts, and with
-    --widen the resident copies held dequantized, with --kv-in-host streamed steps with the KV cache in host memory;
-    where the experts stream, also with the CPU blocks the model picks for that batch, where it picks any."""
-    holdings = [(experts, False, False) for experts in args.experts]  # (experts, widened, kv_in_host)
-    holdings += [(RESIDENT, True, False)] if args.widen else []
-    holdings += [("stream", False, True)] if args.kv_in_host else []
+    --widen the resident copies held dequantized, with --kv-in-host streamed steps with the KV cache in host memory
+    (and with --attention-on-cpu attended over there by the CPU); where the experts stream, also with the CPU blocks
+    the model picks for that batch, where it picks any."""
+    holdings = [(experts, False, False, False) for experts in args.experts]  # (experts, widened, in host, CPU attends)
+    holdings += [(RESIDENT, True, False, False)] if args.widen else []
+    holdings += [("stream", False, True, False)] if args.kv_in_host else []
+    holdings += [("stream", False, True, True)] if args.attention_on_cpu else []
     cases = []
-    for (experts, widened, in_host), slots in [(h, b) for h in holdings for b in args.slots]:
-        case = Policy(slots, 1, 1, experts=experts, widened=widened, kv_in_host=in_host)
+    for (experts, widened, in_host, on_cpu), slots in [(h, b) for h in holdings for b in args.slots]:
+        case = Policy(slots, 1, 1, experts=experts, widened=widened, kv_in_host=in_host, attention_on_cpu=on_cpu)
         cases.append(case)
         if experts == "stream":
             try:
                 split = search(cfg, floors, work, itemsize, True, slots=slots, micro_batches=1, experts="stream",
-                               kv_in_host=in_host)  # fmt: skip
+                               kv_in_host=in_host, attention_on_cpu=on_cpu)  # fmt: skip
             except ValueError:  # nothing fits at that many slots: the case is reported as not fitting
                 continue
             if split.cpu_blocks:
@@ -153,8 +156,9 @@ def decode_cases(cfg, floors: Floors, work: Workload, itemsize: int, args) -> li
 
 def holding(case: Policy) -> str:
     """A case's experts column: where its experts run, "-wide" where resident copies are held dequantized ("gpu-wide"),
-    "-hkv" where the KV cache is in host memory ("stream-hkv")."""
-    return case.experts + ("-wide" if case.widened else "") + ("-hkv" if case.kv_in_host else "")
+    "-hkv" where the KV cache is in host memory ("stream-hkv"), "-cpuattn" where the CPU attends over it there."""
+    in_host = ("-cpuattn" if case.attention_on_cpu else "-hkv") if case.kv_in_host else ""
+    return case.experts + ("-wide" if case.widened else "") + in_host
 
 
 def label(case: Policy) -> str:
@@ -218,7 +222,9 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
             print(f"time limit: slots {slots} with experts {label(case)} and on not run")
             break
         kv = slots * kv_bytes_per_slot(cfg, max(work.cache_len, context + args.steps + 4), itemsize)
+        # In host memory: two layers' caches on the device, or none where the CPU attends over it.
         on_device = DEVICE_LAYERS * kv // cfg.num_hidden_layers if case.kv_in_host else kv
+        on_device = 0 if case.attention_on_cpu else on_device
         held = on_device + case.widened * widened_expert_bytes(cfg, itemsize)
         if floors.device_free_bytes is not None and held > floors.device_free_bytes:
             print(f"{slots:6d} slots: their KV cache ({kv / 2**30:.1f} GiB)"
@@ -229,7 +235,7 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
             continue
         model.hold_resident_experts(case.widened)
         step = decode_step_seconds(model, slots, 1, context, args.steps, rng, case.experts, case.cpu_blocks,
-                                   case.kv_in_host, work.cache_len)  # fmt: skip
+                                   case.kv_in_host, work.cache_len, case.attention_on_cpu)  # fmt: skip
         predicted = predict(cfg, floors, work, case, itemsize, ON_GPU).step_s
         decode[case] = {"step_s": step, "predicted_step_s": predicted}
         print(f"{slots:6d} {label(case):>9} {1e3 * step:9.1f} {slots / step:9.1f} {1e3 * predicted:9.1f} "
@@ -281,7 +287,8 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
         return search(cfg, floors, work, itemsize, ON_GPU, slots=c.slots, micro_batches=1, prefill_batch=p,
                       experts=None if resident else c.experts, cpu_blocks=c.cpu_blocks if streams else None,
                       resident=resident, widened=c.widened if resident else None,
-                      kv_in_host=c.kv_in_host if streams else None)  # fmt: skip
+                      kv_in_host=c.kv_in_host if streams else None,
+                      attention_on_cpu=c.attention_on_cpu if streams else None)  # fmt: skip
 
     picks = {key: pick(*key) for key in grid}
     pick_key = max(picks, key=lambda key: picks[key].prediction.total_tok_s)
@@ -300,7 +307,8 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
         # KV cache is deeper, and as many slots as the truncated one ran need not fit the device.
         picked = pick_key[0]
         full_pick = search(full, floors, work, itemsize, ON_GPU, experts=picked.experts,
-                           kv_in_host=picked.kv_in_host if picked.experts == "stream" else None)
+                           kv_in_host=picked.kv_in_host if picked.experts == "stream" else None,
+                           attention_on_cpu=picked.attention_on_cpu if picked.experts == "stream" else None)
         interactive_full = predict(full, floors, work, Policy(1, 1, 1), itemsize, ON_GPU).decode_tok_s
         interactive_trunc = predict(cfg, floors, work, Policy(1, 1, 1), itemsize, ON_GPU).decode_tok_s
         projected_interactive = interactive_tok_s * interactive_full / interactive_trunc
@@ -351,6 +359,9 @@ def main(argv=None):
                         help=f"with --experts {RESIDENT}: every case also with the FP8 copies held dequantized")
     parser.add_argument("--kv-in-host", action="store_true",
                         help="with --experts stream: every streamed case also with the KV cache in host memory")
+    parser.add_argument("--attention-on-cpu", action="store_true",
+                        help="with --experts stream: every streamed case also with the KV cache in host memory and "
+                             "the CPU attending over it there")
     parser.add_argument("--host-kv-gib", type=float, default=256.0,
                         help="with --kv-in-host: the host memory a full-size host gives the KV cache, for the "
                              "full-depth projection")
@@ -362,8 +373,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if RESIDENT in args.experts and args.experts != [RESIDENT]:
         parser.error(f"--experts {RESIDENT} places every expert on the device for the whole run: give it alone")
-    if args.kv_in_host and "stream" not in args.experts:
-        parser.error("--kv-in-host holds the KV cache of streamed steps in host memory: it needs --experts stream")
+    if (args.kv_in_host or args.attention_on_cpu) and "stream" not in args.experts:
+        parser.error("--kv-in-host and --attention-on-cpu hold the KV cache of streamed steps in host memory: they "
+                     "need --experts stream")
     if args.widen and args.experts != [RESIDENT]:
         parser.error(f"--widen holds the resident experts dequantized: it needs --experts {RESIDENT}")
     start = time.perf_counter()

@@ -2,6 +2,7 @@
 // jax, so the pure-Python source tree imports anywhere): the weight bank and the FFI handler capsules.
 // Private: it trusts hybridjit.ops.routed_experts to validate shapes and dtypes and to keep the weights alive.
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -12,9 +13,11 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "routed_experts_async.h"
+#include "cpu_attention.h"
 #include "cpu_features.h"
 #include "expert_kernels.h"
 #include "membench.h"
@@ -219,6 +222,141 @@ nb::dict MemoryBandwidthDict(int64_t bytes, int repeats, int threads) {
   return out;
 }
 
+// ---- decode attention over a host KV cache (cpu_attention.h) ----
+
+// Any host array; checked by the functions below so that a mismatch names the argument (a typed ndarray
+// parameter would fail overload resolution with a message that names none).
+using HostArray = nb::ndarray<nb::ro>;
+using HostOutput = nb::ndarray<>;
+
+// The shape the kernels index by, C-contiguous, in host memory; ValueError or TypeError naming the argument.
+template <typename Array>
+void CheckLayout(const char* name, const Array& a, const std::vector<int64_t>& shape) {
+  if (a.device_type() != nb::device::cpu::value) {
+    throw nb::type_error((std::string(name) + " must be in host memory").c_str());
+  }
+  auto shape_text = [](auto size, auto dim) {
+    std::string text = "(";
+    for (size_t i = 0; i < size; ++i) text += (i ? ", " : "") + std::to_string(dim(i));
+    return text + (size == 1 ? ",)" : ")");
+  };
+  const std::string actual = shape_text(a.ndim(), [&](size_t i) { return static_cast<int64_t>(a.shape(i)); });
+  const std::string expected = shape_text(shape.size(), [&](size_t i) { return shape[i]; });
+  if (actual != expected) {
+    throw std::invalid_argument(std::string(name) + " has shape " + actual + ", expected " + expected);
+  }
+  int64_t step = 1;  // elements between consecutive indices of the current dimension when C-contiguous
+  for (size_t i = a.ndim(); i-- > 0;) {
+    if (a.shape(i) > 1 && a.stride(i) != step) {
+      throw std::invalid_argument(std::string(name) + " must be C-contiguous");
+    }
+    step *= static_cast<int64_t>(a.shape(i));
+  }
+}
+
+bool IsFloat32(const nb::dlpack::dtype& t) { return t == nb::dtype<float>(); }
+
+// numpy hands ml_dtypes.bfloat16 arrays to no C extension (DLPack and the buffer protocol lack the type), so
+// a bfloat16 cache comes as uint16 bits (hybridjit.ops.cpu_attention views it so); a DLPack producer that
+// has the type (JAX, PyTorch) can pass bfloat16 itself.
+bool IsBf16(const nb::dlpack::dtype& t) {
+  const nb::dlpack::dtype bfloat16{static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1};
+  return t == nb::dtype<uint16_t>() || t == bfloat16;
+}
+
+void CheckFloat32(const char* name, const nb::dlpack::dtype& t) {
+  if (!IsFloat32(t)) throw nb::type_error((std::string(name) + " must be float32").c_str());
+}
+
+// The element type of the cache arrays named in `names`, which must all have the first one's.
+CacheDtype CacheDtypeOf(const std::vector<std::pair<const char*, nb::dlpack::dtype>>& arrays) {
+  const nb::dlpack::dtype first = arrays[0].second;
+  if (!IsFloat32(first) && !IsBf16(first)) {
+    throw nb::type_error((std::string(arrays[0].first) + " must be float32, or bfloat16 (as its uint16 bits)").c_str());
+  }
+  for (const auto& [name, t] : arrays) {
+    if (!(IsFloat32(first) ? IsFloat32(t) : IsBf16(t))) {
+      throw nb::type_error((std::string(name) + " must have " + arrays[0].first + "'s dtype").c_str());
+    }
+  }
+  return IsFloat32(first) ? CacheDtype::kF32 : CacheDtype::kBf16;
+}
+
+void CheckLengthsArray(const HostArray& lengths, int64_t batch) {
+  if (lengths.dtype() != nb::dtype<int32_t>()) throw nb::type_error("lengths must be int32");
+  CheckLayout("lengths", lengths, {batch});
+}
+
+void CpuAttentionGqa(const HostArray& q, const HostArray& k, const HostArray& v, const HostArray& lengths, float scale,
+                     HostOutput& out) {
+  if (q.ndim() != 3) throw std::invalid_argument("q must be [batch, heads, head_dim]");
+  if (k.ndim() != 4) throw std::invalid_argument("k must be [batch, max_len, kv_heads, head_dim]");
+  GqaDecodeCall call;
+  call.batch = static_cast<int64_t>(q.shape(0));
+  call.heads = static_cast<int64_t>(q.shape(1));
+  call.head_dim = static_cast<int64_t>(q.shape(2));
+  call.max_len = static_cast<int64_t>(k.shape(1));
+  call.kv_heads = static_cast<int64_t>(k.shape(2));
+  CheckFloat32("q", q.dtype());
+  CheckLayout("q", q, {call.batch, call.heads, call.head_dim});
+  call.cache = CacheDtypeOf({{"k", k.dtype()}, {"v", v.dtype()}});
+  CheckLayout("k", k, {call.batch, call.max_len, call.kv_heads, call.head_dim});
+  CheckLayout("v", v, {call.batch, call.max_len, call.kv_heads, call.head_dim});
+  CheckLengthsArray(lengths, call.batch);
+  CheckFloat32("out", out.dtype());
+  CheckLayout("out", out, {call.batch, call.heads, call.head_dim});
+  call.q = static_cast<const float*>(q.data());
+  call.k = k.data();
+  call.v = v.data();
+  call.lengths = static_cast<const int32_t*>(lengths.data());
+  call.scale = scale;
+  call.out = static_cast<float*>(out.data());
+  if (std::string error = CheckGqaDecode(call); !error.empty()) throw std::invalid_argument(error);
+  std::string error;
+  {
+    nb::gil_scoped_release release;
+    error = RunGqaDecode(call);
+  }
+  if (!error.empty()) throw std::runtime_error(error);
+}
+
+void CpuAttentionMla(const HostArray& q_latent, const HostArray& q_rope, const HostArray& latent,
+                     const HostArray& k_rope, const HostArray& lengths, float scale, HostOutput& out) {
+  if (q_latent.ndim() != 3) throw std::invalid_argument("q_latent must be [batch, heads, rank]");
+  if (q_rope.ndim() != 3) throw std::invalid_argument("q_rope must be [batch, heads, rope_dim]");
+  if (latent.ndim() != 3) throw std::invalid_argument("latent must be [batch, max_len, rank]");
+  MlaDecodeCall call;
+  call.batch = static_cast<int64_t>(q_latent.shape(0));
+  call.heads = static_cast<int64_t>(q_latent.shape(1));
+  call.rank = static_cast<int64_t>(q_latent.shape(2));
+  call.rope_dim = static_cast<int64_t>(q_rope.shape(2));
+  call.max_len = static_cast<int64_t>(latent.shape(1));
+  CheckFloat32("q_latent", q_latent.dtype());
+  CheckLayout("q_latent", q_latent, {call.batch, call.heads, call.rank});
+  CheckFloat32("q_rope", q_rope.dtype());
+  CheckLayout("q_rope", q_rope, {call.batch, call.heads, call.rope_dim});
+  call.cache = CacheDtypeOf({{"latent", latent.dtype()}, {"k_rope", k_rope.dtype()}});
+  CheckLayout("latent", latent, {call.batch, call.max_len, call.rank});
+  CheckLayout("k_rope", k_rope, {call.batch, call.max_len, call.rope_dim});
+  CheckLengthsArray(lengths, call.batch);
+  CheckFloat32("out", out.dtype());
+  CheckLayout("out", out, {call.batch, call.heads, call.rank});
+  call.q_latent = static_cast<const float*>(q_latent.data());
+  call.q_rope = static_cast<const float*>(q_rope.data());
+  call.latent = latent.data();
+  call.k_rope = k_rope.data();
+  call.lengths = static_cast<const int32_t*>(lengths.data());
+  call.scale = scale;
+  call.out = static_cast<float*>(out.data());
+  if (std::string error = CheckMlaDecode(call); !error.empty()) throw std::invalid_argument(error);
+  std::string error;
+  {
+    nb::gil_scoped_release release;
+    error = RunMlaDecode(call);
+  }
+  if (!error.empty()) throw std::runtime_error(error);
+}
+
 }  // namespace
 }  // namespace hybridjit
 
@@ -258,6 +396,16 @@ NB_MODULE(hybridjit_ffi, m) {
         nb::gil_scoped_release release;
         return r.ReadGbps(pattern);
       }, nb::arg("pattern"), "One read pass in a pattern of memory_bandwidth's read_by_pattern_gbps; GB/s.");
+  m.def("cpu_attention_gqa", &CpuAttentionGqa, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("lengths"),
+        nb::arg("scale"), nb::arg("out"),
+        "Decode GQA over a host KV cache into out [batch, heads, head_dim] (float32): q float32 [batch, heads, "
+        "head_dim]; k, v [batch, max_len, kv_heads, head_dim] float32 or bfloat16 (as uint16 bits); lengths int32 "
+        "[batch]. Every array C-contiguous.");
+  m.def("cpu_attention_mla", &CpuAttentionMla, nb::arg("q_latent"), nb::arg("q_rope"), nb::arg("latent"),
+        nb::arg("k_rope"), nb::arg("lengths"), nb::arg("scale"), nb::arg("out"),
+        "Decode absorbed MLA over a host latent cache into out [batch, heads, rank] (float32): q_latent, q_rope "
+        "float32 [batch, heads, rank | rope_dim]; latent, k_rope [batch, max_len, rank | rope_dim] float32 or "
+        "bfloat16 (as uint16 bits); lengths int32 [batch]. Every array C-contiguous.");
   m.def("routed_experts_cpu", [] { return nb::capsule(reinterpret_cast<void*>(&HybridjitRoutedExpertsCpu)); },
         "FFI handler capsule for platform 'cpu'.");
   m.def("routed_experts_submit_cpu",

@@ -144,7 +144,7 @@ def cmd_batch(args) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
         slots=args.slots, micro_batches=args.micro_batches, prefill_batch=args.prefill_batch,
         experts=args.experts, cpu_blocks=args.cpu_blocks, widened=args.widened, kv_in_host=args.kv_in_host,
-        progress=not args.quiet,
+        attention_on_cpu=args.attention_on_cpu, progress=not args.quiet,
     )  # fmt: skip
     return 0
 
@@ -375,6 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
     bat.add_argument("--kv-in-host", action=argparse.BooleanOptionalAction,
                      help="with the experts streamed: hold the KV cache in pinned host memory, copied to the GPU a "
                           "layer at a time (more slots than the GPU holds) or on the GPU (default: the performance "
+                          "model's)")
+    bat.add_argument("--attention-on-cpu", action=argparse.BooleanOptionalAction,
+                     help="with the KV cache in host memory: the CPU attends over it there (only the experts cross "
+                          "to the GPU) or the GPU does, a layer of it copied at a time (default: the performance "
                           "model's)")
     bat.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: the backend's)")
     bat.add_argument("--quiet", action="store_true", help="no progress bar or notes")

@@ -12,6 +12,14 @@ The buffers are JAX arrays in the device's "pinned_host" memory (page-locked: th
 rate), written in place through numpy views of their host addresses, as pinned_experts does for the experts; a
 buffer is never written while a copy of it may be in flight (a layer's entries are written after its attention has
 read its copy, and its next copy is issued at the next step).
+
+With `attention_on_cpu` nothing of the cache crosses the link: each layer's decode attention runs on the CPU, over
+the cache where it is (MoE-Gen's CPU attention), through `attending(layer)`, a layer the model's decode attention
+hands its queries and new entries to (models/common/host_attention.py). The program calls back to the host for it
+(an io_callback: the step's queries go to the host, the core's output comes back), whose kernels
+(hybridjit/ops/cpu_attention.py) write the new entries and attend. The link then carries only the experts, and the
+CPU reads the cache at the host's memory rate; a GQA cache, a few FLOPs a byte, is read faster so than over PCIe,
+while MLA's 128 heads make its core compute-bound on the CPU.
 """
 
 import math
@@ -20,9 +28,12 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 from jax.sharding import Sharding, SingleDeviceSharding
 
+from hybridjit.models.common.host_attention import HostAttention
 from hybridjit.models.common.ring_cache import is_ring
+from hybridjit.ops import cpu_attention
 from hybridjit.pinned_experts import HOST_MEMORY_LIMIT_VAR, PINNED_HOST, host_view, pinned_pool_room
 
 # Of the host memory available when a run starts, the share a KV cache there may pin: the rest stays for the
@@ -55,9 +66,11 @@ def host_kv_budget(model) -> int | None:
 
 class HostKVCache:
     """The decode cache of `slots` sequences of `cache_len` positions of `model` (a hybridjit.engine.Model), every
-    layer in pinned host memory: the layout init_cache gives ([slots, cache_len, ...] per leaf), host-resident."""
+    layer in pinned host memory: the layout init_cache gives ([slots, cache_len, ...] per leaf), host-resident. With
+    `attention_on_cpu`, decode steps attend over it on the CPU (`attending`) instead of copying it to the device."""
 
-    def __init__(self, model, slots: int, cache_len: int):
+    def __init__(self, model, slots: int, cache_len: int, attention_on_cpu: bool = False):
+        self.attention_on_cpu = attention_on_cpu
         family, cfg = model.family, model.config
         shapes = jax.eval_shape(partial(family.model.init_cache, cfg, slots, cache_len, model.dtype, ring=True))
         if any(is_ring(layer) for layer in shapes):
@@ -108,6 +121,30 @@ class HostKVCache:
         self.issue(layer + 1, sharding)
         return self._copies.pop(layer)
 
+    def attending(self, layer: int) -> "_AttendingLayer":
+        """`layer` as a cache that attends on the CPU, for a decode step's program (with attention_on_cpu)."""
+        return _AttendingLayer(self, np.int32(layer))
+
+    def _entries_written(self, layer, positions: np.ndarray, **entries: np.ndarray):
+        """Layer `layer`'s host views, each named leaf given its rows' new entry ([b, 1, ...]) at positions [b, 1]."""
+        if positions.shape[1] != 1:
+            raise ValueError(f"attention on the CPU: one new token per sequence and step, got {positions.shape[1]}")
+        views, rows = self._views[int(layer)], np.arange(len(positions))
+        self._written = True
+        for name, new in entries.items():
+            getattr(views, name)[rows, positions[:, 0]] = new[:, 0]
+        return views
+
+    def _attend_gqa(self, scale: float, layer, q, k, v, positions) -> np.ndarray:
+        views = self._entries_written(layer, positions, k=k, v=v)
+        return cpu_attention.gqa_decode(q[:, 0], views.k, views.v, positions[:, 0] + 1, scale)[:, None]
+
+    def _attend_mla(self, scale: float, layer, q_latent, q_rope, latent, k_rope, positions) -> np.ndarray:
+        views = self._entries_written(layer, positions, latent=latent, k_rope=k_rope)
+        out = cpu_attention.mla_decode(q_latent[:, 0], q_rope[:, 0], views.latent, views.k_rope, positions[:, 0] + 1,
+                                       scale)  # fmt: skip
+        return out[:, None]
+
     def write_back(self, layer: int, updated, positions: np.ndarray) -> None:
         """Writes the entries the step added to `layer`'s device copy `updated` (each row's at its position in
         positions [b]) to the host buffers, then frees the copy."""
@@ -128,6 +165,31 @@ class HostKVCache:
         for views, layer in zip(self._views, prompt, strict=True):
             for view, new in zip(jax.tree.leaves(views), jax.tree.leaves(layer), strict=True):
                 view[slot, :length] = new[:length]
+
+
+@jax.tree_util.register_pytree_node_class
+class _AttendingLayer(HostAttention):
+    """One layer of a HostKVCache that attends on the CPU: a pytree whose leaf is the layer's index (a program
+    argument, so that every layer shares one program) and whose static part is the cache."""
+
+    def __init__(self, cache: HostKVCache, layer):
+        self.cache, self.layer = cache, layer
+
+    def tree_flatten(self):
+        return (self.layer,), self.cache
+
+    @classmethod
+    def tree_unflatten(cls, cache, leaves):
+        return cls(cache, *leaves)
+
+    def gqa(self, q, k, v, positions, scale):
+        out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+        return io_callback(partial(self.cache._attend_gqa, scale), out, self.layer, q, k, v, positions)
+
+    def mla(self, q_latent, q_rope, latent, k_rope, positions, scale):
+        out = jax.ShapeDtypeStruct(q_latent.shape, jnp.float32)
+        return io_callback(partial(self.cache._attend_mla, scale), out, self.layer, q_latent, q_rope, latent, k_rope,
+                           positions)  # fmt: skip
 
 
 @jax.jit

@@ -22,10 +22,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 import hybridjit_ffi as _ffi
+from hybridjit.ops import cpu_attention
 from hybridjit.ops.routed_experts import kernel_info, routed_experts
 from hybridjit.resolve import cache_dir
 
@@ -49,6 +51,7 @@ class MachineFloors:
     pcie_gbps: float | None
     gpu_tflops: float | None
     gpu_hbm_gbps: float | None
+    cpu_attention_gflops: float
 
 
 def machine_key(device: jax.Device) -> str:
@@ -128,7 +131,28 @@ def measure(device: jax.Device) -> MachineFloors:
         pcie_gbps=round(pinned_h2d_gbps(device), 2) if on_gpu else None,
         gpu_tflops=round(gemm_tflops(device), 1) if on_gpu else None,
         gpu_hbm_gbps=round(hbm_read_gbps(device), 1) if on_gpu else None,
+        cpu_attention_gflops=round(cpu_attention_gflops(), 1),
     )
+
+
+def cpu_attention_gflops(slots: int = 8, context: int = 1024, repeats: int = 5) -> float:
+    """The CPU decode-attention kernels' GFLOP/s at DeepSeek-V3's MLA shapes (128 heads, 512 latent + 64 rotary
+    dims, bfloat16 cache), where each cache byte takes ~256 FLOPs: their compute rate, best of `repeats`."""
+    heads, rank, rope = 128, 512, 64
+    rng = np.random.default_rng(0)
+    q_latent, q_rope = (rng.standard_normal((slots, heads, n), np.float32) for n in (rank, rope))
+    latent, k_rope = (rng.standard_normal((slots, context, n), np.float32).astype(ml_dtypes.bfloat16)
+                      for n in (rank, rope))  # fmt: skip
+    lengths = np.full(slots, context, np.int32)
+    best = min(_seconds(cpu_attention.mla_decode, q_latent, q_rope, latent, k_rope, lengths, 0.1)
+               for _ in range(repeats))  # fmt: skip
+    return 2 * slots * heads * context * (2 * rank + rope) / best / 1e9
+
+
+def _seconds(fn, *args) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
 
 
 def cpu_expert_tflops(layer_id: int, hidden: int, inter: int, experts: int, k: int,

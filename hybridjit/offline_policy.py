@@ -22,6 +22,10 @@ shapes (the family's cost module):
   shares' times, plus a hand-off per layer; the copies take their rate off the host read floor the CPU reads at.
   A streamed step may also hold the KV cache in pinned host memory (`kv_in_host`, host_kv_cache.py): every slot's
   cache then crosses the link too, each step, and the slots are bounded by the host's memory, not the device's;
+  or the CPU attends over it there (`attention_on_cpu`, MoE-Gen's CPU attention): the link carries only the
+  experts, and each layer's attention takes the larger of reading every slot's cache at the host read floor and
+  its FLOPs at the CPU attention kernels' measured rate (`Floors.cpu_attention_gflops`), between the layer's
+  projections and its experts on the GPU (which wait for it);
 - or, for a model holding every routed expert on the device (Engine.place_experts, auto placement where they fit:
   experts="gpu", RESIDENT), the routed experts on the GPU as models/common/resident_experts computes them: a
   step with no more routed pairs than experts reads the distinct experts it routes to, a larger one runs batched
@@ -100,6 +104,9 @@ class Floors:
     # the one figure above, measured at 4096 tokens, overstates for decode steps. of_machine measures it at
     # RATE_TOKENS (bench/offline.py at its cases' sizes). Empty: that figure everywhere.
     cpu_expert_tflops_by_tokens: tuple[tuple[int, float], ...] = ()
+    # The CPU decode-attention kernels' compute rate (hybridjit/ops/cpu_attention.py, measured by of_machine at
+    # MLA's shapes, where they are compute-bound). None: not measured, and attention on the CPU not searched.
+    cpu_attention_gflops: float | None = None
 
     def prefill_rates(self) -> PrefillRates:
         return PrefillRates(self.pcie_gbps, self.gpu_tflops, self.cpu_expert_tflops)
@@ -122,7 +129,7 @@ class Floors:
         by_tokens = tuple((t, model.cpu_expert_tflops(t)) for t in RATE_TOKENS) if model.expert_layers else ()
         return cls(host_read_gbps=floors.host_read_gbps, cpu_expert_tflops=rates.cpu_expert_tflops,
                    pcie_gbps=rates.pcie_gbps, gpu_tflops=rates.gpu_tflops, gpu_hbm_gbps=floors.gpu_hbm_gbps,
-                   cpu_expert_tflops_by_tokens=by_tokens)
+                   cpu_expert_tflops_by_tokens=by_tokens, cpu_attention_gflops=floors.cpu_attention_gflops)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +165,7 @@ class Policy:
     cpu_blocks: int = 0  # with experts "stream": blocks of each layer's BLOCKS_PER_LAYER the CPU computes meanwhile
     widened: bool = False  # with RESIDENT FP8 copies: held dequantized in the compute dtype for the run
     kv_in_host: bool = False  # with experts "stream": the KV cache in pinned host memory, copied in a layer at a time
+    attention_on_cpu: bool = False  # with kv_in_host: the CPU attends over that cache where it is instead
 
     def describe(self) -> str:
         mb = "dual-batch overlap" if self.micro_batches == DUAL else f"{self.micro_batches} attention micro-batch(es)"
@@ -169,7 +177,7 @@ class Policy:
         if self.widened:
             where += " (held dequantized for the run)"
         if self.kv_in_host:
-            where += ", the KV cache in host memory"
+            where += ", the KV cache in host memory" + (", attended over on the CPU" if self.attention_on_cpu else "")
         line = (f"policy: {self.slots} slots, {mb}, routed experts {where}, prefill {self.prefill_batch} prompts at "
                 "a time")  # fmt: skip
         if p := self.prediction:
@@ -282,11 +290,12 @@ def streamed_expert_seconds(cfg: ModelConfig, floors: Floors, tokens: int) -> tu
 
 def decode_step(cfg: ModelConfig, floors: Floors, batch: int, context: float, micro_batches, itemsize: int,
                 experts: str = "cpu", cpu_blocks: int = 0, widened: bool = False,
-                host_kv_positions: int = 0):  # fmt: skip
+                host_kv_positions: int = 0, attention_on_cpu: bool = False):  # fmt: skip
     """(step seconds, of which routed experts) of one decode step of `batch` slots, the routed experts on the CPU
     or streamed to the GPU (`experts`, one of EXPERTS), `cpu_blocks` of each layer's BLOCKS_PER_LAYER then on the
     CPU meanwhile, or resident on the GPU (RESIDENT; FP8 copies held dequantized where `widened`). A streamed step
-    whose KV cache is in host memory copies `host_kv_positions` positions of every slot over the link as well."""
+    whose KV cache is in host memory copies `host_kv_positions` positions of every slot over the link as well, or,
+    `attention_on_cpu`, attends over `context` of them on the CPU instead."""
     handoffs = _moe_layers(cfg) * floors.handoff_us * 1e-6
     if experts == RESIDENT:  # no hand-off: the experts are one more part of the GPU's step
         on_gpu = resident_expert_seconds(cfg, floors, batch, itemsize, widened)
@@ -294,11 +303,16 @@ def decode_step(cfg: ModelConfig, floors: Floors, batch: int, context: float, mi
     if experts == "stream":  # the copies overlap the GPU's work (the ring loads ahead); one micro-batch
         streamed = 1 - cpu_blocks / BLOCKS_PER_LAYER
         copies, expert_gpu = (streamed * t for t in streamed_expert_seconds(cfg, floors, batch))
-        copies += batch * kv_bytes_per_slot(cfg, host_kv_positions, itemsize) / (floors.pcie_gbps * 1e9)
+        if attention_on_cpu:
+            attention = cpu_attention_seconds(cfg, floors, batch, context, itemsize)
+        else:
+            copies += batch * kv_bytes_per_slot(cfg, host_kv_positions, itemsize) / (floors.pcie_gbps * 1e9)
+            attention = 0.0
         # From each layer's router to its combine, reading host memory while the copies read it too.
         sharing = dataclasses.replace(floors, host_read_gbps=max(floors.host_read_gbps - floors.pcie_gbps, 1.0))
         cpu = (1 - streamed) * cpu_expert_seconds(cfg, sharing, batch)
-        gpu = gpu_seconds(cfg, floors, batch, context, 1, itemsize)
+        # (With the attention on the CPU the GPU's share still counts reading the cache from HBM: ~1% of the CPU's.)
+        gpu = gpu_seconds(cfg, floors, batch, context, 1, itemsize) + attention
         step = max(copies, gpu + max(expert_gpu, cpu)) + (handoffs if cpu_blocks else 0.0)
         return step, step - gpu
     if micro_batches == DUAL and batch > 1:
@@ -309,6 +323,16 @@ def decode_step(cfg: ModelConfig, floors: Floors, batch: int, context: float, mi
     calls = 1 if micro_batches == DUAL else micro_batches
     experts = cpu_expert_seconds(cfg, floors, batch)
     return gpu_seconds(cfg, floors, batch, context, calls, itemsize) + experts + handoffs, experts
+
+
+def cpu_attention_seconds(cfg: ModelConfig, floors: Floors, batch: int, context: float, itemsize: int) -> float:
+    """Every layer's decode attention of `batch` slots over `context` positions on the CPU, where the cache is: the
+    larger of reading it at the host read floor and its FLOPs at the kernels' rate."""
+    if floors.cpu_attention_gflops is None:
+        raise ValueError("attention on the CPU: its kernels' rate is not measured (Floors.cpu_attention_gflops)")
+    reads = batch * kv_bytes_per_slot(cfg, math.ceil(context), itemsize) / (floors.host_read_gbps * 1e9)
+    flops = cfg.num_hidden_layers * family_of(cfg).cost.decode_attention_flops(cfg, batch, math.ceil(context))
+    return max(reads, flops / (floors.cpu_attention_gflops * 1e9))
 
 
 def prefill_batch_seconds(cfg: ModelConfig, floors: Floors, batch: int, length: int, can_stream: bool,
@@ -331,7 +355,8 @@ def predict(
 ) -> Prediction:
     step, experts = decode_step(cfg, floors, policy.slots, work.prompt_tokens + work.new_tokens / 2,
                                 policy.micro_batches, itemsize, policy.experts, policy.cpu_blocks,
-                                policy.widened, work.cache_len if policy.kv_in_host else 0)  # fmt: skip
+                                policy.widened, work.cache_len if policy.kv_in_host else 0,
+                                policy.attention_on_cpu)  # fmt: skip
     length = bucket(math.ceil(work.prompt_tokens))
     prefill = prefill_batch_seconds(cfg, floors, policy.prefill_batch, length, can_stream, policy.experts == RESIDENT,
                                     itemsize, policy.widened)
@@ -377,7 +402,7 @@ def search(
     cfg: ModelConfig, floors: Floors, work: Workload, itemsize: int, can_stream: bool,
     slots: int | None = None, micro_batches: int | str | None = None, prefill_batch: int | None = None,
     experts: str | None = None, cpu_blocks: int | None = None, resident: bool = False, widened: bool | None = None,
-    kv_in_host: bool | None = None,
+    kv_in_host: bool | None = None, attention_on_cpu: bool | None = None,
 ) -> Policy:  # fmt: skip
     """The policy of the grid (slots by _slot_grid, micro-batches MICRO_BATCHES and DUAL, prefill batches powers of
     two, the routed experts on the CPU or, where `can_stream`, streamed to the GPU with one micro-batch and 0 to
@@ -386,7 +411,12 @@ def search(
     `resident` on the device runs them there (RESIDENT), with no dual-batch overlap (it overlaps CPU and GPU), its
     FP8 copies held as stored or dequantized for the run (`widened`, searched unless given). A streamed step's KV
     cache is on the device or in host memory (`kv_in_host`, searched unless given; in host memory up to
-    MAX_HOST_KV_SLOTS slots within `floors.host_free_bytes`, two layers' caches on the device)."""
+    MAX_HOST_KV_SLOTS slots within `floors.host_free_bytes`, two layers' caches on the device), and there the CPU may
+    attend over it (`attention_on_cpu`, searched unless given where the floors have the CPU kernels' rate)."""
+    if attention_on_cpu and kv_in_host is False:
+        raise ValueError("attention_on_cpu=True: the CPU attends over a KV cache in host memory; it needs kv_in_host")
+    if attention_on_cpu:
+        kv_in_host = True
     if resident and (experts is not None or cpu_blocks or micro_batches == DUAL):
         chosen = {"experts": experts, "cpu_blocks": cpu_blocks, "micro_batches": micro_batches}
         asked = ", ".join(f"{name}={value!r}" for name, value in chosen.items() if value)
@@ -422,25 +452,30 @@ def search(
     per_slot = kv_bytes_per_slot(cfg, work.cache_len, itemsize)
     length = bucket(math.ceil(work.prompt_tokens))
     streams = experts == "stream" or (experts is None and can_stream and micro_batches in (None, 1))
-    kv_holdings = [kv_in_host] if kv_in_host is not None else [False, True] if streams else [False]
-    most = min(work.requests, MAX_HOST_KV_SLOTS if True in kv_holdings else MAX_SLOTS)
+    # (KV cache in host memory, attention on the CPU) pairs
+    host_holdings = [kv_in_host] if kv_in_host is not None else [False, True] if streams else [False]
+    on_cpu = [attention_on_cpu] if attention_on_cpu is not None else [False, bool(floors.cpu_attention_gflops)]
+    kv_holdings = list(dict.fromkeys((h, c) for h in host_holdings for c in on_cpu if h or not c))
+    most = min(work.requests, MAX_HOST_KV_SLOTS if True in host_holdings else MAX_SLOTS)
     slot_grid = [slots] if slots else _slot_grid(most)
     best = None
     for b in slot_grid:
         mb_grid = [micro_batches] if micro_batches else [*(m for m in MICRO_BATCHES if m <= b), DUAL]
         if resident:
             holdings = [widened] if widened is not None else [False, True] if can_widen else [False]
-            placements = [(RESIDENT, mb, w, False) for mb in mb_grid if mb != DUAL for w in holdings]
+            placements = [(RESIDENT, mb, w, (False, False)) for mb in mb_grid if mb != DUAL for w in holdings]
         else:
-            placements = [("cpu", mb, 0, False) for mb in mb_grid] if experts != "stream" else []
+            placements = [("cpu", mb, 0, (False, False)) for mb in mb_grid] if experts != "stream" else []
             if streams:
-                placements += [("stream", 1, c, in_host) for in_host in kv_holdings
-                               for c in ([cpu_blocks] if cpu_blocks is not None else _searched_splits(in_host))]
-        # option: CPU blocks of a streamed step, widened copies if resident; in_host: the KV cache in host memory
-        for where, mb, option, in_host in placements:
+                placements += [("stream", 1, c, kv) for kv in kv_holdings
+                               for c in ([cpu_blocks] if cpu_blocks is not None else _searched_splits(kv[0]))]
+        # option: CPU blocks of a streamed step, widened copies if resident; holding: (the KV cache in host memory,
+        # attention on the CPU)
+        for where, mb, option, (in_host, on_cpu) in placements:
             split, wide = (0, option) if where == RESIDENT else (option, False)
-            # On the device, all the slots' caches; in host memory, the layer read and the next one coming.
-            kv = DEVICE_LAYERS * b * per_slot // cfg.num_hidden_layers if in_host else b * per_slot
+            # On the device, all the slots' caches; in host memory, the layer read and the next one coming, or none
+            # where the CPU attends over it.
+            kv = 0 if on_cpu else DEVICE_LAYERS * b * per_slot // cfg.num_hidden_layers if in_host else b * per_slot
             fits = (memory is None or kv <= memory) and not (
                 in_host and host_memory is not None and b * per_slot > host_memory
             )
@@ -463,17 +498,18 @@ def search(
                 # A fixed prefill batch is taken as asked; widened copies the search chose must fit.
                 if memory is not None and need > memory and (not prefill_batch or wide and widened is None):
                     continue
-                policy = Policy(b, mb, p, experts=where, cpu_blocks=split, widened=wide, kv_in_host=in_host)
+                policy = Policy(b, mb, p, experts=where, cpu_blocks=split, widened=wide, kv_in_host=in_host,
+                                attention_on_cpu=on_cpu)
                 prediction = predict(cfg, floors, work, policy, itemsize, can_stream)
                 policy = dataclasses.replace(policy, prediction=prediction)
                 if best is None or policy.prediction.total_tok_s > best.prediction.total_tok_s:
                     best = policy
     if best is None:
         free = "an unbounded device" if memory is None else f"the device's {memory / 2**30:.2f} GiB free"
-        if True in kv_holdings and host_memory is not None:
+        if True in host_holdings and host_memory is not None:
             free += f" (and a cache in host memory {host_memory / 2**30:.2f} GiB of it)"
         fixed = {"slots": slots, "micro_batches": micro_batches, "experts": experts, "cpu_blocks": cpu_blocks,
-                 "widened": widened, "kv_in_host": kv_in_host}
+                 "widened": widened, "kv_in_host": kv_in_host, "attention_on_cpu": attention_on_cpu}
         asked = ", ".join(f"{name}={value!r}" for name, value in fixed.items() if value)
         raise ValueError(
             f"no policy of the grid{f' with {asked}' if asked else ''} fits {free}: one slot's KV cache of "
@@ -487,7 +523,7 @@ def search(
 def choose_policy(
     model, jobs, cache_len: int, slots=None, micro_batches=None, prefill_batch=None, floors: Floors | None = None,
     experts: str | None = None, cpu_blocks: int | None = None, widened: bool | None = None,
-    kv_in_host: bool | None = None,
+    kv_in_host: bool | None = None, attention_on_cpu: bool | None = None,
 ) -> Policy:
     """The policy for running `jobs` (runner Jobs) on a loaded model, with the user's choices fixed."""
     from hybridjit.stream_prefill import choose_prefill_path
@@ -500,12 +536,15 @@ def choose_policy(
         floors = dataclasses.replace(floors, device_free_bytes=free_device_memory(model.placement.device))
     if floors.host_free_bytes is None:
         floors = dataclasses.replace(floors, host_free_bytes=host_kv_budget(model))
+    if attention_on_cpu and floors.cpu_attention_gflops is None:  # asked for where no floor has it (a CPU device)
+        floors = dataclasses.replace(floors, cpu_attention_gflops=machine_floors.cpu_attention_gflops())
     work = Workload.of_jobs(jobs, cache_len)
     resident = not model.experts_on_host and _moe_layers(model.config) > 0
     # Pinned, streamable experts. Chosen only on a GPU; forced, the same program runs on any device (tests).
     can_stream = not resident and choose_prefill_path(model, 1, 1, threshold=0) == "stream" and (
         model.placement.device.platform == "gpu" or experts == "stream" or bool(cpu_blocks) or bool(kv_in_host)
+        or bool(attention_on_cpu)
     )
     itemsize = jnp.dtype(model.dtype).itemsize
     return search(model.config, floors, work, itemsize, can_stream, slots, micro_batches, prefill_batch, experts,
-                  cpu_blocks, resident, widened, kv_in_host)
+                  cpu_blocks, resident, widened, kv_in_host, attention_on_cpu)

@@ -642,17 +642,21 @@ def stream_decode_step(model, tokens, positions, live, cache, *, vram_budget: in
     router and taken back in its combine: the step then takes about the larger of the two shares' times.
 
     `cache` may instead be a HostKVCache (the KV cache in pinned host memory): each layer's cache is then copied to
-    the device for its attention and the step's entries written back to host memory; it is returned as is."""
+    the device for its attention and the step's entries written back to host memory, or, with its attention_on_cpu,
+    attended over on the CPU where it is; it is returned as is."""
     tokens = np.asarray(tokens, np.int32)[:, None]
     positions = np.asarray(positions, np.int32)[:, None]
     live = np.asarray(live, bool)
     # The ring's plan counts a prompt's activations, not the decode attention's scores over the whole cache.
-    if vram_budget is None and (free := free_device_memory(model.placement.device)) is not None:
+    on_cpu = isinstance(cache, HostKVCache) and cache.attention_on_cpu  # no cache nor scores on the device
+    if vram_budget is None and (free := free_device_memory(model.placement.device)) is not None and not on_cpu:
         layers = cache.layers if isinstance(cache, HostKVCache) else cache
         cache_len = max(a.shape[1] for a in jax.tree.leaves(layers))
         vram_budget = free - decode_scores_bytes(model.config, len(tokens), cache_len)
         if isinstance(cache, HostKVCache):  # its layers' copies on the device
             vram_budget -= DEVICE_LAYERS * max(sum(a.nbytes for a in jax.tree.leaves(layer)) for layer in layers)
+    elif vram_budget is None and free is not None:
+        vram_budget = free
     return _stream_layers(model, (model.placement.device,), tokens, positions, live, np.zeros(len(tokens), np.int32),
                           cache, vram_budget, None, None, stats, None, None, cpu_blocks)  # fmt: skip
 
@@ -694,7 +698,7 @@ def _stream_layers(model, devices, tokens, positions, live, last, cache, vram_bu
     for i, layer in enumerate(weights.layers):
         ring.phase_seconds.clear()
         if host is not None:
-            cache[i] = host.take(i, replicated)
+            cache[i] = host.attending(i) if host.attention_on_cpu else host.take(i, replicated)
         if i in pinned:
             x, cache[i], slots = _moe_layer(cfg, plan, attend, layout, layer, pinned[i].storage, steps[i],
                                             shares.get(i), firsts, x, cache[i], positions, live, ring,
@@ -705,7 +709,7 @@ def _stream_layers(model, devices, tokens, positions, live, last, cache, vram_bu
             stats.routed_pairs += tokens.size * cfg.num_experts_per_tok
         else:
             x, cache[i] = ring.run("attention+mlp", _dense_layer, cfg, attend, layout, layer, x, cache[i], positions)
-        if host is not None:
+        if host is not None and not host.attention_on_cpu:
             host.write_back(i, cache[i], host_positions)
         stats.layer_done_s.append(time.perf_counter() - start)
         stats.layer_phase_s.append(dict(ring.phase_seconds))

@@ -69,8 +69,9 @@ def test_greedy_outputs_equal_generate_with_the_experts_streamed_each_step(model
 
 def test_greedy_outputs_equal_generate_with_the_kv_cache_in_host_memory(model):
     """Streamed decode steps with the KV cache in pinned host memory (each layer's cache copied to the device for its
-    attention, the step's entries written back, slots refilled mid-run) give every request what generate gives it
-    alone. The cache in host memory is for streamed steps only: asked with the CPU's experts it is a clear error."""
+    attention, the step's entries written back, slots refilled mid-run), or attended over there by the CPU, give every
+    request what generate gives it alone. The cache in host memory is for streamed steps only: asked with the CPU's
+    experts it is a clear error."""
     placement = dataclasses.replace(model.placement, pinned_experts=True)
     with contextlib.closing(hybridjit.load(placement=placement)) as pinned:
         jobs = encode_requests(pinned, read_requests([("l", json.dumps(r)) for r in REQUESTS], "requests", {}),
@@ -78,9 +79,12 @@ def test_greedy_outputs_equal_generate_with_the_kv_cache_in_host_memory(model):
         policy = choose_policy(pinned, jobs, 64, slots=3, prefill_batch=2, kv_in_host=True)
         assert policy.experts == "stream" and policy.kv_in_host and "KV cache in host memory" in policy.describe()
         records = run(pinned, REQUESTS, slots=3, prefill_batch=2, kv_in_host=True, cpu_blocks=2)
+        on_cpu = run(pinned, REQUESTS[:5], slots=3, prefill_batch=2, attention_on_cpu=True)
         with pytest.raises(ValueError, match="kv_in_host=True: the KV cache in host memory is read by streamed"):
             run(pinned, REQUESTS[:1], experts="cpu", kv_in_host=True)
     for request, record in zip(REQUESTS, records, strict=True):
+        assert record["text"] == alone(model, request["prompt"], request["max_tokens"]), request["id"]
+    for request, record in zip(REQUESTS, on_cpu, strict=False):  # the CPU attending over the cache there
         assert record["text"] == alone(model, request["prompt"], request["max_tokens"]), request["id"]
 
 

@@ -88,7 +88,8 @@ def test_the_floors_command_prints_them_as_json(tmp_path):
 
 def test_the_floors_command_on_a_gpu_machine_says_when_a_cpu_expert_rate_is_measured(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HYBRIDJIT_CACHE", str(tmp_path))
-    gpu_machine = MachineFloors("a gpu", host_read_gbps=30.0, pcie_gbps=50.0, gpu_tflops=900.0, gpu_hbm_gbps=3e3)
+    gpu_machine = MachineFloors("a gpu", host_read_gbps=30.0, pcie_gbps=50.0, gpu_tflops=900.0, gpu_hbm_gbps=3e3,
+                                cpu_attention_gflops=500.0)
     monkeypatch.setattr(machine_floors, "measure", lambda device: gpu_machine)
     assert cli.main(["floors"]) == 0
     captured = capsys.readouterr()

@@ -12,6 +12,7 @@ from hybridjit.offline_policy import (
     Floors,
     Policy,
     Workload,
+    cpu_attention_seconds,
     cpu_expert_seconds,
     kv_bytes_per_slot,
     predict,
@@ -182,6 +183,41 @@ def test_the_kv_cache_in_host_memory_trades_link_time_for_slots_the_device_canno
             search(V3, slow, WORK, 2, True, kv_in_host=True, **options)
     with pytest.raises(ValueError, match="kv_in_host=True: .* this model's are not pinned for streaming"):
         search(V3, slow, WORK, 2, False, kv_in_host=True)
+
+
+def test_attention_on_the_cpu_takes_the_cache_off_the_link_at_the_cpus_rate():
+    """With the KV cache in host memory the CPU may attend over it there (MoE-Gen): the link then carries only the
+    experts, and each layer's attention takes the larger of reading the cache at the host read floor and its FLOPs at
+    the CPU kernels' measured rate, before the layer's experts. GQA's 8 FLOPs a byte make it read-bound at 2
+    TFLOP/s, so it beats carrying the cache over PCIe (54 GB/s) at the host's 155 GB/s; MLA's 128 heads, ~256 FLOPs
+    a byte, make it compute-bound, slower than the link where the kernels are slow. Not measured, it is never
+    searched; asked for, refused."""
+    measured = Floors(device_free_bytes=40 << 30, host_free_bytes=1 << 40, cpu_attention_gflops=2000.0)
+    link_bound = dataclasses.replace(measured, gpu_tflops=1e9, gpu_hbm_gbps=1e9, gpu_layer_us=0.0)
+    context = WORK.prompt_tokens + WORK.new_tokens / 2
+    for cfg in (QWEN, V3):
+        over_link, on_cpu = (predict(cfg, link_bound, WORK, Policy(2048, 1, 1, experts="stream", kv_in_host=True,
+                                                                   attention_on_cpu=c), 2, True).step_s
+                             for c in (False, True))  # fmt: skip
+        experts_only = predict(cfg, link_bound, WORK, Policy(2048, 1, 1, experts="stream"), 2, True).step_s
+        attention = cpu_attention_seconds(cfg, measured, 2048, context, 2)
+        assert on_cpu == pytest.approx(max(experts_only, attention), rel=1e-6)
+        reads = 2048 * kv_bytes_per_slot(cfg, int(context), 2) / (measured.host_read_gbps * 1e9)
+        assert attention >= reads
+        if cfg is QWEN:
+            assert attention == pytest.approx(reads) and on_cpu < over_link
+    # V3's kernels at 0.5 TFLOP/s: the CPU's attention alone takes longer than the whole step over the link.
+    slow = dataclasses.replace(measured, cpu_attention_gflops=500.0)
+    assert cpu_attention_seconds(V3, slow, 2048, context, 2) > over_link
+    best = search(QWEN, measured, WORK, 2, True, experts="stream", kv_in_host=True)
+    assert best.attention_on_cpu and "attended over on the CPU" in best.describe()
+    assert not search(V3, slow, WORK, 2, True, experts="stream", kv_in_host=True).attention_on_cpu
+    unmeasured = dataclasses.replace(measured, cpu_attention_gflops=None)
+    assert not search(QWEN, unmeasured, WORK, 2, True, experts="stream", kv_in_host=True).attention_on_cpu
+    with pytest.raises(ValueError, match="attention on the CPU: its kernels' rate is not measured"):
+        search(QWEN, unmeasured, WORK, 2, True, attention_on_cpu=True)
+    with pytest.raises(ValueError, match="attention_on_cpu=True: the CPU attends over a KV cache in host memory"):
+        search(QWEN, measured, WORK, 2, True, kv_in_host=False, attention_on_cpu=True)
 
 
 def test_resident_fp8_experts_are_priced_as_the_grouped_path_computes_them():

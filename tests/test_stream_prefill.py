@@ -37,6 +37,7 @@ from hybridjit.checkpoint import Checkpoint
 from hybridjit.config import IntQuantConfig
 from hybridjit.convert import convert_checkpoint, quantize_int_groups
 from hybridjit.expert_residency import Residency, bank_moe_layers
+from hybridjit.host_kv_cache import HostKVCache
 from hybridjit.models.common import gqa
 from hybridjit.models.common.decoder import NO_SCHEDULE
 from hybridjit.models.common.expert_storage import ExpertStorage
@@ -343,20 +344,52 @@ def test_streamed_decode_steps_match_the_decode_step(case, model, exact_model, t
         nxt, positions = np.asarray(expected).argmax(-1).astype(np.int32), positions + 1
 
 
+def test_attention_on_the_cpu_matches_the_decode_step_on_the_same_cache(case, model, exact_model, reference):
+    """Streamed decode steps whose attention runs on the CPU, over a KV cache in host memory (HostKVCache's
+    attention_on_cpu, hybridjit/ops/cpu_attention.py's kernels), give the logits of the family's decode step with XLA
+    attention on the same cache, and leave the same entries in it: MLA (DeepSeek) and GQA (GLM, MiniMax, Qwen3),
+    rows at different lengths. Caches with a sliding window's ring (gpt-oss, the windowed Mixtral cases) stay on the
+    device."""
+    ref_logits, ref_cache = reference
+    if case in ("gpt_oss-mxfp4", "mixtral-bf16", "mixtral-int8"):
+        with pytest.raises(ValueError, match="sliding-window layers keep their window as a ring on the device"):
+            HostKVCache(model, 2, CACHE_LEN, attention_on_cpu=True)
+        return
+    host = HostKVCache(model, 2, CACHE_LEN, attention_on_cpu=True)
+    for row, length in enumerate(LENGTHS):
+        host.insert(ref_cache, row, int(length), row)
+    step = jax.jit(exact_model.family.model.decode_step, static_argnums=(0, 5))
+    nxt, positions, live = ref_logits.argmax(-1).astype(np.int32), LENGTHS.copy(), np.ones(2, bool)
+    for i in range(3):
+        logits, held = sp.stream_decode_step(model, nxt, positions, live, host)
+        expected, ref_cache = step(exact_model.config, exact_model.weights, nxt, positions, ref_cache,
+                                   NO_SCHEDULE, live)  # fmt: skip
+        assert held is host
+        assert rel_rms(logits, expected) < FLOAT32_RTOL, i
+        for view, ref in zip(jax.tree.leaves(host._views), jax.tree.leaves(ref_cache), strict=True):
+            for row, end in enumerate(positions + 1):
+                assert rel_rms(view[row, :end], np.asarray(ref)[row, :end]) < FLOAT32_RTOL, (i, row)
+        nxt, positions = np.asarray(expected).argmax(-1).astype(np.int32), positions + 1
+    with pytest.raises(ValueError, match="attention_on_cpu: the CPU attends over a cache in host memory"):
+        Engine(model, 2, CACHE_LEN, micro_batches=1, stream_experts=True, attention_on_cpu=True)
+
+
 def test_an_engine_streaming_its_experts_decodes_as_the_engine_on_xla_experts(case, model, exact_model):
     """Engine(stream_experts=True) generates the greedy tokens of an engine whose experts are XLA arrays, over slots
     joined at different prompt lengths with one left free. (Not against the CPU kernels' engine: the integer
     formats' kernels quantize activations, and greedy tokens part at near-ties.) Also with the KV cache in pinned host
-    memory (each layer's copied to the device for its attention, the step's entries written back). MLA, GQA, and
-    gpt-oss's windowed rings, which the host cache refuses: the other families' streamed steps are checked against
-    the decode step above."""
+    memory (each layer's copied to the device for its attention, the step's entries written back), and attended over
+    on the CPU there. MLA, GQA, and gpt-oss's windowed rings, which the host cache refuses: the other families'
+    streamed steps are checked against the decode step above."""
     only(case, FULL, "gpt_oss-mxfp4", "glm4_moe-bf16")
     prompts = [[5, 9, 2, 7, 11, 3], [4, 8, 15, 16, 23, 42, 7, 1, 9, 12, 30]]
     rings = case == "gpt_oss-mxfp4"
     generated = []
-    for stream, in_host in [(False, False), (True, False), *([] if rings else [(True, True)])]:
+    holdings = [(False, False, False), (True, False, False)]  # (stream, KV cache in host memory, attention on CPU)
+    holdings += [] if rings else [(True, True, False), (True, True, True)]
+    for stream, in_host, on_cpu in holdings:
         engine = Engine(model if stream else exact_model, 3, CACHE_LEN, micro_batches=1, stream_experts=stream,
-                        kv_in_host=in_host)  # fmt: skip
+                        kv_in_host=in_host, attention_on_cpu=on_cpu)  # fmt: skip
         prefilled = engine.prefill(prompts, [SamplingParams()] * 2)
         for row, slot in enumerate((0, 2)):
             engine.insert(prefilled, row, slot, SamplingParams())

@@ -45,6 +45,7 @@ def batch(
     cpu_blocks: int | None = None,
     widened: bool | None = None,
     kv_in_host: bool | None = None,
+    attention_on_cpu: bool | None = None,
     progress: bool = True,
     dtype: str | None = None,
     floors: Floors | None = None,
@@ -71,6 +72,8 @@ def batch(
     when the run ends).
     `kv_in_host`: with the experts streamed, whether the KV cache is held in pinned host memory and copied to the
     GPU a layer at a time (more slots than the device's memory holds, for the link's time; host_kv_cache.py).
+    `attention_on_cpu`: with the KV cache in host memory, whether the CPU attends over it there instead (only the
+    experts then cross the link).
     `progress`: a progress bar (tokens/s, ETA) and notes on stderr.
     `dtype`: the compute dtype of a model loaded here (as hybridjit.load's).
     `floors`: the machine's rates the performance model reads (default: offline_policy.Floors.of_machine, this
@@ -81,7 +84,8 @@ def batch(
     defaults = check_defaults({k: v for k, v in given.items() if v is not None})
     source, lines = _lines(requests)
     parsed = read_requests(lines, source, defaults)
-    overrides = (slots, micro_batches, prefill_batch, floors, experts, cpu_blocks, widened, kv_in_host)
+    overrides = (slots, micro_batches, prefill_batch, floors, experts, cpu_blocks, widened, kv_in_host,
+                 attention_on_cpu)
     if isinstance(model, str | Path) or model is None:
         from hybridjit.engine import load  # deferred: loading starts JAX
 
@@ -154,6 +158,7 @@ def _decode_all(model, todo, out: ResumableOutput | None, done: dict, policy, mi
     runner = ThroughputRunner(
         model, slots=policy.slots, micro_batches=micro_batches, prefill_batch=policy.prefill_batch, cache_len=cache_len,
         stream_experts=policy.experts == "stream", cpu_blocks=policy.cpu_blocks, kv_in_host=policy.kv_in_host,
+        attention_on_cpu=policy.attention_on_cpu,
     )
     bar = tqdm(total=sum(j.max_tokens for j in todo), unit="tok", desc="generating", file=sys.stderr,
                disable=not progress, dynamic_ncols=True)  # fmt: skip

@@ -263,7 +263,8 @@ class Engine:
     loop over per-layer executables). With `cpu_blocks` as well, the last that many expert blocks of each layer stay
     on the CPU, whose kernels compute them while the rest streams (co-execution). With `kv_in_host` as well, the
     cache is held in pinned host memory (host_kv_cache.HostKVCache) and copied to the device a layer at a time:
-    the slots are then bounded by host memory, not the device's.
+    the slots are then bounded by host memory, not the device's; with `attention_on_cpu` too, the CPU attends over it
+    where it is, and only the experts cross the link.
 
     Each generate call runs `steps` decode steps: model.decode_steps if set (the interactive engine then decodes
     one micro-batch), else DEVICE_ONLY_DECODE_STEPS when the whole model runs on a GPU (no routed expert on the
@@ -276,7 +277,8 @@ class Engine:
     """
 
     def __init__(self, model, slots: int, cache_len: int, micro_batches: int | None = None, tally: bool = False,
-                 stream_experts: bool = False, cpu_blocks: int = 0, kv_in_host: bool = False):  # fmt: skip
+                 stream_experts: bool = False, cpu_blocks: int = 0, kv_in_host: bool = False,
+                 attention_on_cpu: bool = False):  # fmt: skip
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if not 1 <= cache_len <= model.config.max_position_embeddings:
@@ -305,7 +307,9 @@ class Engine:
             check_cpu_blocks(model, cpu_blocks)
         if kv_in_host and not stream_experts:
             raise ValueError("kv_in_host: a cache in host memory is read by streamed decode steps; set stream_experts")
-        self.kv_in_host = kv_in_host
+        if attention_on_cpu and not kv_in_host:
+            raise ValueError("attention_on_cpu: the CPU attends over a cache in host memory; set kv_in_host")
+        self.kv_in_host, self.attention_on_cpu = kv_in_host, attention_on_cpu
         if stream_experts:
             if choose_prefill_path(model, 1, 1, threshold=0) != "stream":
                 raise ValueError("stream_experts: the model's routed experts are not pinned for streaming; load it "
@@ -332,7 +336,7 @@ class Engine:
         if self.kv_in_host:  # pinned once: allocating and pinning host memory takes far longer than zeroing it
             host = getattr(self, "caches", None)
             if host is None:
-                host = [HostKVCache(m, self.slots, self.cache_len)]
+                host = [HostKVCache(m, self.slots, self.cache_len, self.attention_on_cpu)]
             host[0].clear()
             self.caches = host
         else:

@@ -60,16 +60,17 @@ class ThroughputRunner:
     (None: the interactive engine's dual-batch overlap instead of coalesced experts), prefilling up to
     `prefill_batch` prompts together, each slot with room for `cache_len` positions; with `stream_experts`, each
     decode step streams the routed experts to the GPU, but `cpu_blocks` of each layer's blocks, which the CPU
-    computes meanwhile, the KV cache in host memory with `kv_in_host` (Engine's stream_experts, cpu_blocks and
-    kv_in_host)."""
+    computes meanwhile, the KV cache in host memory with `kv_in_host`, attended over on the CPU with
+    `attention_on_cpu` (Engine's stream_experts, cpu_blocks, kv_in_host and attention_on_cpu)."""
 
     def __init__(self, model, *, slots: int, micro_batches: int | None, prefill_batch: int, cache_len: int,
-                 stream_experts: bool = False, cpu_blocks: int = 0, kv_in_host: bool = False):  # fmt: skip
+                 stream_experts: bool = False, cpu_blocks: int = 0, kv_in_host: bool = False,
+                 attention_on_cpu: bool = False):  # fmt: skip
         if prefill_batch < 1:
             raise ValueError(f"prefill_batch must be >= 1, got {prefill_batch}")
         self.model, self.prefill_batch = model, prefill_batch
         self.engine = Engine(model, slots, cache_len, micro_batches, stream_experts=stream_experts,
-                             cpu_blocks=cpu_blocks, kv_in_host=kv_in_host)
+                             cpu_blocks=cpu_blocks, kv_in_host=kv_in_host, attention_on_cpu=attention_on_cpu)
 
     def run(self, jobs: list[Job], on_tokens: Callable[[int], None] | None = None) -> Iterator[Completion]:
         """Yields each job's Completion as it ends (not in the jobs' order); `on_tokens(n)` hears of the n tokens

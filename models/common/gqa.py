@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from hybridjit.models.common import decoder
+from hybridjit.models.common.host_attention import HostAttention
 from hybridjit.models.common.layers import linear, masked_softmax, rms_norm
 from hybridjit.models.common.prefill_cores import cudnn_causal, cudnn_version, over_query_chunks
 from hybridjit.models.common.pytree import pytree
@@ -196,10 +197,16 @@ def write_prompt(cache: KVCache, entries: tuple[jax.Array, jax.Array]) -> KVCach
     )
 
 
-def decode(cfg, w: GQA, x: jax.Array, positions: jax.Array, cache: KVCache):
+def decode(cfg, w: GQA, x: jax.Array, positions: jax.Array, cache: KVCache | HostAttention):
     """New tokens x [b, t, d] at positions [b, t] against the cache (their keys and values written first). A ring
     cache takes one token per sequence (a decode step): the `window` positions it keeps are all that token sees,
-    where several tokens would overwrite positions the first of them still sees."""
+    where several tokens would overwrite positions the first of them still sees. A HostAttention layer writes the
+    entries and attends itself."""
+    if isinstance(cache, HostAttention):
+        if w.sinks is not None or w.window is not None:
+            raise ValueError(f"{cfg.model_type}: attention on the host takes no sliding window nor sinks")
+        out = cache.gqa(*_project(cfg, w, x, positions), positions, cfg.softmax_scale).astype(x.dtype)
+        return linear(out.reshape(*x.shape[:2], -1), w.o, w.o_bias), cache
     size = cache.k.shape[1]
     if cache.ring and x.shape[1] != 1:
         raise ValueError(f"x: a ring cache takes one token per sequence and call, got {x.shape[1]}")

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from hybridjit.models.common import decoder
+from hybridjit.models.common.host_attention import HostAttention
 from hybridjit.models.common.layers import linear, masked_softmax, rms_norm
 from hybridjit.models.common.prefill_cores import cudnn_causal, cudnn_version, over_query_chunks
 from hybridjit.models.common.pytree import pytree
@@ -100,27 +101,33 @@ def causal_attention(q_nope, q_rope, k_nope, k_rope, values, scale):
     return jnp.einsum("bhts,bshv->bthv", probs, values)
 
 
-def attention_absorbed(cfg: ModelConfig, w: MLA, x: jax.Array, positions: jax.Array, cache: LayerCache):
+def attention_absorbed(cfg: ModelConfig, w: MLA, x: jax.Array, positions: jax.Array,
+                       cache: LayerCache | HostAttention):  # fmt: skip
     """MLA of new tokens x [b, t, d] at `positions` [b, t] against the latent cache (decode).
 
     kv_b is absorbed into the query and the output, so attention runs in the r-dimensional latent space
     and the cache is never expanded per head. The new tokens' latents are written first, then each
-    query attends to the cache positions up to its own.
+    query attends to the cache positions up to its own. A HostAttention layer writes the latents and attends
+    itself.
     """
     cos, sin = rope_cos_sin(cfg.rope, positions)
     q_nope, q_rope = _queries(cfg, w, x, cos, sin)
     latent, k_rope = _latents(cfg, w, x, cos, sin)
-    rows = jnp.arange(x.shape[0])[:, None]
-    cache = LayerCache(
-        latent=cache.latent.at[rows, positions].set(latent.astype(cache.latent.dtype)),
-        k_rope=cache.k_rope.at[rows, positions].set(k_rope.astype(cache.k_rope.dtype)),
-    )
     wk, wv = _kv_b(cfg, w)
     q_latent = jnp.einsum("bthn,hnr->bthr", q_nope, wk)
-    scores = jnp.einsum("bthr,bsr->bhts", q_latent, cache.latent) + jnp.einsum("bthp,bsp->bhts", q_rope, cache.k_rope)
-    visible = jnp.arange(cache.latent.shape[1])[None, None, None, :] <= positions[:, None, :, None]
-    probs = masked_softmax(scores * cfg.softmax_scale, visible, x.dtype)
-    out_latent = jnp.einsum("bhts,bsr->bthr", probs, cache.latent)
+    if isinstance(cache, HostAttention):
+        out_latent = cache.mla(q_latent, q_rope, latent, k_rope, positions, cfg.softmax_scale).astype(x.dtype)
+    else:
+        rows = jnp.arange(x.shape[0])[:, None]
+        cache = LayerCache(
+            latent=cache.latent.at[rows, positions].set(latent.astype(cache.latent.dtype)),
+            k_rope=cache.k_rope.at[rows, positions].set(k_rope.astype(cache.k_rope.dtype)),
+        )
+        scores = (jnp.einsum("bthr,bsr->bhts", q_latent, cache.latent)
+                  + jnp.einsum("bthp,bsp->bhts", q_rope, cache.k_rope))  # fmt: skip
+        visible = jnp.arange(cache.latent.shape[1])[None, None, None, :] <= positions[:, None, :, None]
+        probs = masked_softmax(scores * cfg.softmax_scale, visible, x.dtype)
+        out_latent = jnp.einsum("bhts,bsr->bthr", probs, cache.latent)
     out = jnp.einsum("bthr,hvr->bthv", out_latent, wv).reshape(*x.shape[:2], -1)
     return linear(out, w.o, w.o_bias), cache
 

@@ -1,0 +1,794 @@
+// Decode attention on the CPU over a KV cache in host memory (cpu_attention.h).
+//
+// Work: the query heads of a row form groups that read the same cache rows (GQA: the query heads of one KV
+// head, at most 16 a group; MLA: blocks of up to 32 heads, all reading the row's latent cache), and when there
+// are too few groups to keep the pool busy (decode at small batch) each group's positions are cut into
+// chunks. A task runs one chunk of one group and leaves a partial per head: the running max of its scores,
+// the sum of exp(score - max), and the exp(score - max)-weighted sum of values. The last chunk of a group to
+// finish merges the group's partials into the output.
+//
+// Kernels: AVX-512 from the avx512 family up, portable C++ below. Both multiply in float32 with float32
+// accumulation: the cache is widened to float32 exactly (bfloat16 is float32's upper half) and the queries and
+// probabilities keep their float32 values. vdpbf16ps would double the multiply rate, but only by rounding the
+// queries and probabilities to bfloat16 (2^-8 relative), which a float32 attention result must not carry.
+#include "cpu_attention.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <initializer_list>
+#include <limits>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "cpu_features.h"
+#include "numeric_formats.h"
+#include "thread_pool.h"
+
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*(), which -W(maybe-)uninitialized reports inside the
+// headers (the other AVX-512 sources turn it off in CMakeLists.txt).
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+// The masked loads need AVX-512BW/VL; every avx512-family host has them.
+#define HJ_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+
+namespace hybridjit {
+namespace {
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t RoundUp(int64_t v, int64_t m) { return CeilDiv(v, m) * m; }
+
+constexpr float kMinusInfinity = -std::numeric_limits<float>::infinity();
+
+// ---- work split and merge -----------------------------------------------------------------------------------
+
+// A chunk holds at most 1 / (kTasksPerThread x pool threads) of a call's positions x groups, so that a call at
+// small batch still has about kTasksPerThread tasks per thread (enough for the pool to even out tasks of unequal
+// lengths), and at least kMinChunk positions (shorter ones would spend more on their partials and merge than on
+// attention); at large batch no row is cut.
+constexpr int64_t kTasksPerThread = 4;
+constexpr int64_t kMinChunk = 256;
+// A multiple of both kernels' position blocks, so that only a group's last chunk has a partial block.
+constexpr int64_t kChunkQuantum = 64;
+
+// Query heads [first, first + count) of a row, which read the same cache rows.
+struct HeadGroup {
+  int64_t first;
+  int64_t count;
+};
+
+// One task: positions [begin, end) of one head group of one row.
+struct GroupChunk {
+  int64_t row;
+  int64_t first_head;
+  int64_t heads;
+  int64_t begin;
+  int64_t end;
+};
+
+// A partial: per head of the group, {running max, sum of exp(score - max), dim values of sum of
+// exp(score - max) * value}.
+int64_t PartialFloats(int64_t heads, int64_t dim) { return heads * (2 + dim); }
+
+// Working memory of one thread, 64-byte aligned, grown as needed and kept for the next task: a task's buffers
+// (up to a few hundred KB for MLA) exceed malloc's mmap threshold, so allocating them per task would fault in
+// fresh pages every time.
+class ScratchBuffer {
+ public:
+  ScratchBuffer() = default;
+  ScratchBuffer(const ScratchBuffer&) = delete;
+  ScratchBuffer& operator=(const ScratchBuffer&) = delete;
+  ~ScratchBuffer() { std::free(data_); }
+
+  float* Get(int64_t floats) {
+    if (floats > floats_) {
+      std::free(data_);
+      data_ = static_cast<float*>(std::aligned_alloc(64, RoundUp(floats * sizeof(float), 64)));
+      floats_ = data_ ? floats : 0;
+      if (!data_) throw std::bad_alloc();
+    }
+    return data_;
+  }
+
+ private:
+  float* data_ = nullptr;
+  int64_t floats_ = 0;
+};
+
+// The kernels' own buffers, and the partial of a group that has a single chunk (normalized into the output
+// right away), are separate: the partial is written while the kernel's buffers are still in use.
+float* KernelScratch(int64_t floats) {
+  thread_local ScratchBuffer buffer;
+  return buffer.Get(floats);
+}
+
+float* PartialScratch(int64_t floats) {
+  thread_local ScratchBuffer buffer;
+  return buffer.Get(floats);
+}
+
+// Takes `floats` floats from a scratch buffer, keeping the next region 64-byte aligned.
+float* Carve(float*& cursor, int64_t floats) {
+  float* region = cursor;
+  cursor += RoundUp(floats, 16);
+  return region;
+}
+
+int64_t CarvedFloats(std::initializer_list<int64_t> regions) {
+  int64_t total = 0;
+  for (int64_t floats : regions) total += RoundUp(floats, 16);
+  return total;
+}
+
+// For each head j: out[j] = (sum over partials c of exp(max_c - M) * acc_c) / (sum over c of exp(max_c - M) *
+// sum_c), M the largest max_c: the softmax-weighted values over all the chunks' positions.
+void MergePartials(const float* parts, int64_t n_parts, int64_t part_floats, int64_t heads, int64_t dim,
+                   float* out) {
+  for (int64_t j = 0; j < heads; ++j) {
+    const int64_t at = j * (2 + dim);
+    float max = kMinusInfinity;
+    for (int64_t c = 0; c < n_parts; ++c) max = std::max(max, parts[c * part_floats + at]);
+    float denominator = 0.0f;
+    for (int64_t c = 0; c < n_parts; ++c) {
+      const float* part = parts + c * part_floats + at;
+      denominator += std::exp(part[0] - max) * part[1];
+    }
+    float* o = out + j * dim;
+    std::fill(o, o + dim, 0.0f);
+    for (int64_t c = 0; c < n_parts; ++c) {
+      const float* part = parts + c * part_floats + at;
+      const float weight = std::exp(part[0] - max) / denominator;
+      for (int64_t x = 0; x < dim; ++x) o[x] += weight * part[2 + x];
+    }
+  }
+}
+
+// Runs chunk_kernel(const GroupChunk&, float* partial) over every group of every row in chunks, on the
+// global pool, and merges the partials into out [batch, heads, dim]. Rows of length 0 get zeros.
+template <typename ChunkKernel>
+std::string RunChunks(const int32_t* lengths, int64_t batch, int64_t heads, int64_t dim,
+                      const std::vector<HeadGroup>& groups, float* out, ChunkKernel chunk_kernel) {
+  const std::shared_ptr<ThreadPool> pool = ThreadPool::Global();
+  const int64_t n_groups = static_cast<int64_t>(groups.size());
+  int64_t group_heads = 0;
+  for (const HeadGroup& g : groups) group_heads = std::max(group_heads, g.count);
+  const int64_t part_floats = PartialFloats(group_heads, dim);
+
+  int64_t positions = 0;
+  for (int64_t i = 0; i < batch; ++i) positions += lengths[i];
+  const int64_t chunk = std::max(
+      kMinChunk, RoundUp(CeilDiv(positions * n_groups, kTasksPerThread * pool->threads()), kChunkQuantum));
+
+  struct Task {
+    GroupChunk chunk;
+    int64_t unit;  // row * n_groups + group
+    int64_t slot;  // its partial among `parts`, or -1 when it is its group's only chunk
+  };
+  std::vector<Task> tasks;
+  std::vector<int64_t> unit_chunks(batch * n_groups, 0);
+  std::vector<int64_t> unit_first_slot(batch * n_groups, -1);
+  int64_t slots = 0;
+  for (int64_t row = 0; row < batch; ++row) {
+    const int64_t length = lengths[row];
+    if (length == 0) {
+      std::fill(out + row * heads * dim, out + (row + 1) * heads * dim, 0.0f);
+      continue;
+    }
+    const int64_t chunks = CeilDiv(length, chunk);
+    for (int64_t g = 0; g < n_groups; ++g) {
+      const int64_t unit = row * n_groups + g;
+      unit_chunks[unit] = chunks;
+      if (chunks > 1) {
+        unit_first_slot[unit] = slots;
+        slots += chunks;
+      }
+    }
+    // A chunk's groups are adjacent in the task order, so that the pool runs them at about the same time and
+    // the cache rows they share (MLA's latent rows, GQA's interleaved KV heads) come from memory once.
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (int64_t g = 0; g < n_groups; ++g) {
+        const int64_t unit = row * n_groups + g;
+        const GroupChunk piece{row, groups[g].first, groups[g].count, c * chunk, std::min(length, (c + 1) * chunk)};
+        tasks.push_back({piece, unit, chunks > 1 ? unit_first_slot[unit] + c : -1});
+      }
+    }
+  }
+  if (tasks.empty()) return "";
+
+  std::vector<float> parts(slots * part_floats);
+  std::unique_ptr<std::atomic<int64_t>[]> unfinished(new std::atomic<int64_t>[batch * n_groups]);
+  for (int64_t u = 0; u < batch * n_groups; ++u) unfinished[u].store(unit_chunks[u], std::memory_order_relaxed);
+
+  Job job;
+  job.tasks.assign(1, std::vector<std::vector<int64_t>>(pool->nodes()));
+  for (int64_t i = 0; i < static_cast<int64_t>(tasks.size()); ++i) job.tasks[0][i % pool->nodes()].push_back(i);
+  job.run = [&](int64_t id) {
+    const Task& task = tasks[id];
+    float* group_out = out + (task.chunk.row * heads + task.chunk.first_head) * dim;
+    if (task.slot < 0) {
+      float* part = PartialScratch(part_floats);
+      chunk_kernel(task.chunk, part);
+      MergePartials(part, 1, part_floats, task.chunk.heads, dim, group_out);
+      return;
+    }
+    chunk_kernel(task.chunk, parts.data() + task.slot * part_floats);
+    // acq_rel: the last chunk to finish sees every other chunk's partial.
+    if (unfinished[task.unit].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      MergePartials(parts.data() + unit_first_slot[task.unit] * part_floats, unit_chunks[task.unit], part_floats,
+                    task.chunk.heads, dim, group_out);
+    }
+  };
+  return pool->Run(job);
+}
+
+std::vector<HeadGroup> GqaHeadGroups(const GqaDecodeCall& call) {
+  // At most 16 query heads a group: the AVX-512 kernel keeps 16 dot products in flight.
+  constexpr int64_t kMaxGroup = 16;
+  const int64_t per_kv_head = call.heads / call.kv_heads;
+  std::vector<HeadGroup> groups;
+  for (int64_t kv = 0; kv < call.kv_heads; ++kv) {
+    for (int64_t first = 0; first < per_kv_head; first += kMaxGroup) {
+      groups.push_back({kv * per_kv_head + first, std::min(kMaxGroup, per_kv_head - first)});
+    }
+  }
+  return groups;
+}
+
+std::vector<HeadGroup> MlaHeadGroups(const MlaDecodeCall& call) {
+  // 32 heads (two vectors of lanes) a group where there are more than 16: each widened latent element then
+  // feeds two multiply-adds. More heads a group would read the latent rows fewer times but leave fewer tasks.
+  const int64_t group = call.heads > 16 ? 32 : 16;
+  std::vector<HeadGroup> groups;
+  for (int64_t first = 0; first < call.heads; first += group) {
+    groups.push_back({first, std::min(group, call.heads - first)});
+  }
+  return groups;
+}
+
+// ---- portable kernels ----------------------------------------------------------------------------------------
+
+void WidenRow(const float* src, int64_t n, float* dst) { std::memcpy(dst, src, n * sizeof(float)); }
+
+void WidenRow(const uint16_t* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = Bf16BitsToFloat(src[i]);
+}
+
+// In 8 interleaved partial sums: the compiler can keep them in vector registers (one running sum would be a
+// chain it may not reorder), and each sums an eighth of the terms, which also keeps rounding errors smaller.
+float Dot(const float* a, const float* b, int64_t n) {
+  float partial[8] = {};
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    for (int i = 0; i < 8; ++i) partial[i] += a[c + i] * b[c + i];
+  }
+  for (; c < n; ++c) partial[0] += a[c] * b[c];
+  const float low = (partial[0] + partial[1]) + (partial[2] + partial[3]);
+  return low + ((partial[4] + partial[5]) + (partial[6] + partial[7]));
+}
+
+// One position at a time: a head's running max is raised (and its sums rescaled) as soon as a larger score
+// appears. q: [heads][key_dim], already scaled. load_row(s, key, value) widens position s's key (key_dim
+// floats) and value (value_dim floats) and returns the value row to use (`value`, or a prefix of `key`).
+template <typename LoadRow>
+void OnlineSoftmaxGeneric(const float* q, int64_t heads, int64_t key_dim, int64_t value_dim, int64_t begin,
+                          int64_t end, float* key, float* value, LoadRow load_row, float* part) {
+  for (int64_t j = 0; j < heads; ++j) {
+    float* p = part + j * (2 + value_dim);
+    p[0] = kMinusInfinity;
+    std::fill(p + 1, p + 2 + value_dim, 0.0f);
+  }
+  for (int64_t s = begin; s < end; ++s) {
+    const float* value_row = load_row(s, key, value);
+    for (int64_t j = 0; j < heads; ++j) {
+      const float score = Dot(q + j * key_dim, key, key_dim);
+      float* p = part + j * (2 + value_dim);
+      float* acc = p + 2;
+      if (score > p[0]) {
+        const float rescale = std::exp(p[0] - score);  // 0 at the first position (max -inf)
+        p[1] *= rescale;
+        for (int64_t x = 0; x < value_dim; ++x) acc[x] *= rescale;
+        p[0] = score;
+      }
+      const float weight = std::exp(score - p[0]);
+      p[1] += weight;
+      for (int64_t x = 0; x < value_dim; ++x) acc[x] += weight * value_row[x];
+    }
+  }
+}
+
+template <typename T>
+void GqaChunkGeneric(const GqaDecodeCall& call, const GroupChunk& chunk, float* part) {
+  const int64_t e = call.head_dim;
+  const int64_t kv_head = chunk.first_head / (call.heads / call.kv_heads);
+  const int64_t stride = call.kv_heads * e;  // elements from one position to the next
+  const int64_t offset = chunk.row * call.max_len * stride + kv_head * e;
+  const T* k = static_cast<const T*>(call.k) + offset;
+  const T* v = static_cast<const T*>(call.v) + offset;
+  float* cursor = KernelScratch(CarvedFloats({chunk.heads * e, e, e}));
+  float* q = Carve(cursor, chunk.heads * e);
+  float* key = Carve(cursor, e);
+  float* value = Carve(cursor, e);
+  const float* q_in = call.q + (chunk.row * call.heads + chunk.first_head) * e;
+  for (int64_t i = 0; i < chunk.heads * e; ++i) q[i] = call.scale * q_in[i];
+  OnlineSoftmaxGeneric(q, chunk.heads, e, e, chunk.begin, chunk.end, key, value,
+                       [&](int64_t s, float* key_row, float* value_row) {
+                         WidenRow(k + s * stride, e, key_row);
+                         WidenRow(v + s * stride, e, value_row);
+                         return value_row;
+                       }, part);
+}
+
+template <typename T>
+void MlaChunkGeneric(const MlaDecodeCall& call, const GroupChunk& chunk, float* part) {
+  const int64_t r = call.rank, pr = call.rope_dim, d = r + pr;
+  const T* latent = static_cast<const T*>(call.latent) + chunk.row * call.max_len * r;
+  const T* k_rope = static_cast<const T*>(call.k_rope) + chunk.row * call.max_len * pr;
+  float* cursor = KernelScratch(CarvedFloats({chunk.heads * d, d}));
+  float* q = Carve(cursor, chunk.heads * d);  // [heads][rank + rope_dim]: the scaled q_latent, then q_rope
+  float* key = Carve(cursor, d);
+  for (int64_t j = 0; j < chunk.heads; ++j) {
+    const int64_t head = chunk.row * call.heads + chunk.first_head + j;
+    for (int64_t c = 0; c < r; ++c) q[j * d + c] = call.scale * call.q_latent[head * r + c];
+    for (int64_t c = 0; c < pr; ++c) q[j * d + r + c] = call.scale * call.q_rope[head * pr + c];
+  }
+  // The latent row is the key's first `rank` elements and the whole value.
+  OnlineSoftmaxGeneric(q, chunk.heads, d, r, chunk.begin, chunk.end, key, nullptr,
+                       [&](int64_t s, float* key_row, float*) {
+                         WidenRow(latent + s * r, r, key_row);
+                         WidenRow(k_rope + s * pr, pr, key_row + r);
+                         return static_cast<const float*>(key_row);
+                       }, part);
+}
+
+// ---- AVX-512 kernels -------------------------------------------------------------------------------------------
+
+HJ_AVX512 inline __mmask16 FirstLanes(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
+
+// 16 cache elements widened to float32; n < 16 loads the first n and zeros the rest (the row's end). Callers pass
+// a constant 16 on whole steps so that the mask folds away: masked loads stream more slowly.
+HJ_AVX512 inline __attribute__((always_inline)) __m512 Load16(const float* p, int64_t n) {
+  return n >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(FirstLanes(n), p);
+}
+
+HJ_AVX512 inline __attribute__((always_inline)) __m512 Load16(const uint16_t* p, int64_t n) {
+  const __m256i bits = n >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                               : _mm256_maskz_loadu_epi16(FirstLanes(n), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// Calls step(c, n) for the steps of 16 elements that cover [0, size): the whole ones with n the constant 16,
+// then the partial last one, if any.
+template <typename Step>
+HJ_AVX512 inline __attribute__((always_inline)) void ForSteps16(int64_t size, Step step) {
+  const int64_t whole_end = size / 16 * 16;
+  for (int64_t c = 0; c < whole_end; c += 16) step(c, 16);
+  if (whole_end < size) step(whole_end, size - whole_end);
+}
+
+template <typename T>
+HJ_AVX512 void WidenRowAvx512(const T* src, int64_t n, float* dst) {
+  ForSteps16(n, [&](int64_t c, int64_t width) HJ_AVX512 __attribute__((always_inline)) {
+    _mm512_mask_storeu_ps(dst + c, FirstLanes(width), Load16(src + c, width));
+  });
+}
+
+// exp(x) for x <= 0 (a score minus a running max) to about 1 ulp, Cephes' expf: x = n ln2 + r with |r| <= ln2/2,
+// exp(r) by a degree-7 polynomial, times 2^n by vscalefps. Inputs below -87.3 (-inf included: the running max
+// before the first position) give exp(-87.3), a negligible 1e-38, and no NaN from -inf - -inf.
+HJ_AVX512 inline __m512 ExpNonPositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // ln 2 in two parts (Cody and Waite): n * 0.693359375 is exact, so r keeps its low bits.
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// GQA. A score vector holds 16 / G positions x G heads (lane = position * G + head): each lane is a dot
+// product along head_dim, kept as 16 lanes of partial sums until 16 of them are summed across at once, which
+// costs a shuffle network of 46 instructions instead of 16 separate horizontal sums. Lanes with the same head
+// (lane mod G) are combined by swapping lanes l and l ^ shift for shift = 8 .. G.
+
+// Lane i of the result: the sum of the lanes of a[i].
+HJ_AVX512 inline __attribute__((always_inline)) __m512 SumEachOf16(const __m512 a[16]) {
+  // The network leaves input 4m + k's sum in lane 4k + m; taking the inputs 4 x 4 transposed (input i = a[in(i)])
+  // puts a[i]'s sum in lane i.
+  constexpr auto in = [](int i) { return (i % 4) * 4 + i / 4; };
+  __m512 halves[8];  // halves[i]: 8 partial sums of input 2i in lanes 0-7, of input 2i + 1 in lanes 8-15
+  for (int i = 0; i < 8; ++i) {
+    const __m512 x = a[in(2 * i)], y = a[in(2 * i + 1)];
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xee));
+  }
+  __m512 quarters[4];  // quarters[i]: 128-bit block k holds 4 partial sums of input 4i + k
+  for (int i = 0; i < 4; ++i) {
+    const __m512 x = halves[2 * i], y = halves[2 * i + 1];
+    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xdd));
+  }
+  __m512 pairs[2];  // pairs[i]: block k holds 2 partial sums of input 8i + k, then 2 of input 8i + 4 + k
+  for (int i = 0; i < 2; ++i) {
+    const __m512 x = quarters[2 * i], y = quarters[2 * i + 1];
+    pairs[i] = _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xee));
+  }
+  // Block k: the sums of inputs k, 4 + k, 8 + k, 12 + k.
+  return _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], 0x88), _mm512_shuffle_ps(pairs[0], pairs[1], 0xdd));
+}
+
+template <bool kMax>
+HJ_AVX512 inline __m512 MaxOrSum(__m512 a, __m512 b) {
+  return kMax ? _mm512_max_ps(a, b) : _mm512_add_ps(a, b);
+}
+
+// Every lane l becomes the max (or the sum) over the lanes of its head, those equal to l modulo G.
+template <int G, bool kMax>
+HJ_AVX512 inline __m512 CombinePerHead(__m512 x) {
+  if constexpr (G <= 8) x = MaxOrSum<kMax>(x, _mm512_shuffle_f32x4(x, x, 0x4e));  // lane l ^ 8
+  if constexpr (G <= 4) x = MaxOrSum<kMax>(x, _mm512_shuffle_f32x4(x, x, 0xb1));  // l ^ 4
+  if constexpr (G <= 2) x = MaxOrSum<kMax>(x, _mm512_permute_ps(x, 0x4e));        // l ^ 2
+  if constexpr (G <= 1) x = MaxOrSum<kMax>(x, _mm512_permute_ps(x, 0xb1));        // l ^ 1
+  return x;
+}
+
+// The scores of positions rows[0 .. 16 / G) against the G query heads of q [G][q_stride] (already scaled).
+template <int G, typename T>
+HJ_AVX512 inline __m512 GqaScoreVector(const float* q, int64_t q_stride, const T* const* rows, int64_t e) {
+  constexpr int kPositions = 16 / G;
+  __m512 acc[16];
+  for (__m512& a : acc) a = _mm512_setzero_ps();
+  ForSteps16(e, [&](int64_t c, int64_t n) HJ_AVX512 __attribute__((always_inline)) {
+    for (int p = 0; p < kPositions; ++p) {
+      const __m512 key = Load16(rows[p] + c, n);
+      for (int j = 0; j < G; ++j) {
+        acc[p * G + j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * q_stride + c), key, acc[p * G + j]);
+      }
+    }
+  });
+  return SumEachOf16(acc);
+}
+
+// o[j][c, c + width) = o[j][..] * alpha[j] + sum over positions s < n of p[s][j] * v[s][c, c + width), for
+// the G heads, in kTile vectors of columns (G * kTile accumulators).
+template <int G, int kTile, typename T>
+HJ_AVX512 inline __attribute__((always_inline)) void GqaValueTile(float* o, int64_t o_stride, const float* alpha,
+                                                                  const float* p, const T* v, int64_t v_stride,
+                                                                  int64_t n, int64_t c, int64_t width) {
+  __m512 acc[G][kTile];
+  for (int j = 0; j < G; ++j) {
+    const __m512 a = _mm512_set1_ps(alpha[j]);
+    for (int t = 0; t < kTile; ++t) acc[j][t] = _mm512_mul_ps(_mm512_loadu_ps(o + j * o_stride + c + 16 * t), a);
+  }
+  for (int64_t s = 0; s < n; ++s) {
+    const T* row = v + s * v_stride + c;
+    __m512 x[kTile];
+    for (int t = 0; t < kTile; ++t) x[t] = Load16(row + 16 * t, width - 16 * t);
+    for (int j = 0; j < G; ++j) {
+      const __m512 w = _mm512_set1_ps(p[s * G + j]);
+      for (int t = 0; t < kTile; ++t) acc[j][t] = _mm512_fmadd_ps(w, x[t], acc[j][t]);
+    }
+  }
+  for (int j = 0; j < G; ++j) {
+    for (int t = 0; t < kTile; ++t) _mm512_storeu_ps(o + j * o_stride + c + 16 * t, acc[j][t]);
+  }
+}
+
+template <int G, typename T>
+HJ_AVX512 void GqaValues(float* o, int64_t o_stride, const float* alpha, const float* p, const T* v,
+                         int64_t v_stride, int64_t n, int64_t e) {
+  constexpr int kTile = G <= 4 ? 4 : 16 / G;  // 16 accumulators, at most 64 columns a tile
+  int64_t c = 0;
+  for (; c + 16 * kTile <= e; c += 16 * kTile) {
+    GqaValueTile<G, kTile>(o, o_stride, alpha, p, v, v_stride, n, c, 16 * kTile);
+  }
+  for (; c < e; c += 16) GqaValueTile<G, 1>(o, o_stride, alpha, p, v, v_stride, n, c, std::min<int64_t>(16, e - c));
+}
+
+// Asks for the cache lines of [p, p + bytes) to be brought into L1.
+inline void PrefetchSpan(const void* p, int64_t bytes) {
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(p);
+  for (uintptr_t line = begin & ~uintptr_t{63}; line < begin + bytes; line += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+  }
+}
+
+// Positions a GQA block scores before it rescales and accumulates values.
+constexpr int64_t kGqaBlock = 32;
+
+// One chunk of up to G (a power of two, <= 16) query heads that share a KV head.
+template <int G, typename T>
+HJ_AVX512 void GqaChunkAvx512(const GqaDecodeCall& call, const GroupChunk& chunk, float* part) {
+  constexpr int kPositions = 16 / G;  // per score vector
+  const int64_t e = call.head_dim;
+  const int64_t padded = RoundUp(e, 16);
+  const int64_t kv_head = chunk.first_head / (call.heads / call.kv_heads);
+  const int64_t stride = call.kv_heads * e;  // elements from one position to the next
+  const int64_t offset = chunk.row * call.max_len * stride + kv_head * e;
+  const T* k = static_cast<const T*>(call.k) + offset;
+  const T* v = static_cast<const T*>(call.v) + offset;
+
+  float* cursor = KernelScratch(CarvedFloats({G * padded, G * padded, kGqaBlock * G}));
+  float* q = Carve(cursor, G * padded);  // [G][padded]: scale * q; zero past e and for heads the group lacks
+  float* o = Carve(cursor, G * padded);  // [G][padded]: the exp-weighted sums of values
+  float* p = Carve(cursor, kGqaBlock * G);  // [position][G]: a block's scores, then their exp(score - max)
+  std::fill(q, q + G * padded, 0.0f);
+  std::fill(o, o + G * padded, 0.0f);
+  const float* q_in = call.q + (chunk.row * call.heads + chunk.first_head) * e;
+  for (int64_t j = 0; j < chunk.heads; ++j) {
+    for (int64_t c = 0; c < e; ++c) q[j * padded + c] = call.scale * q_in[j * e + c];
+  }
+
+  __m512 running_max = _mm512_set1_ps(kMinusInfinity);  // lane l: head l mod G, as in the score vectors
+  __m512 sum = _mm512_setzero_ps();                     // lane-wise: combined per head at the end
+  alignas(64) float alpha[16];
+  for (int64_t b0 = chunk.begin; b0 < chunk.end; b0 += kGqaBlock) {
+    const int64_t n = std::min(kGqaBlock, chunk.end - b0);
+    const int64_t vectors = CeilDiv(n, kPositions);
+    __m512 block_max = _mm512_set1_ps(kMinusInfinity);
+    for (int64_t i = 0; i < vectors; ++i) {
+      // The rows of the next block, while this one computes: the rows of one KV head are every kv_heads-th
+      // head_dim of the cache, a pattern the hardware prefetchers follow poorly.
+      for (int64_t s = b0 + kGqaBlock + i * kPositions; s < std::min(b0 + kGqaBlock + (i + 1) * kPositions, chunk.end);
+           ++s) {
+        PrefetchSpan(k + s * stride, e * sizeof(T));
+        PrefetchSpan(v + s * stride, e * sizeof(T));
+      }
+      const T* rows[kPositions];
+      // Positions past the block repeat its last one (memory that exists); their lanes become -inf.
+      for (int r = 0; r < kPositions; ++r) rows[r] = k + std::min(b0 + i * kPositions + r, b0 + n - 1) * stride;
+      const __mmask16 valid = FirstLanes((n - i * kPositions) * G);
+      const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(kMinusInfinity), valid,
+                                               GqaScoreVector<G>(q, padded, rows, e));
+      _mm512_storeu_ps(p + i * 16, scores);
+      block_max = _mm512_max_ps(block_max, scores);
+    }
+    const __m512 new_max = _mm512_max_ps(running_max, CombinePerHead<G, true>(block_max));
+    const __m512 rescale = ExpNonPositive(_mm512_sub_ps(running_max, new_max));
+    running_max = new_max;
+    sum = _mm512_mul_ps(sum, rescale);
+    for (int64_t i = 0; i < vectors; ++i) {
+      const __mmask16 valid = FirstLanes((n - i * kPositions) * G);
+      const __m512 weights =
+          _mm512_maskz_mov_ps(valid, ExpNonPositive(_mm512_sub_ps(_mm512_loadu_ps(p + i * 16), new_max)));
+      _mm512_storeu_ps(p + i * 16, weights);
+      sum = _mm512_add_ps(sum, weights);
+    }
+    _mm512_store_ps(alpha, rescale);
+    GqaValues<G>(o, padded, alpha, p, v + b0 * stride, stride, n, e);
+  }
+  alignas(64) float maxes[16], sums[16];
+  _mm512_store_ps(maxes, running_max);
+  _mm512_store_ps(sums, CombinePerHead<G, false>(sum));
+  for (int64_t j = 0; j < chunk.heads; ++j) {
+    float* out = part + j * (2 + e);
+    out[0] = maxes[j];
+    out[1] = sums[j];
+    std::memcpy(out + 2, o + j * padded, e * sizeof(float));
+  }
+}
+
+template <typename T>
+void GqaChunkAvx512ForHeads(const GqaDecodeCall& call, const GroupChunk& chunk, float* part) {
+  if (chunk.heads <= 1) return GqaChunkAvx512<1, T>(call, chunk, part);
+  if (chunk.heads <= 2) return GqaChunkAvx512<2, T>(call, chunk, part);
+  if (chunk.heads <= 4) return GqaChunkAvx512<4, T>(call, chunk, part);
+  if (chunk.heads <= 8) return GqaChunkAvx512<8, T>(call, chunk, part);
+  return GqaChunkAvx512<16, T>(call, chunk, part);
+}
+
+// MLA. The heads of a group are the lanes (kV vectors of 16): a block of latent rows is widened to float32 once
+// per task and every element of it is broadcast against all the group's heads, in the scores (against q) and
+// in the values (against the probabilities), so no sum ever runs across lanes. The running max and sums are
+// per lane, i.e. per head, as they are.
+
+// Positions an MLA block widens, scores and accumulates at a time.
+constexpr int64_t kMlaBlock = 16;
+
+// scores[s][lanes] = keys[s] . qt[.][lanes] for s < 16 / kV (rows past the block are zeros).
+template <int kV>
+HJ_AVX512 inline void MlaScoreTile(const float* qt, const float* keys, int64_t d, float* scores) {
+  constexpr int kPositions = 16 / kV;  // 16 accumulators
+  __m512 acc[kPositions][kV];
+  for (auto& row : acc) {
+    for (__m512& a : row) a = _mm512_setzero_ps();
+  }
+  for (int64_t c = 0; c < d; ++c) {
+    __m512 q[kV];
+    for (int t = 0; t < kV; ++t) q[t] = _mm512_load_ps(qt + c * 16 * kV + 16 * t);
+    for (int s = 0; s < kPositions; ++s) {
+      const __m512 key = _mm512_set1_ps(keys[s * d + c]);
+      for (int t = 0; t < kV; ++t) acc[s][t] = _mm512_fmadd_ps(key, q[t], acc[s][t]);
+    }
+  }
+  for (int s = 0; s < kPositions; ++s) {
+    for (int t = 0; t < kV; ++t) _mm512_store_ps(scores + (s * kV + t) * 16, acc[s][t]);
+  }
+}
+
+// ot[c .. c + kColumns)[lanes] = ot[..] * alpha + sum over s < n of latent[s][c ..] * p[s][lanes].
+template <int kV, int kColumns>
+HJ_AVX512 inline void MlaValueTile(float* ot, const __m512* alpha, const float* p, const float* latent, int64_t d,
+                                   int64_t n) {
+  __m512 acc[kColumns][kV];
+  for (int c = 0; c < kColumns; ++c) {
+    for (int t = 0; t < kV; ++t) acc[c][t] = _mm512_mul_ps(_mm512_load_ps(ot + (c * kV + t) * 16), alpha[t]);
+  }
+  for (int64_t s = 0; s < n; ++s) {
+    __m512 w[kV];
+    for (int t = 0; t < kV; ++t) w[t] = _mm512_load_ps(p + (s * kV + t) * 16);
+    for (int c = 0; c < kColumns; ++c) {
+      const __m512 x = _mm512_set1_ps(latent[s * d + c]);
+      for (int t = 0; t < kV; ++t) acc[c][t] = _mm512_fmadd_ps(x, w[t], acc[c][t]);
+    }
+  }
+  for (int c = 0; c < kColumns; ++c) {
+    for (int t = 0; t < kV; ++t) _mm512_store_ps(ot + (c * kV + t) * 16, acc[c][t]);
+  }
+}
+
+// One chunk of up to 16 * kV heads.
+template <int kV, typename T>
+HJ_AVX512 void MlaChunkAvx512(const MlaDecodeCall& call, const GroupChunk& chunk, float* part) {
+  constexpr int kLanes = 16 * kV;
+  constexpr int kScorePositions = 16 / kV;
+  constexpr int kValueColumns = 16 / kV;
+  const int64_t r = call.rank, pr = call.rope_dim, d = r + pr;
+  const T* latent = static_cast<const T*>(call.latent) + chunk.row * call.max_len * r;
+  const T* k_rope = static_cast<const T*>(call.k_rope) + chunk.row * call.max_len * pr;
+
+  float* cursor = KernelScratch(CarvedFloats({d * kLanes, r * kLanes, kMlaBlock * d, kMlaBlock * kLanes}));
+  float* qt = Carve(cursor, d * kLanes);  // [rank + rope_dim][lanes]: scale * (q_latent, q_rope), transposed
+  float* ot = Carve(cursor, r * kLanes);  // [rank][lanes]: the exp-weighted sums of latent rows
+  float* keys = Carve(cursor, kMlaBlock * d);  // [position][rank + rope_dim]: the block's rows, widened
+  float* p = Carve(cursor, kMlaBlock * kLanes);  // [position][lanes]: scores, then exp(score - max)
+  std::fill(qt, qt + d * kLanes, 0.0f);
+  std::fill(ot, ot + r * kLanes, 0.0f);
+  for (int64_t j = 0; j < chunk.heads; ++j) {
+    const int64_t head = chunk.row * call.heads + chunk.first_head + j;
+    for (int64_t c = 0; c < r; ++c) qt[c * kLanes + j] = call.scale * call.q_latent[head * r + c];
+    for (int64_t c = 0; c < pr; ++c) qt[(r + c) * kLanes + j] = call.scale * call.q_rope[head * pr + c];
+  }
+
+  __m512 running_max[kV], sum[kV];
+  for (int t = 0; t < kV; ++t) {
+    running_max[t] = _mm512_set1_ps(kMinusInfinity);
+    sum[t] = _mm512_setzero_ps();
+  }
+  for (int64_t b0 = chunk.begin; b0 < chunk.end; b0 += kMlaBlock) {
+    const int64_t n = std::min(kMlaBlock, chunk.end - b0);
+    for (int64_t s = 0; s < n; ++s) {
+      WidenRowAvx512(latent + (b0 + s) * r, r, keys + s * d);
+      WidenRowAvx512(k_rope + (b0 + s) * pr, pr, keys + s * d + r);
+    }
+    // The last score tile may run past n: zero rows, whose scores are never read.
+    std::fill(keys + n * d, keys + RoundUp(n, kScorePositions) * d, 0.0f);
+    for (int64_t s = 0; s < n; s += kScorePositions) MlaScoreTile<kV>(qt, keys + s * d, d, p + s * kLanes);
+
+    __m512 rescale[kV];
+    for (int t = 0; t < kV; ++t) {
+      __m512 block_max = _mm512_set1_ps(kMinusInfinity);
+      for (int64_t s = 0; s < n; ++s) block_max = _mm512_max_ps(block_max, _mm512_load_ps(p + s * kLanes + 16 * t));
+      const __m512 new_max = _mm512_max_ps(running_max[t], block_max);
+      rescale[t] = ExpNonPositive(_mm512_sub_ps(running_max[t], new_max));
+      running_max[t] = new_max;
+      sum[t] = _mm512_mul_ps(sum[t], rescale[t]);
+      for (int64_t s = 0; s < n; ++s) {
+        float* at = p + s * kLanes + 16 * t;
+        const __m512 weights = ExpNonPositive(_mm512_sub_ps(_mm512_load_ps(at), new_max));
+        _mm512_store_ps(at, weights);
+        sum[t] = _mm512_add_ps(sum[t], weights);
+      }
+    }
+    int64_t c = 0;
+    for (; c + kValueColumns <= r; c += kValueColumns) {
+      MlaValueTile<kV, kValueColumns>(ot + c * kLanes, rescale, p, keys + c, d, n);
+    }
+    for (; c < r; ++c) MlaValueTile<kV, 1>(ot + c * kLanes, rescale, p, keys + c, d, n);
+  }
+  alignas(64) float maxes[kLanes], sums[kLanes];
+  for (int t = 0; t < kV; ++t) {
+    _mm512_store_ps(maxes + 16 * t, running_max[t]);
+    _mm512_store_ps(sums + 16 * t, sum[t]);
+  }
+  for (int64_t j = 0; j < chunk.heads; ++j) {
+    float* out = part + j * (2 + r);
+    out[0] = maxes[j];
+    out[1] = sums[j];
+    for (int64_t c = 0; c < r; ++c) out[2 + c] = ot[c * kLanes + j];
+  }
+}
+
+template <typename T>
+void MlaChunkAvx512ForHeads(const MlaDecodeCall& call, const GroupChunk& chunk, float* part) {
+  if (chunk.heads <= 16) return MlaChunkAvx512<1, T>(call, chunk, part);
+  return MlaChunkAvx512<2, T>(call, chunk, part);
+}
+
+// ---- entry points --------------------------------------------------------------------------------------------
+
+std::string CheckLengths(const int32_t* lengths, int64_t batch, int64_t max_len) {
+  for (int64_t i = 0; i < batch; ++i) {
+    if (lengths[i] < 0 || lengths[i] > max_len) {
+      return "lengths[" + std::to_string(i) + "] = " + std::to_string(lengths[i]) + " is outside [0, " +
+             std::to_string(max_len) + "] (the cache's positions)";
+    }
+  }
+  return "";
+}
+
+bool UseAvx512() { return SelectedCpuKernel() >= CpuKernel::kAvx512; }
+
+}  // namespace
+
+std::string CheckGqaDecode(const GqaDecodeCall& call) {
+  if (call.batch < 0 || call.max_len < 0 || call.heads <= 0 || call.kv_heads <= 0 || call.head_dim <= 0) {
+    return "GQA decode: batch and max_len must be >= 0, heads, kv_heads and head_dim > 0";
+  }
+  if (call.heads % call.kv_heads != 0) {
+    return "GQA decode: heads (" + std::to_string(call.heads) + ") is not a multiple of kv_heads (" +
+           std::to_string(call.kv_heads) + ")";
+  }
+  return CheckLengths(call.lengths, call.batch, call.max_len);
+}
+
+std::string CheckMlaDecode(const MlaDecodeCall& call) {
+  if (call.batch < 0 || call.max_len < 0 || call.heads <= 0 || call.rank <= 0 || call.rope_dim < 0) {
+    return "MLA decode: batch, max_len and rope_dim must be >= 0, heads and rank > 0";
+  }
+  return CheckLengths(call.lengths, call.batch, call.max_len);
+}
+
+std::string RunGqaDecode(const GqaDecodeCall& call) {
+  try {
+    if (std::string error = CheckGqaDecode(call); !error.empty()) return error;
+    const bool avx512 = UseAvx512();
+    const bool bf16 = call.cache == CacheDtype::kBf16;
+    return RunChunks(call.lengths, call.batch, call.heads, call.head_dim, GqaHeadGroups(call), call.out,
+                     [&](const GroupChunk& chunk, float* part) {
+                       if (avx512) {
+                         bf16 ? GqaChunkAvx512ForHeads<uint16_t>(call, chunk, part)
+                              : GqaChunkAvx512ForHeads<float>(call, chunk, part);
+                       } else {
+                         bf16 ? GqaChunkGeneric<uint16_t>(call, chunk, part)
+                              : GqaChunkGeneric<float>(call, chunk, part);
+                       }
+                     });
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+}
+
+std::string RunMlaDecode(const MlaDecodeCall& call) {
+  try {
+    if (std::string error = CheckMlaDecode(call); !error.empty()) return error;
+    const bool avx512 = UseAvx512();
+    const bool bf16 = call.cache == CacheDtype::kBf16;
+    return RunChunks(call.lengths, call.batch, call.heads, call.rank, MlaHeadGroups(call), call.out,
+                     [&](const GroupChunk& chunk, float* part) {
+                       if (avx512) {
+                         bf16 ? MlaChunkAvx512ForHeads<uint16_t>(call, chunk, part)
+                              : MlaChunkAvx512ForHeads<float>(call, chunk, part);
+                       } else {
+                         bf16 ? MlaChunkGeneric<uint16_t>(call, chunk, part)
+                              : MlaChunkGeneric<float>(call, chunk, part);
+                       }
+                     });
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+}
+
+}  // namespace hybridjit
