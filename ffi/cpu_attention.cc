@@ -1,11 +1,11 @@
 // Decode attention on the CPU over a KV cache in host memory (cpu_attention.h).
 //
-// Work: the query heads of a row form groups that read the same cache rows (GQA: the query heads of one KV
-// head, at most 16 a group; MLA: blocks of up to 32 heads, all reading the row's latent cache), and when there
-// are too few groups to keep the pool busy (decode at small batch) each group's positions are cut into
-// chunks. A task runs one chunk of one group and leaves a partial per head: the running max of its scores,
-// the sum of exp(score - max), and the exp(score - max)-weighted sum of values. The last chunk of a group to
-// finish merges the group's partials into the output.
+// Work: the query heads of a row form groups that read the same cache rows (GQA: the query heads of adjacent
+// whole KV heads, up to 64 a group, or 16 of one KV head that has more; MLA: blocks of up to 32 heads, all
+// reading the row's latent cache), and when there are too few groups to keep the pool busy (decode at small
+// batch) each group's positions are cut into chunks. A task runs one chunk of one group and leaves a partial
+// per head: the running max of its scores, the sum of exp(score - max), and the exp(score - max)-weighted sum
+// of values. The last chunk of a group to finish merges the group's partials into the output.
 //
 // Kernels: AVX-512 from the avx512 family up, portable C++ below. Both multiply in float32 with float32
 // accumulation: the cache is widened to float32 exactly (bfloat16 is float32's upper half) and the queries and
@@ -26,6 +26,7 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_features.h"
@@ -230,10 +231,22 @@ std::string RunChunks(const int32_t* lengths, int64_t batch, int64_t heads, int6
 }
 
 std::vector<HeadGroup> GqaHeadGroups(const GqaDecodeCall& call) {
-  // At most 16 query heads a group: the AVX-512 kernel keeps 16 dot products in flight.
+  // A group is the query heads of several whole KV heads (up to kMaxGroupHeads query heads) where a KV head has
+  // at most 16 (the AVX-512 kernel keeps 16 dot products of one KV head in flight), else 16 heads of one KV
+  // head. Several KV heads a group make a task read whole runs of adjacent cache rows: one KV head's part of a
+  // row is only head_dim elements of every kv_heads * head_dim, which the hardware prefetchers follow poorly and
+  // which uses a quarter of L1's sets at 4 KV heads (their rows are a multiple of 1 KB apart).
   constexpr int64_t kMaxGroup = 16;
+  constexpr int64_t kMaxGroupHeads = 64;
   const int64_t per_kv_head = call.heads / call.kv_heads;
   std::vector<HeadGroup> groups;
+  if (per_kv_head <= kMaxGroup) {
+    const int64_t kv_per_group = std::max<int64_t>(1, kMaxGroupHeads / per_kv_head);
+    for (int64_t kv = 0; kv < call.kv_heads; kv += kv_per_group) {
+      groups.push_back({kv * per_kv_head, std::min(kv_per_group, call.kv_heads - kv) * per_kv_head});
+    }
+    return groups;
+  }
   for (int64_t kv = 0; kv < call.kv_heads; ++kv) {
     for (int64_t first = 0; first < per_kv_head; first += kMaxGroup) {
       groups.push_back({kv * per_kv_head + first, std::min(kMaxGroup, per_kv_head - first)});
@@ -307,23 +320,28 @@ void OnlineSoftmaxGeneric(const float* q, int64_t heads, int64_t key_dim, int64_
 template <typename T>
 void GqaChunkGeneric(const GqaDecodeCall& call, const GroupChunk& chunk, float* part) {
   const int64_t e = call.head_dim;
-  const int64_t kv_head = chunk.first_head / (call.heads / call.kv_heads);
+  const int64_t per_kv_head = call.heads / call.kv_heads;
   const int64_t stride = call.kv_heads * e;  // elements from one position to the next
-  const int64_t offset = chunk.row * call.max_len * stride + kv_head * e;
-  const T* k = static_cast<const T*>(call.k) + offset;
-  const T* v = static_cast<const T*>(call.v) + offset;
-  float* cursor = KernelScratch(CarvedFloats({chunk.heads * e, e, e}));
-  float* q = Carve(cursor, chunk.heads * e);
+  float* cursor = KernelScratch(CarvedFloats({std::min(chunk.heads, per_kv_head) * e, e, e}));
+  float* q = Carve(cursor, std::min(chunk.heads, per_kv_head) * e);
   float* key = Carve(cursor, e);
   float* value = Carve(cursor, e);
-  const float* q_in = call.q + (chunk.row * call.heads + chunk.first_head) * e;
-  for (int64_t i = 0; i < chunk.heads * e; ++i) q[i] = call.scale * q_in[i];
-  OnlineSoftmaxGeneric(q, chunk.heads, e, e, chunk.begin, chunk.end, key, value,
-                       [&](int64_t s, float* key_row, float* value_row) {
-                         WidenRow(k + s * stride, e, key_row);
-                         WidenRow(v + s * stride, e, value_row);
-                         return value_row;
-                       }, part);
+  // The group's heads by KV head (a group holds whole KV heads, or part of one).
+  for (int64_t h0 = 0; h0 < chunk.heads; h0 += per_kv_head) {
+    const int64_t first_head = chunk.first_head + h0;
+    const int64_t heads = std::min(per_kv_head, chunk.heads - h0);
+    const int64_t offset = chunk.row * call.max_len * stride + first_head / per_kv_head * e;
+    const T* k = static_cast<const T*>(call.k) + offset;
+    const T* v = static_cast<const T*>(call.v) + offset;
+    const float* q_in = call.q + (chunk.row * call.heads + first_head) * e;
+    for (int64_t i = 0; i < heads * e; ++i) q[i] = call.scale * q_in[i];
+    OnlineSoftmaxGeneric(q, heads, e, e, chunk.begin, chunk.end, key, value,
+                         [&](int64_t s, float* key_row, float* value_row) {
+                           WidenRow(k + s * stride, e, key_row);
+                           WidenRow(v + s * stride, e, value_row);
+                           return value_row;
+                         }, part + h0 * (2 + e));
+  }
 }
 
 template <typename T>
@@ -403,7 +421,82 @@ HJ_AVX512 inline __m512 ExpNonPositive(__m512 x) {
 // GQA. A score vector holds 16 / G positions x G heads (lane = position * G + head): each lane is a dot
 // product along head_dim, kept as 16 lanes of partial sums until 16 of them are summed across at once, which
 // costs a shuffle network of 46 instructions instead of 16 separate horizontal sums. Lanes with the same head
-// (lane mod G) are combined by swapping lanes l and l ^ shift for shift = 8 .. G.
+// (lane mod G) are combined by swapping lanes l and l ^ shift for shift = 8 .. G. The softmax update (block
+// max, exp, rescale) then runs once per block of positions, on whole vectors, and each value row is widened once
+// and multiplied into the sums of every head of the group.
+//
+// Cache rows are read in steps of 32 elements, each widened into a pair of float32 vectors. A float32 step is
+// its two halves in order. A bfloat16 step is one 64-byte load whose 32-bit lanes each hold two elements
+// (2l in the low half, 2l + 1 in the high half): a shift left by 16 makes the even elements float32 and masking
+// off the low halves the odd ones, 2 single-uop instructions for 32 elements where widening in order
+// (vpmovzxwd + vpslld) takes 4, half of them on the one shuffle port. A dot product and a sum of rows do not
+// care about the order of the elements as long as q and the value sums use the same one: q and the value sums
+// are kept in pair order (ToPairOrder), and the value sums are put back in order at the end.
+
+struct Pair {
+  __m512 lo, hi;
+};
+
+HJ_AVX512 inline __mmask32 FirstLanes32(int64_t n) { return n >= 32 ? ~__mmask32(0) : __mmask32((1u << n) - 1); }
+
+// Elements [0, n) of a step widened (n < 32: the rest are zeros, nothing past p + n is read). Callers pass a
+// constant 32 on whole steps so that the masks fold away.
+HJ_AVX512 inline __attribute__((always_inline)) Pair LoadPair(const float* p, int64_t n) {
+  return {Load16(p, n), n > 16 ? Load16(p + 16, n - 16) : _mm512_setzero_ps()};
+}
+
+HJ_AVX512 inline __attribute__((always_inline)) Pair LoadPair(const uint16_t* p, int64_t n) {
+  const __m512i bits = n >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(FirstLanes32(n), p);
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)),
+          _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
+}
+
+// dst[0, RoundUp(n, 32)) = scale * src[0, n) in pair order, zeros past n.
+template <typename T>
+HJ_AVX512 void ToPairOrder(const float* src, int64_t n, float scale, float* dst) {
+  const __m512 factor = _mm512_set1_ps(scale);
+  for (int64_t c = 0; c < n; c += 32) {
+    const __m512 x0 = _mm512_mul_ps(Load16(src + c, n - c), factor);
+    const __m512 x1 = n - c > 16 ? _mm512_mul_ps(Load16(src + c + 16, n - c - 16), factor) : _mm512_setzero_ps();
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      // lo: the even elements of x0:x1, hi: the odd ones.
+      const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+      const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+      _mm512_store_ps(dst + c, _mm512_permutex2var_ps(x0, even, x1));
+      _mm512_store_ps(dst + c + 16, _mm512_permutex2var_ps(x0, odd, x1));
+    } else {
+      _mm512_store_ps(dst + c, x0);
+      _mm512_store_ps(dst + c + 16, x1);
+    }
+  }
+}
+
+// dst[0, n) = src in element order, src in pair order.
+template <typename T>
+HJ_AVX512 void FromPairOrder(const float* src, int64_t n, float* dst) {
+  for (int64_t c = 0; c < n; c += 32) {
+    __m512 x0 = _mm512_load_ps(src + c), x1 = _mm512_load_ps(src + c + 16);
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      // Element 2l is lo's lane l, element 2l + 1 hi's lane l (hi: indices 16 + l).
+      const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+      const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+      const __m512 lo = x0, hi = x1;
+      x0 = _mm512_permutex2var_ps(lo, first, hi);
+      x1 = _mm512_permutex2var_ps(lo, second, hi);
+    }
+    _mm512_mask_storeu_ps(dst + c, FirstLanes(n - c), x0);
+    if (n - c > 16) _mm512_mask_storeu_ps(dst + c + 16, FirstLanes(n - c - 16), x1);
+  }
+}
+
+// Calls step(c, n) for the steps of 32 elements that cover [0, size): the whole ones with n the constant 32,
+// then the partial last one, if any.
+template <typename Step>
+HJ_AVX512 inline __attribute__((always_inline)) void ForSteps32(int64_t size, Step step) {
+  const int64_t whole_end = size / 32 * 32;
+  for (int64_t c = 0; c < whole_end; c += 32) step(c, 32);
+  if (whole_end < size) step(whole_end, size - whole_end);
+}
 
 // Lane i of the result: the sum of the lanes of a[i].
 HJ_AVX512 inline __attribute__((always_inline)) __m512 SumEachOf16(const __m512 a[16]) {
@@ -444,57 +537,74 @@ HJ_AVX512 inline __m512 CombinePerHead(__m512 x) {
   return x;
 }
 
-// The scores of positions rows[0 .. 16 / G) against the G query heads of q [G][q_stride] (already scaled).
+// The scores of positions rows[0 .. 16 / G) against the G query heads of q [G][q_stride] (already scaled, in
+// pair order, zero past head_dim).
 template <int G, typename T>
 HJ_AVX512 inline __m512 GqaScoreVector(const float* q, int64_t q_stride, const T* const* rows, int64_t e) {
   constexpr int kPositions = 16 / G;
   __m512 acc[16];
   for (__m512& a : acc) a = _mm512_setzero_ps();
-  ForSteps16(e, [&](int64_t c, int64_t n) HJ_AVX512 __attribute__((always_inline)) {
+  ForSteps32(e, [&](int64_t c, int64_t n) HJ_AVX512 __attribute__((always_inline)) {
     for (int p = 0; p < kPositions; ++p) {
-      const __m512 key = Load16(rows[p] + c, n);
+      const Pair key = LoadPair(rows[p] + c, n);
       for (int j = 0; j < G; ++j) {
-        acc[p * G + j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * q_stride + c), key, acc[p * G + j]);
+        const float* qj = q + j * q_stride + c;
+        acc[p * G + j] = _mm512_fmadd_ps(_mm512_load_ps(qj), key.lo, acc[p * G + j]);
+        acc[p * G + j] = _mm512_fmadd_ps(_mm512_load_ps(qj + 16), key.hi, acc[p * G + j]);
       }
     }
   });
   return SumEachOf16(acc);
 }
 
-// o[j][c, c + width) = o[j][..] * alpha[j] + sum over positions s < n of p[s][j] * v[s][c, c + width), for
-// the G heads, in kTile vectors of columns (G * kTile accumulators).
-template <int G, int kTile, typename T>
+// For the H heads j of o [.][o_stride] (pair order), columns [c, c + 32 * kPairs): o[j] = o[j] * alpha[j] +
+// sum over positions s < n of p[s * G + j] * v[s] (width: the columns the rows have from c on, <= 32 * kPairs;
+// kPairs == 1 where it is less). 2 * H * kPairs accumulators.
+template <int G, int H, int kPairs, typename T>
 HJ_AVX512 inline __attribute__((always_inline)) void GqaValueTile(float* o, int64_t o_stride, const float* alpha,
                                                                   const float* p, const T* v, int64_t v_stride,
                                                                   int64_t n, int64_t c, int64_t width) {
-  __m512 acc[G][kTile];
-  for (int j = 0; j < G; ++j) {
+  constexpr int kVectors = 2 * kPairs;
+  __m512 acc[H][kVectors];
+  for (int j = 0; j < H; ++j) {
     const __m512 a = _mm512_set1_ps(alpha[j]);
-    for (int t = 0; t < kTile; ++t) acc[j][t] = _mm512_mul_ps(_mm512_loadu_ps(o + j * o_stride + c + 16 * t), a);
+    for (int t = 0; t < kVectors; ++t) acc[j][t] = _mm512_mul_ps(_mm512_load_ps(o + j * o_stride + c + 16 * t), a);
   }
   for (int64_t s = 0; s < n; ++s) {
     const T* row = v + s * v_stride + c;
-    __m512 x[kTile];
-    for (int t = 0; t < kTile; ++t) x[t] = Load16(row + 16 * t, width - 16 * t);
-    for (int j = 0; j < G; ++j) {
+    __m512 x[kVectors];
+    for (int t = 0; t < kPairs; ++t) {
+      const Pair pair = LoadPair(row + 32 * t, width - 32 * t);
+      x[2 * t] = pair.lo;
+      x[2 * t + 1] = pair.hi;
+    }
+    for (int j = 0; j < H; ++j) {
       const __m512 w = _mm512_set1_ps(p[s * G + j]);
-      for (int t = 0; t < kTile; ++t) acc[j][t] = _mm512_fmadd_ps(w, x[t], acc[j][t]);
+      for (int t = 0; t < kVectors; ++t) acc[j][t] = _mm512_fmadd_ps(w, x[t], acc[j][t]);
     }
   }
-  for (int j = 0; j < G; ++j) {
-    for (int t = 0; t < kTile; ++t) _mm512_storeu_ps(o + j * o_stride + c + 16 * t, acc[j][t]);
+  for (int j = 0; j < H; ++j) {
+    for (int t = 0; t < kVectors; ++t) _mm512_store_ps(o + j * o_stride + c + 16 * t, acc[j][t]);
   }
 }
 
+// o[j] = o[j] * alpha[j] + sum over s < n of p[s][j] * v[s] for the G heads: in passes of up to 8 heads, each
+// over tiles of columns, 16 accumulators.
 template <int G, typename T>
 HJ_AVX512 void GqaValues(float* o, int64_t o_stride, const float* alpha, const float* p, const T* v,
                          int64_t v_stride, int64_t n, int64_t e) {
-  constexpr int kTile = G <= 4 ? 4 : 16 / G;  // 16 accumulators, at most 64 columns a tile
-  int64_t c = 0;
-  for (; c + 16 * kTile <= e; c += 16 * kTile) {
-    GqaValueTile<G, kTile>(o, o_stride, alpha, p, v, v_stride, n, c, 16 * kTile);
+  constexpr int H = G < 8 ? G : 8;
+  constexpr int kPairs = H <= 2 ? 4 : 8 / H;
+  for (int j0 = 0; j0 < G; j0 += H) {
+    float* oj = o + j0 * o_stride;
+    int64_t c = 0;
+    for (; c + 32 * kPairs <= e; c += 32 * kPairs) {
+      GqaValueTile<G, H, kPairs>(oj, o_stride, alpha + j0, p + j0, v, v_stride, n, c, 32 * kPairs);
+    }
+    for (; c < e; c += 32) {
+      GqaValueTile<G, H, 1>(oj, o_stride, alpha + j0, p + j0, v, v_stride, n, c, std::min<int64_t>(32, e - c));
+    }
   }
-  for (; c < e; c += 16) GqaValueTile<G, 1>(o, o_stride, alpha, p, v, v_stride, n, c, std::min<int64_t>(16, e - c));
 }
 
 // Asks for the cache lines of [p, p + bytes) to be brought into L1.
@@ -508,84 +618,126 @@ inline void PrefetchSpan(const void* p, int64_t bytes) {
 // Positions a GQA block scores before it rescales and accumulates values.
 constexpr int64_t kGqaBlock = 32;
 
-// One chunk of up to G (a power of two, <= 16) query heads that share a KV head.
+// The online softmax state of one KV head's query heads in a chunk.
+struct GqaHeadState {
+  __m512 running_max;  // lane l: head l mod G, as in the score vectors
+  __m512 sum;          // lane-wise: combined per head at the end
+};
+
+// Positions [b0, b0 + n) of one KV head: k, v its part of position 0's row, q and o [G][padded] (pair order),
+// p [kGqaBlock * G] scratch. Asks for positions [prefetch_begin, prefetch_end) of the rows at prefetch_k and
+// prefetch_v (head_dim elements each, stride apart) to be brought in while it computes.
+template <int G, typename T>
+HJ_AVX512 inline void GqaBlock(GqaHeadState& state, const float* q, float* o, float* p, int64_t padded, const T* k,
+                               const T* v, int64_t stride, int64_t e, int64_t b0, int64_t n, const T* prefetch_k,
+                               const T* prefetch_v, int64_t prefetch_begin, int64_t prefetch_end) {
+  constexpr int kPositions = 16 / G;  // per score vector
+  const int64_t vectors = CeilDiv(n, kPositions);
+  __m512 block_max = _mm512_set1_ps(kMinusInfinity);
+  for (int64_t i = 0; i < vectors; ++i) {
+    // Rows to come, while these compute (GqaChunkAvx512 says which): from DRAM the kernel runs at about half
+    // the rate without them, the hardware prefetchers lagging behind runs of head_dim elements kv_heads apart.
+    const int64_t first = prefetch_begin + i * kPositions;
+    for (int64_t s = first; s < std::min(first + kPositions, prefetch_end); ++s) {
+      PrefetchSpan(prefetch_k + s * stride, e * sizeof(T));
+      PrefetchSpan(prefetch_v + s * stride, e * sizeof(T));
+    }
+    const T* rows[kPositions];
+    // Positions past the block repeat its last one (memory that exists); their lanes become -inf.
+    for (int r = 0; r < kPositions; ++r) rows[r] = k + std::min(b0 + i * kPositions + r, b0 + n - 1) * stride;
+    const __mmask16 valid = FirstLanes((n - i * kPositions) * G);
+    const __m512 scores =
+        _mm512_mask_mov_ps(_mm512_set1_ps(kMinusInfinity), valid, GqaScoreVector<G>(q, padded, rows, e));
+    _mm512_storeu_ps(p + i * 16, scores);
+    block_max = _mm512_max_ps(block_max, scores);
+  }
+  const __m512 new_max = _mm512_max_ps(state.running_max, CombinePerHead<G, true>(block_max));
+  const __m512 rescale = ExpNonPositive(_mm512_sub_ps(state.running_max, new_max));
+  state.running_max = new_max;
+  __m512 sum = _mm512_mul_ps(state.sum, rescale);
+  for (int64_t i = 0; i < vectors; ++i) {
+    const __mmask16 valid = FirstLanes((n - i * kPositions) * G);
+    const __m512 weights =
+        _mm512_maskz_mov_ps(valid, ExpNonPositive(_mm512_sub_ps(_mm512_loadu_ps(p + i * 16), new_max)));
+    _mm512_storeu_ps(p + i * 16, weights);
+    sum = _mm512_add_ps(sum, weights);
+  }
+  state.sum = sum;
+  alignas(64) float alpha[16];
+  _mm512_store_ps(alpha, rescale);
+  GqaValues<G>(o, padded, alpha, p, v + b0 * stride, stride, n, e);
+}
+
+// One chunk of a group: its KV heads (kv_count of them, adjacent), each with up to G (a power of two, <= 16)
+// query heads. Block by block, each KV head in turn, so that the task reads the cache rows' runs of adjacent
+// KV heads together.
 template <int G, typename T>
 HJ_AVX512 void GqaChunkAvx512(const GqaDecodeCall& call, const GroupChunk& chunk, float* part) {
-  constexpr int kPositions = 16 / G;  // per score vector
   const int64_t e = call.head_dim;
-  const int64_t padded = RoundUp(e, 16);
-  const int64_t kv_head = chunk.first_head / (call.heads / call.kv_heads);
+  const int64_t padded = RoundUp(e, 32);
+  const int64_t per_kv_head = call.heads / call.kv_heads;
+  const int64_t heads = std::min(chunk.heads, per_kv_head);  // query heads a KV head in this group
+  const int64_t kv_count = chunk.heads / heads;
   const int64_t stride = call.kv_heads * e;  // elements from one position to the next
-  const int64_t offset = chunk.row * call.max_len * stride + kv_head * e;
-  const T* k = static_cast<const T*>(call.k) + offset;
+  const int64_t offset = chunk.row * call.max_len * stride + chunk.first_head / per_kv_head * e;
+  const T* k = static_cast<const T*>(call.k) + offset;  // KV head h of the group: + h * e
   const T* v = static_cast<const T*>(call.v) + offset;
 
-  float* cursor = KernelScratch(CarvedFloats({G * padded, G * padded, kGqaBlock * G}));
-  float* q = Carve(cursor, G * padded);  // [G][padded]: scale * q; zero past e and for heads the group lacks
-  float* o = Carve(cursor, G * padded);  // [G][padded]: the exp-weighted sums of values
+  const int64_t head_floats = G * padded;
+  float* cursor = KernelScratch(
+      CarvedFloats({kv_count * head_floats, kv_count * head_floats, kGqaBlock * G, kv_count * 32}));
+  // [kv_count][G][padded]: scale * q in pair order; zero past e and for heads the group lacks
+  float* q = Carve(cursor, kv_count * head_floats);
+  float* o = Carve(cursor, kv_count * head_floats);  // [kv_count][G][padded]: the exp-weighted sums of values
   float* p = Carve(cursor, kGqaBlock * G);  // [position][G]: a block's scores, then their exp(score - max)
-  std::fill(q, q + G * padded, 0.0f);
-  std::fill(o, o + G * padded, 0.0f);
+  // [kv_count]: each KV head's online softmax state (in the scratch buffer: 64-byte aligned, allocated once).
+  GqaHeadState* states = reinterpret_cast<GqaHeadState*>(Carve(cursor, kv_count * 32));
+  for (int64_t h = 0; h < kv_count; ++h) {
+    new (states + h) GqaHeadState{_mm512_set1_ps(kMinusInfinity), _mm512_setzero_ps()};
+  }
+  std::fill(q, q + kv_count * head_floats, 0.0f);
+  std::fill(o, o + kv_count * head_floats, 0.0f);
   const float* q_in = call.q + (chunk.row * call.heads + chunk.first_head) * e;
-  for (int64_t j = 0; j < chunk.heads; ++j) {
-    for (int64_t c = 0; c < e; ++c) q[j * padded + c] = call.scale * q_in[j * e + c];
+  for (int64_t h = 0; h < kv_count; ++h) {
+    for (int64_t j = 0; j < heads; ++j) {
+      ToPairOrder<T>(q_in + (h * heads + j) * e, e, call.scale, q + h * head_floats + j * padded);
+    }
   }
 
-  __m512 running_max = _mm512_set1_ps(kMinusInfinity);  // lane l: head l mod G, as in the score vectors
-  __m512 sum = _mm512_setzero_ps();                     // lane-wise: combined per head at the end
-  alignas(64) float alpha[16];
   for (int64_t b0 = chunk.begin; b0 < chunk.end; b0 += kGqaBlock) {
     const int64_t n = std::min(kGqaBlock, chunk.end - b0);
-    const int64_t vectors = CeilDiv(n, kPositions);
-    __m512 block_max = _mm512_set1_ps(kMinusInfinity);
-    for (int64_t i = 0; i < vectors; ++i) {
-      // The rows of the next block, while this one computes: the rows of one KV head are every kv_heads-th
-      // head_dim of the cache, a pattern the hardware prefetchers follow poorly.
-      for (int64_t s = b0 + kGqaBlock + i * kPositions; s < std::min(b0 + kGqaBlock + (i + 1) * kPositions, chunk.end);
-           ++s) {
-        PrefetchSpan(k + s * stride, e * sizeof(T));
-        PrefetchSpan(v + s * stride, e * sizeof(T));
-      }
-      const T* rows[kPositions];
-      // Positions past the block repeat its last one (memory that exists); their lanes become -inf.
-      for (int r = 0; r < kPositions; ++r) rows[r] = k + std::min(b0 + i * kPositions + r, b0 + n - 1) * stride;
-      const __mmask16 valid = FirstLanes((n - i * kPositions) * G);
-      const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(kMinusInfinity), valid,
-                                               GqaScoreVector<G>(q, padded, rows, e));
-      _mm512_storeu_ps(p + i * 16, scores);
-      block_max = _mm512_max_ps(block_max, scores);
+    for (int64_t h = 0; h < kv_count; ++h) {
+      // While KV head h computes, the next KV head's part of the block's rows comes in (while the last one
+      // does, the first one's part of the next block's rows): the cache is read in order, and what comes in is
+      // used one KV head's block later (~16 KB at head_dim 128 bf16), soon enough to still be in L1. Further
+      // ahead measured no better.
+      const bool last = h + 1 == kv_count;
+      const int64_t next = last ? 0 : h + 1;
+      const int64_t prefetch_begin = last ? b0 + kGqaBlock : b0;
+      GqaBlock<G>(states[h], q + h * head_floats, o + h * head_floats, p, padded, k + h * e, v + h * e, stride, e,
+                  b0, n, k + next * e, v + next * e, prefetch_begin, std::min(prefetch_begin + kGqaBlock, chunk.end));
     }
-    const __m512 new_max = _mm512_max_ps(running_max, CombinePerHead<G, true>(block_max));
-    const __m512 rescale = ExpNonPositive(_mm512_sub_ps(running_max, new_max));
-    running_max = new_max;
-    sum = _mm512_mul_ps(sum, rescale);
-    for (int64_t i = 0; i < vectors; ++i) {
-      const __mmask16 valid = FirstLanes((n - i * kPositions) * G);
-      const __m512 weights =
-          _mm512_maskz_mov_ps(valid, ExpNonPositive(_mm512_sub_ps(_mm512_loadu_ps(p + i * 16), new_max)));
-      _mm512_storeu_ps(p + i * 16, weights);
-      sum = _mm512_add_ps(sum, weights);
-    }
-    _mm512_store_ps(alpha, rescale);
-    GqaValues<G>(o, padded, alpha, p, v + b0 * stride, stride, n, e);
   }
-  alignas(64) float maxes[16], sums[16];
-  _mm512_store_ps(maxes, running_max);
-  _mm512_store_ps(sums, CombinePerHead<G, false>(sum));
-  for (int64_t j = 0; j < chunk.heads; ++j) {
-    float* out = part + j * (2 + e);
-    out[0] = maxes[j];
-    out[1] = sums[j];
-    std::memcpy(out + 2, o + j * padded, e * sizeof(float));
+  for (int64_t h = 0; h < kv_count; ++h) {
+    alignas(64) float maxes[16], sums[16];
+    _mm512_store_ps(maxes, states[h].running_max);
+    _mm512_store_ps(sums, CombinePerHead<G, false>(states[h].sum));
+    for (int64_t j = 0; j < heads; ++j) {
+      float* out = part + (h * heads + j) * (2 + e);
+      out[0] = maxes[j];
+      out[1] = sums[j];
+      FromPairOrder<T>(o + h * head_floats + j * padded, e, out + 2);
+    }
   }
 }
 
 template <typename T>
 void GqaChunkAvx512ForHeads(const GqaDecodeCall& call, const GroupChunk& chunk, float* part) {
-  if (chunk.heads <= 1) return GqaChunkAvx512<1, T>(call, chunk, part);
-  if (chunk.heads <= 2) return GqaChunkAvx512<2, T>(call, chunk, part);
-  if (chunk.heads <= 4) return GqaChunkAvx512<4, T>(call, chunk, part);
-  if (chunk.heads <= 8) return GqaChunkAvx512<8, T>(call, chunk, part);
+  const int64_t heads = std::min(chunk.heads, call.heads / call.kv_heads);  // a KV head's
+  if (heads <= 1) return GqaChunkAvx512<1, T>(call, chunk, part);
+  if (heads <= 2) return GqaChunkAvx512<2, T>(call, chunk, part);
+  if (heads <= 4) return GqaChunkAvx512<4, T>(call, chunk, part);
+  if (heads <= 8) return GqaChunkAvx512<8, T>(call, chunk, part);
   return GqaChunkAvx512<16, T>(call, chunk, part);
 }
 
