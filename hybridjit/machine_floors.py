@@ -144,15 +144,9 @@ def cpu_attention_gflops(slots: int = 8, context: int = 1024, repeats: int = 5) 
     latent, k_rope = (rng.standard_normal((slots, context, n), np.float32).astype(ml_dtypes.bfloat16)
                       for n in (rank, rope))  # fmt: skip
     lengths = np.full(slots, context, np.int32)
-    best = min(_seconds(cpu_attention.mla_decode, q_latent, q_rope, latent, k_rope, lengths, 0.1)
-               for _ in range(repeats))  # fmt: skip
-    return 2 * slots * heads * context * (2 * rank + rope) / best / 1e9
-
-
-def _seconds(fn, *args) -> float:
-    start = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - start
+    seconds = best_seconds(cpu_attention.mla_decode, q_latent, q_rope, latent, k_rope, lengths, 0.1, repeats=1,
+                           rounds=repeats)  # fmt: skip
+    return 2 * slots * heads * context * (2 * rank + rope) / seconds / 1e9
 
 
 def cpu_expert_tflops(layer_id: int, hidden: int, inter: int, experts: int, k: int,

@@ -648,15 +648,15 @@ def stream_decode_step(model, tokens, positions, live, cache, *, vram_budget: in
     positions = np.asarray(positions, np.int32)[:, None]
     live = np.asarray(live, bool)
     # The ring's plan counts a prompt's activations, not the decode attention's scores over the whole cache.
-    on_cpu = isinstance(cache, HostKVCache) and cache.attention_on_cpu  # no cache nor scores on the device
-    if vram_budget is None and (free := free_device_memory(model.placement.device)) is not None and not on_cpu:
-        layers = cache.layers if isinstance(cache, HostKVCache) else cache
-        cache_len = max(a.shape[1] for a in jax.tree.leaves(layers))
-        vram_budget = free - decode_scores_bytes(model.config, len(tokens), cache_len)
-        if isinstance(cache, HostKVCache):  # its layers' copies on the device
-            vram_budget -= DEVICE_LAYERS * max(sum(a.nbytes for a in jax.tree.leaves(layer)) for layer in layers)
-    elif vram_budget is None and free is not None:
+    if vram_budget is None and (free := free_device_memory(model.placement.device)) is not None:
         vram_budget = free
+        # Attention on the device: its scores, and a host cache's layers copied in. On the CPU, neither is there.
+        if not (isinstance(cache, HostKVCache) and cache.attention_on_cpu):
+            layers = cache.layers if isinstance(cache, HostKVCache) else cache
+            cache_len = max(a.shape[1] for a in jax.tree.leaves(layers))
+            vram_budget -= decode_scores_bytes(model.config, len(tokens), cache_len)
+            if isinstance(cache, HostKVCache):
+                vram_budget -= DEVICE_LAYERS * max(sum(a.nbytes for a in jax.tree.leaves(layer)) for layer in layers)
     return _stream_layers(model, (model.placement.device,), tokens, positions, live, np.zeros(len(tokens), np.int32),
                           cache, vram_budget, None, None, stats, None, None, cpu_blocks)  # fmt: skip
 
