@@ -41,11 +41,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.dispatch import BACKEND_COMPILE_EVENT
 
 from bench_model import load_model
 from floors import floors_line, machine, memory_floors
 from hybridjit.host_kv_cache import DEVICE_LAYERS, host_kv_budget
-from hybridjit.machine_floors import hbm_read_gbps
+from hybridjit.machine_floors import cpu_attention_gflops, hbm_read_gbps
 from hybridjit.offline_policy import (
     EXPERTS,
     RESIDENT,
@@ -66,6 +67,7 @@ from prefill import PooledExperts, cpu_expert_tflops, gemm_tflops, h2d_gbps
 ON_GPU = jax.default_backend() == "gpu"
 PROMPT, NEW = 512, 256  # MoE-Gen's setting
 STREAMED_WARMUP_STEPS = 12
+MAX_WARMUP_CALLS = 40  # warm-up calls after which a case is timed even if its calls still compile
 
 
 def load(geometry: str, layers: int | None, dtype):
@@ -76,11 +78,13 @@ def load(geometry: str, layers: int | None, dtype):
 
 def measured_floors(model, memory: dict, tokens: list[int]) -> Floors:
     """The model's Floors from this run's measurements (the GPU ones only on a GPU; the rest stay defaults): the CPU
-    expert rate at each of `tokens` per call (the decode steps' slots, the prefill batches' tokens) and at 4096."""
+    expert rate at each of `tokens` per call (the decode steps' slots, the prefill batches' tokens) and at 4096, and
+    the CPU attention kernels' rate at the model's shapes."""
     device = model.placement.device
     by_tokens = tuple((t, cpu_expert_tflops(model, t)) for t in sorted({*tokens, 4096}))
     figures = {"host_read_gbps": memory["read_gbps"], "cpu_expert_tflops": dict(by_tokens)[4096],
-               "cpu_expert_tflops_by_tokens": by_tokens}  # fmt: skip
+               "cpu_expert_tflops_by_tokens": by_tokens,
+               "cpu_attention_gflops": cpu_attention_gflops(model.config, model.dtype)}  # fmt: skip
     if ON_GPU:
         figures |= {"pcie_gbps": h2d_gbps(device), "gpu_tflops": gemm_tflops(device),
                     "gpu_hbm_gbps": hbm_read_gbps(device), "device_free_bytes": free_device_memory(device),
@@ -90,14 +94,15 @@ def measured_floors(model, memory: dict, tokens: list[int]) -> Floors:
 
 def decode_step_seconds(model, slots: int, micro_batches: int | None, context: int, steps: int, rng,
                         experts: str = "cpu", cpu_blocks: int = 0, kv_in_host: bool = False,
-                        cache_len: int = 0, attention_on_cpu: bool = False) -> float:  # fmt: skip
+                        cache_len: int = 0, attention_on_cpu: bool = False) -> tuple[float, int]:  # fmt: skip
     """Median seconds of a decode step of `slots` sequences each at `context` cached positions, run as the runner
     runs them (the next step dispatched before this one's tokens are read), the routed experts on the CPU or
     streamed to the GPU each step (`experts`), `cpu_blocks` of each layer's then on the CPU meanwhile, the KV cache
     in host memory with `kv_in_host`. Each slot has room for `cache_len` positions (a run's: its prompts and new
     tokens, bucketed as the runner does; a streamed step attends over, and with the cache in host memory copies, all
     of them), or for what the timed steps need if that is more. The caches hold zeros: a step's time depends on how
-    much cache it reads, not on what is in it; its routing depends on the tokens, which differ."""
+    much cache it reads, not on what is in it; its routing depends on the tokens, which differ. Also returned: the
+    programs compiled during the timed calls (0 but where MAX_WARMUP_CALLS ran out)."""
     cfg = model.config
     most = model.decode_steps or DEVICE_ONLY_DECODE_STEPS  # decode steps a call may run
     cache_len = max(cache_len, -(-(context + (steps + 2) * most + 4) // 256) * 256)  # as decode.py
@@ -115,19 +120,34 @@ def decode_step_seconds(model, slots: int, micro_batches: int | None, context: i
         engine.insert(filled, 0, slot, SamplingParams(temperature=1.0, seed=slot))
     # The first two calls compile and record the graphs. A streamed step compiles its expert-step programs for each
     # new block capacity its routing needs (powers of two: a handful over a run, seconds each on a GPU, where session
-    # 24's 4 timed steps after 2, when capacities were eighths, were mostly compiling), so it warms up longer.
+    # 24's 4 timed steps after 2, when capacities were eighths, were mostly compiling), so it warms up longer, and
+    # then on until a call compiles nothing. Compiles in the timed calls are counted and returned.
     warmup = 2 if experts == "cpu" else STREAMED_WARMUP_STEPS
-    times, previous, last = [], None, time.perf_counter()
-    for i in range(calls + warmup):
-        step = engine.generate()
-        if previous is not None:
-            previous.tokens()
-        now = time.perf_counter()
-        if i >= warmup:
-            times.append((now - last) / engine.steps)
-        previous, last = step, now
-    previous.tokens()
-    return statistics.median(times)
+    compiles = []
+
+    def count(event, _secs, **_):
+        if event == BACKEND_COMPILE_EVENT:
+            compiles.append(event)
+
+    times, previous, last, calls_run, timed_compiles = [], None, time.perf_counter(), 0, 0
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        while len(times) < calls:
+            before = len(compiles)
+            step = engine.generate()  # compiles, where it does, as it dispatches
+            if previous is not None:
+                previous.tokens()
+            now = time.perf_counter()
+            calls_run += 1
+            compiled = len(compiles) - before
+            if times or (calls_run > warmup and (not compiled or calls_run > MAX_WARMUP_CALLS)):
+                times.append((now - last) / engine.steps)
+                timed_compiles += compiled
+            previous, last = step, now
+        previous.tokens()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    return statistics.median(times), timed_compiles
 
 
 def decode_cases(cfg, floors: Floors, work: Workload, itemsize: int, args) -> list[Policy]:
@@ -207,10 +227,10 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
           f"{floors.host_read_gbps:.1f} GB/s, H2D {floors.pcie_gbps:.1f} GB/s, GEMM {floors.gpu_tflops:.0f} TFLOP/s, "
           f"HBM {floors.gpu_hbm_gbps:.0f} GB/s, "
           f"CPU experts {', '.join(f'{r:.2f} at {t}' for t, r in floors.cpu_expert_tflops_by_tokens)} TFLOP/s "
-          "(tokens per call), device free "
+          f"(tokens per call), CPU attention {floors.cpu_attention_gflops:.0f} GFLOP/s, device free "
           + (f"{floors.device_free_bytes / 2**30:.1f} GiB" if floors.device_free_bytes else "unbounded"))  # fmt: skip
 
-    interactive = decode_step_seconds(model, 1, None, context, args.steps, rng)  # as generate runs one prompt
+    interactive, _ = decode_step_seconds(model, 1, None, context, args.steps, rng)  # as generate runs one prompt
     interactive_tok_s = 1 / interactive
     print(f"interactive batch 1: {1e3 * interactive:.1f} ms/step, {interactive_tok_s:.2f} tok/s")
 
@@ -234,12 +254,14 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
             print(f"{slots:6d} slots: their KV cache ({kv / 2**30:.1f} GiB) does not fit host memory")
             continue
         model.hold_resident_experts(case.widened)
-        step = decode_step_seconds(model, slots, 1, context, args.steps, rng, case.experts, case.cpu_blocks,
-                                   case.kv_in_host, work.cache_len, case.attention_on_cpu)  # fmt: skip
+        step, compiled = decode_step_seconds(model, slots, 1, context, args.steps, rng, case.experts,
+                                             case.cpu_blocks, case.kv_in_host, work.cache_len,
+                                             case.attention_on_cpu)  # fmt: skip
         predicted = predict(cfg, floors, work, case, itemsize, ON_GPU).step_s
-        decode[case] = {"step_s": step, "predicted_step_s": predicted}
+        decode[case] = {"step_s": step, "predicted_step_s": predicted, "timed_compiles": compiled}
         print(f"{slots:6d} {label(case):>9} {1e3 * step:9.1f} {slots / step:9.1f} {1e3 * predicted:9.1f} "
-              f"{slots / predicted:10.1f} {predicted / step:9.2f}")  # fmt: skip
+              f"{slots / predicted:10.1f} {predicted / step:9.2f}"
+              + (f" ({compiled} compiles while timed)" if compiled else ""))  # fmt: skip
     print(f"{'prompts':>7} {'path':>7} {'ms':>9} {'tok/s':>9} {'pred ms':>9}")
     for wide, batch in [(w, b) for w in [False, *([True] if args.widen else [])] for b in args.prefill]:
         if time.perf_counter() > deadline:
@@ -265,7 +287,8 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
         "model": name, "layers": cfg.num_hidden_layers, "full_layers": full.num_hidden_layers,
         "floors": dataclasses.asdict(floors), "interactive_tok_s": round(interactive_tok_s, 2),
         "decode": [case_fields(c) | {"step_ms": round(1e3 * d["step_s"], 2), "tok_s": round(c.slots / d["step_s"], 2),
-                                     "predicted_tok_s": round(c.slots / d["predicted_step_s"], 2)}
+                                     "predicted_tok_s": round(c.slots / d["predicted_step_s"], 2),
+                                     "timed_compiles": d["timed_compiles"]}
                    for c, d in decode.items()],
         "prefill": [{"prompts": p, "path": d["path"], "widened": w, "ms": round(1e3 * d["seconds"], 1),
                      "tok_s": round(p * PROMPT / d["seconds"], 1),

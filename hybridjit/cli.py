@@ -378,8 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "model's)")
     bat.add_argument("--attention-on-cpu", action=argparse.BooleanOptionalAction,
                      help="with the KV cache in host memory: the CPU attends over it there (only the experts cross "
-                          "to the GPU) or the GPU does, a layer of it copied at a time (default: the performance "
-                          "model's)")
+                          "to the GPU) or the GPU does, a layer of it copied at a time (default: the GPU; the CPU "
+                          "only where asked for, as it measured no faster on a 16-core host: bench/RESULTS.md)")
     bat.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default: the backend's)")
     bat.add_argument("--quiet", action="store_true", help="no progress bar or notes")
     bat.set_defaults(run=cmd_batch)

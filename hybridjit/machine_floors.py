@@ -18,15 +18,16 @@ import json
 import logging
 import os
 import time
+from functools import partial
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 import hybridjit_ffi as _ffi
+from hybridjit.models.registry import family_of
 from hybridjit.ops import cpu_attention
 from hybridjit.ops.routed_experts import kernel_info, routed_experts
 from hybridjit.resolve import cache_dir
@@ -51,7 +52,6 @@ class MachineFloors:
     pcie_gbps: float | None
     gpu_tflops: float | None
     gpu_hbm_gbps: float | None
-    cpu_attention_gflops: float
 
 
 def machine_key(device: jax.Device) -> str:
@@ -131,22 +131,36 @@ def measure(device: jax.Device) -> MachineFloors:
         pcie_gbps=round(pinned_h2d_gbps(device), 2) if on_gpu else None,
         gpu_tflops=round(gemm_tflops(device), 1) if on_gpu else None,
         gpu_hbm_gbps=round(hbm_read_gbps(device), 1) if on_gpu else None,
-        cpu_attention_gflops=round(cpu_attention_gflops(), 1),
     )
 
 
-def cpu_attention_gflops(slots: int = 8, context: int = 1024, repeats: int = 5) -> float:
-    """The CPU decode-attention kernels' GFLOP/s at DeepSeek-V3's MLA shapes (128 heads, 512 latent + 64 rotary
-    dims, bfloat16 cache), where each cache byte takes ~256 FLOPs: their compute rate, best of `repeats`."""
-    heads, rank, rope = 128, 512, 64
+def cpu_attention_gflops(cfg, dtype, slots: int = 64, context: int = 1024, repeats: int = 3) -> float:
+    """The CPU decode-attention kernels' GFLOP/s at the shapes of the model of config `cfg`: a layer of its cache as
+    its family's init_cache lays it out (GQA's k and v, or MLA's latent and rope key, in `dtype`) and its query
+    heads, `slots` rows of `context` positions, best of `repeats`. Per model, not per machine: the rate follows the
+    FLOPs each cache byte takes (MLA ~256, GQA twice its query heads per KV head), several-fold apart
+    (bench/RESULTS.md). The default cache, 75-134 MB at V3's and Qwen3's shapes in bfloat16, is larger than the
+    CPU's caches, so that the rate is the one a decode step's reads from memory allow too."""
+    family = family_of(cfg)
+    layer = jax.eval_shape(partial(family.model.init_cache, cfg, slots, context, dtype))[0]
     rng = np.random.default_rng(0)
-    q_latent, q_rope = (rng.standard_normal((slots, heads, n), np.float32) for n in (rank, rope))
-    latent, k_rope = (rng.standard_normal((slots, context, n), np.float32).astype(ml_dtypes.bfloat16)
-                      for n in (rank, rope))  # fmt: skip
+
+    def filled(name: str) -> np.ndarray:
+        leaf = getattr(layer, name)
+        return rng.standard_normal(leaf.shape, np.float32).astype(leaf.dtype)
+
+    def queries(dim: int) -> np.ndarray:
+        return rng.standard_normal((slots, cfg.num_attention_heads, dim), np.float32)
+
     lengths = np.full(slots, context, np.int32)
-    seconds = best_seconds(cpu_attention.mla_decode, q_latent, q_rope, latent, k_rope, lengths, 0.1, repeats=1,
-                           rounds=repeats)  # fmt: skip
-    return 2 * slots * heads * context * (2 * rank + rope) / seconds / 1e9
+    if hasattr(layer, "latent"):  # MLA, absorbed: the queries in the latent space and the rope key's
+        latent, k_rope = filled("latent"), filled("k_rope")
+        args = (cpu_attention.mla_decode, queries(latent.shape[-1]), queries(k_rope.shape[-1]), latent, k_rope)
+    else:
+        k, v = filled("k"), filled("v")
+        args = (cpu_attention.gqa_decode, queries(k.shape[-1]), k, v)
+    seconds = best_seconds(*args, lengths, 0.1, repeats=1, rounds=repeats)
+    return family.cost.decode_attention_flops(cfg, slots, context) / seconds / 1e9
 
 
 def cpu_expert_tflops(layer_id: int, hidden: int, inter: int, experts: int, k: int,

@@ -23,9 +23,9 @@ shapes (the family's cost module):
   A streamed step may also hold the KV cache in pinned host memory (`kv_in_host`, host_kv_cache.py): every slot's
   cache then crosses the link too, each step, and the slots are bounded by the host's memory, not the device's;
   or the CPU attends over it there (`attention_on_cpu`, MoE-Gen's CPU attention): the link carries only the
-  experts, and each layer's attention takes the larger of reading every slot's cache at the host read floor and
-  its FLOPs at the CPU attention kernels' measured rate (`Floors.cpu_attention_gflops`), between the layer's
-  projections and its experts on the GPU (which wait for it);
+  experts, and each layer's attention takes the larger of reading every slot's cache at what the host read floor
+  leaves beside the copies and its FLOPs at the CPU attention kernels' measured rate (`Floors.cpu_attention_gflops`),
+  between the layer's projections and its experts on the GPU (which wait for it);
 - or, for a model holding every routed expert on the device (Engine.place_experts, auto placement where they fit:
   experts="gpu", RESIDENT), the routed experts on the GPU as models/common/resident_experts computes them: a
   step with no more routed pairs than experts reads the distinct experts it routes to, a larger one runs batched
@@ -104,8 +104,9 @@ class Floors:
     # the one figure above, measured at 4096 tokens, overstates for decode steps. of_machine measures it at
     # RATE_TOKENS (bench/offline.py at its cases' sizes). Empty: that figure everywhere.
     cpu_expert_tflops_by_tokens: tuple[tuple[int, float], ...] = ()
-    # The CPU decode-attention kernels' compute rate (hybridjit/ops/cpu_attention.py, measured by of_machine at
-    # MLA's shapes, where they are compute-bound). None: not measured, and attention on the CPU not searched.
+    # The CPU decode-attention kernels' rate in GFLOP/s (hybridjit/ops/cpu_attention.py) at the model's own shapes
+    # over a cache larger than the CPU's caches (machine_floors.cpu_attention_gflops), measured where attention on
+    # the CPU is asked for (choose_policy; offline.py always). None: not measured.
     cpu_attention_gflops: float | None = None
 
     def prefill_rates(self) -> PrefillRates:
@@ -129,7 +130,7 @@ class Floors:
         by_tokens = tuple((t, model.cpu_expert_tflops(t)) for t in RATE_TOKENS) if model.expert_layers else ()
         return cls(host_read_gbps=floors.host_read_gbps, cpu_expert_tflops=rates.cpu_expert_tflops,
                    pcie_gbps=rates.pcie_gbps, gpu_tflops=rates.gpu_tflops, gpu_hbm_gbps=floors.gpu_hbm_gbps,
-                   cpu_expert_tflops_by_tokens=by_tokens, cpu_attention_gflops=floors.cpu_attention_gflops)
+                   cpu_expert_tflops_by_tokens=by_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,14 +304,14 @@ def decode_step(cfg: ModelConfig, floors: Floors, batch: int, context: float, mi
     if experts == "stream":  # the copies overlap the GPU's work (the ring loads ahead); one micro-batch
         streamed = 1 - cpu_blocks / BLOCKS_PER_LAYER
         copies, expert_gpu = (streamed * t for t in streamed_expert_seconds(cfg, floors, batch))
+        # The CPU's work (its attention, its expert blocks) reads host memory while the copies read it too.
+        sharing = dataclasses.replace(floors, host_read_gbps=max(floors.host_read_gbps - floors.pcie_gbps, 1.0))
         if attention_on_cpu:
-            attention = cpu_attention_seconds(cfg, floors, batch, context, itemsize)
+            attention = cpu_attention_seconds(cfg, sharing, batch, context, itemsize)
         else:
             copies += batch * kv_bytes_per_slot(cfg, host_kv_positions, itemsize) / (floors.pcie_gbps * 1e9)
             attention = 0.0
-        # From each layer's router to its combine, reading host memory while the copies read it too.
-        sharing = dataclasses.replace(floors, host_read_gbps=max(floors.host_read_gbps - floors.pcie_gbps, 1.0))
-        cpu = (1 - streamed) * cpu_expert_seconds(cfg, sharing, batch)
+        cpu = (1 - streamed) * cpu_expert_seconds(cfg, sharing, batch)  # from each layer's router to its combine
         # (With the attention on the CPU the GPU's share still counts reading the cache from HBM: ~1% of the CPU's.)
         gpu = gpu_seconds(cfg, floors, batch, context, 1, itemsize) + attention
         step = max(copies, gpu + max(expert_gpu, cpu)) + (handoffs if cpu_blocks else 0.0)
@@ -398,6 +399,12 @@ def _searched_splits(kv_in_host: bool) -> range:
     return range(1) if kv_in_host else range(BLOCKS_PER_LAYER)
 
 
+# Attention on the CPU is tried only where asked for: its steps ran at 0.32 of this model's prediction (0.38 with
+# the reads priced beside the copies), no faster than carrying the cache over the link (Qwen3-30B-A3B 8 layers, 1x
+# H200 with 16 cores, session 31: 1,024 slots 428 ms against 431, 2,048 slots 861 against 756), ~13 ms a layer of
+# it the io_callback's hand-off from the GPU program, which the model does not price.
+
+
 def search(
     cfg: ModelConfig, floors: Floors, work: Workload, itemsize: int, can_stream: bool,
     slots: int | None = None, micro_batches: int | str | None = None, prefill_batch: int | None = None,
@@ -412,7 +419,7 @@ def search(
     FP8 copies held as stored or dequantized for the run (`widened`, searched unless given). A streamed step's KV
     cache is on the device or in host memory (`kv_in_host`, searched unless given; in host memory up to
     MAX_HOST_KV_SLOTS slots within `floors.host_free_bytes`, two layers' caches on the device), and there the CPU may
-    attend over it (`attention_on_cpu`, searched unless given where the floors have the CPU kernels' rate)."""
+    attend over it (`attention_on_cpu`: only where given, the comment above says why)."""
     if attention_on_cpu and kv_in_host is False:
         raise ValueError("attention_on_cpu=True: the CPU attends over a KV cache in host memory; it needs kv_in_host")
     if attention_on_cpu:
@@ -454,7 +461,7 @@ def search(
     streams = experts == "stream" or (experts is None and can_stream and micro_batches in (None, 1))
     # (KV cache in host memory, attention on the CPU) pairs
     host_holdings = [kv_in_host] if kv_in_host is not None else [False, True] if streams else [False]
-    on_cpu = [attention_on_cpu] if attention_on_cpu is not None else [False, bool(floors.cpu_attention_gflops)]
+    on_cpu = [attention_on_cpu] if attention_on_cpu is not None else [False]  # only where asked (above search)
     kv_holdings = list(dict.fromkeys((h, c) for h in host_holdings for c in on_cpu if h or not c))
     most = min(work.requests, MAX_HOST_KV_SLOTS if True in host_holdings else MAX_SLOTS)
     slot_grid = [slots] if slots else _slot_grid(most)
@@ -536,8 +543,9 @@ def choose_policy(
         floors = dataclasses.replace(floors, device_free_bytes=free_device_memory(model.placement.device))
     if floors.host_free_bytes is None:
         floors = dataclasses.replace(floors, host_free_bytes=host_kv_budget(model))
-    if attention_on_cpu and floors.cpu_attention_gflops is None:  # asked for where no floor has it (a CPU device)
-        floors = dataclasses.replace(floors, cpu_attention_gflops=machine_floors.cpu_attention_gflops())
+    if attention_on_cpu and floors.cpu_attention_gflops is None:  # asked for: its rate at this model's shapes
+        rate = machine_floors.cpu_attention_gflops(model.config, model.dtype)
+        floors = dataclasses.replace(floors, cpu_attention_gflops=rate)
     work = Workload.of_jobs(jobs, cache_len)
     resident = not model.experts_on_host and _moe_layers(model.config) > 0
     # Pinned, streamable experts. Chosen only on a GPU; forced, the same program runs on any device (tests).

@@ -65,9 +65,10 @@ from hybridjit.quant import scale_shape
 # under this many bytes when the chunk is not given.
 ATTENTION_SCRATCH = 1 << 30
 # Experts get more tokens than the average under real routing, and capacity rounds up (_capacity): the
-# activation estimate plans for this many slots per routed token in one pass of an expert block. A block whose
-# busiest expert needs more (skewed routing: a prompt of one repeated token sends every token to the same
-# experts) runs in several passes of at most that many slots (_block_passes), so the estimate is a bound.
+# activation estimate plans for this many slots per routed token (twice as many where capacities are powers of
+# two: block_slots) in one pass of an expert block. A block whose busiest expert needs more (skewed routing: a
+# prompt of one repeated token sends every token to the same experts) runs in several passes of at most that many
+# slots (_block_passes), so the estimate is a bound.
 SLOTS_PER_PAIR = 1.5
 # Executables also hold fixed-size scratch (cuBLAS/cuDNN workspaces), whatever the prompt.
 WORKSPACE_BYTES = 64 << 20
@@ -103,9 +104,13 @@ class RingPlan:
 
 def block_slots(cfg: ModelConfig, tokens: int, experts_per_block: int) -> int:
     """Token slots one pass of an expert block may take: SLOTS_PER_PAIR per routed pair the block gets on
-    average, and at least one per expert."""
-    average_pairs = tokens * cfg.num_experts_per_tok * experts_per_block / cfg.n_routed_experts
-    return max(experts_per_block, math.ceil(SLOTS_PER_PAIR * average_pairs))
+    average, twice that where its capacities are powers of two (COARSE_MEAN_PAIRS: the rounding alone may double
+    the busiest expert's pairs), and at least one per expert. Without the doubling, a decode step's blocks ran in
+    a first pass and later ones over a varying number of busy experts, whose every new shape compiled: Qwen3-30B-A3B
+    at 1,024 slots (64 pairs an expert on average) still compiled after 40 steps (1x H200, session 31)."""
+    per_expert = tokens * cfg.num_experts_per_tok / cfg.n_routed_experts
+    rounding = 2 if per_expert <= COARSE_MEAN_PAIRS else 1  # what a power-of-two capacity may pad
+    return max(experts_per_block, math.ceil(rounding * SLOTS_PER_PAIR * per_expert * experts_per_block))
 
 
 def activation_bytes(cfg: ModelConfig, batch: int, length: int, dtype, attention, experts_per_block: int) -> int:

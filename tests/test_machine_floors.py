@@ -9,12 +9,16 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from hybrid_placement import hybrid
 
 import hybridjit
 from hybridjit import cli, machine_floors
 from hybridjit.machine_floors import FloorCache, MachineFloors
+from hybridjit.ops import cpu_attention
+from hybridjit.synthetic import geometry_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = jax.devices("cpu")[0]
@@ -88,8 +92,7 @@ def test_the_floors_command_prints_them_as_json(tmp_path):
 
 def test_the_floors_command_on_a_gpu_machine_says_when_a_cpu_expert_rate_is_measured(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HYBRIDJIT_CACHE", str(tmp_path))
-    gpu_machine = MachineFloors("a gpu", host_read_gbps=30.0, pcie_gbps=50.0, gpu_tflops=900.0, gpu_hbm_gbps=3e3,
-                                cpu_attention_gflops=500.0)
+    gpu_machine = MachineFloors("a gpu", host_read_gbps=30.0, pcie_gbps=50.0, gpu_tflops=900.0, gpu_hbm_gbps=3e3)
     monkeypatch.setattr(machine_floors, "measure", lambda device: gpu_machine)
     assert cli.main(["floors"]) == 0
     captured = capsys.readouterr()
@@ -126,3 +129,30 @@ def test_a_models_cpu_expert_rate_is_measured_once_per_call_size(tmp_path, monke
     cached = FloorCache(tmp_path).cpu_expert_rates(machine_floors.machine_key(jax.devices()[0]))
     key = f"{layer.format} experts {layer.hidden}x{layer.inter}, {k} of {layer.n_experts} a token"
     assert cached == {f"{key}, 64 tokens a call": 0.064, f"{key}, 1024 tokens a call": 1.024, key: 4.096}
+
+
+@pytest.mark.parametrize("geometry", ["deepseek-v3", "qwen3-30b-a3b"])
+def test_the_cpu_attention_rate_is_timed_at_the_models_own_shapes(geometry, monkeypatch):
+    """MLA's absorbed kernel over V3's latent and rope key with its 128 heads; GQA's over Qwen3's 4 KV heads with its
+    32 query heads: each model its own kernel, shapes and cache dtype, its FLOPs as the cost model counts them."""
+    cfg = geometry_config(geometry, weight_format="bf16")
+    timed = []
+
+    def recorded(name):
+        kernel = getattr(cpu_attention, name)
+
+        def call(*args):
+            timed.append((name, [(a.shape, a.dtype) for a in args[:-2]]))
+            return kernel(*args)
+
+        monkeypatch.setattr(cpu_attention, name, call)
+
+    recorded("gqa_decode"), recorded("mla_decode")
+    gflops = machine_floors.cpu_attention_gflops(cfg, jnp.bfloat16, slots=2, context=32, repeats=1)
+    assert 0 < gflops < float("inf")
+    q, bf16 = np.dtype(np.float32), np.dtype(jnp.bfloat16)
+    if geometry == "deepseek-v3":
+        expected = ("mla_decode", [((2, 128, 512), q), ((2, 128, 64), q), ((2, 32, 512), bf16), ((2, 32, 64), bf16)])
+    else:
+        expected = ("gqa_decode", [((2, 32, 128), q), ((2, 32, 4, 128), bf16), ((2, 32, 4, 128), bf16)])
+    assert timed and all(t == expected for t in timed)

@@ -261,6 +261,31 @@ def test_block_passes_cover_every_pair_within_the_slots(skew, coarse):
         assert (counts[busy] <= plan.capacity + plan.later * plan.later_capacity).all()
 
 
+@pytest.mark.parametrize("tokens", [1024, 2048])
+def test_decode_steps_of_uniform_routing_keep_to_a_few_block_shapes(tokens):
+    """A decode step's layers have few pairs per expert, so their capacities are powers of two, which may double the
+    busiest expert's pairs: the plan allows a block that many slots, so that its pass stays one and its shapes few.
+    With 1.5 slots a pair, Qwen3-30B-A3B's 16 blocks of 8 experts at 1,024 slots went into later passes over a varying
+    number of busy experts: 25 shapes over 300 steps of uniform routing, new ones to step 243, each a compile of
+    seconds on the GPU (session 31: the streamed step still compiled after 40 warm-up steps)."""
+    cfg = geometry_config("qwen3-30b-a3b", weight_format="fp8")
+    experts, k, size = cfg.n_routed_experts, cfg.num_experts_per_tok, 8
+    slots = sp.block_slots(cfg, tokens, size)
+    rng = np.random.default_rng(0)
+    shapes, last_new = set(), 0
+    for step in range(300):
+        ids = np.argsort(rng.random((tokens, experts)), axis=1)[:, :k]
+        counts = np.bincount(ids.ravel(), minlength=experts)
+        assert counts.mean() <= sp.COARSE_MEAN_PAIRS  # as _moe_layer decides coarse
+        for first in range(0, experts, size):
+            shape = sp._block_passes(counts[first : first + size], 0, slots, coarse=True)
+            assert shape.later == 0  # one pass a block
+            if shape not in shapes:
+                shapes.add(shape)
+                last_new = step
+    assert len(shapes) <= 3 and last_new < 50, (shapes, last_new)
+
+
 def test_skewed_routing_runs_in_passes_within_the_plan(case, model, exact_model):
     """A prompt of one repeated token routes every token to the same experts (identical hidden states: the
     attention averages identical values). The busy blocks then run in several passes, none larger than the
