@@ -11,7 +11,9 @@ writes back only the entries the step added; the device holds two layers' caches
 The buffers are JAX arrays in the device's "pinned_host" memory (page-locked: the GPU pulls them at the link's full
 rate), written in place through numpy views of their host addresses, as pinned_experts does for the experts; a
 buffer is never written while a copy of it may be in flight (a layer's entries are written after its attention has
-read its copy, and its next copy is issued at the next step).
+read its copy, and its next copy is issued at the next step). A sliding-window layer keeps only its window there, as
+the ring it is on the device (models/common/ring_cache.py: position p at index p % window), so the copies carry
+gpt-oss's windowed layers' few positions, not its context.
 
 With `attention_on_cpu` nothing of the cache crosses the link: each layer's decode attention runs on the CPU, over
 the cache where it is (MoE-Gen's CPU attention), through `attending(layer)`, a layer the model's decode attention
@@ -19,7 +21,8 @@ hands its queries and new entries to (models/common/host_attention.py). The prog
 (an io_callback: the step's queries go to the host, the core's output comes back), whose kernels
 (hybridjit/ops/cpu_attention.py) write the new entries and attend. The link then carries only the experts, and the
 CPU reads the cache at the host's memory rate; a GQA cache, a few FLOPs a byte, is read faster so than over PCIe,
-while MLA's 128 heads make its core compute-bound on the CPU.
+while MLA's 128 heads make its core compute-bound on the CPU. The kernels read whole caches, not rings: a model with
+sliding-window layers is refused there.
 """
 
 import math
@@ -32,7 +35,7 @@ from jax.experimental import io_callback
 from jax.sharding import Sharding, SingleDeviceSharding
 
 from hybridjit.models.common.host_attention import HostAttention
-from hybridjit.models.common.ring_cache import is_ring
+from hybridjit.models.common.ring_cache import held_positions, is_ring
 from hybridjit.ops import cpu_attention
 from hybridjit.pinned_experts import HOST_MEMORY_LIMIT_VAR, PINNED_HOST, host_view, pinned_pool_room
 
@@ -73,10 +76,10 @@ class HostKVCache:
         self.attention_on_cpu = attention_on_cpu
         family, cfg = model.family, model.config
         shapes = jax.eval_shape(partial(family.model.init_cache, cfg, slots, cache_len, model.dtype, ring=True))
-        if any(is_ring(layer) for layer in shapes):
+        if attention_on_cpu and any(is_ring(layer) for layer in shapes):
             raise ValueError(
-                f"kv_in_host: {cfg.model_type}'s sliding-window layers keep their window as a ring on the device, "
-                "which the host cache does not hold; keep the KV cache on the device for this model"
+                f"attention_on_cpu: {cfg.model_type}'s sliding-window layers keep only their window, as a ring, "
+                "which the CPU attention kernels do not read; let the GPU attend (kv_in_host alone)"
             )
         host = SingleDeviceSharding(model.placement.device, memory_kind=PINNED_HOST)
 
@@ -152,24 +155,27 @@ class HostKVCache:
 
     def write_back(self, layer: int, updated, positions: np.ndarray) -> None:
         """Writes the entries the step added to `layer`'s device copy `updated` (each row's at its position in
-        positions [b]) to the host buffers, then frees the copy."""
+        positions [b], a ring's at that position modulo its size) to the host buffers, then frees the copy."""
         entries = jax.device_get(_entries_at(updated, jnp.asarray(positions)))
         rows = np.arange(len(positions))
         self._written = True
         for view, new in zip(jax.tree.leaves(self._views[layer]), jax.tree.leaves(entries), strict=True):
-            view[rows, positions] = new
+            view[rows, positions % view.shape[1]] = new
         for a in jax.tree.leaves(updated):
             a.delete()
 
     def insert(self, prompt_cache: list, row: int, length: int, slot: int) -> None:
-        """Positions [0, length) of row `row` of a prompt cache (every layer [b, t, ...], on the device) into slot
-        `slot`."""
+        """Positions [0, length) of row `row` of a prompt cache (every layer [b, t, ...], on the device, without
+        rings) into slot `slot`; a ring layer of the slot gets those it keeps (the engine's _insert_program's rule)."""
         assert not self._copies, "a prompt inserted while a step's copies are pending"
         prompt = jax.device_get(_row(prompt_cache, row))
         self._written = True
         for views, layer in zip(self._views, prompt, strict=True):
             for view, new in zip(jax.tree.leaves(views), jax.tree.leaves(layer), strict=True):
-                view[slot, :length] = new[:length]
+                if is_ring(views):
+                    view[slot] = new[np.clip(held_positions(np.array([length - 1]), view.shape[1])[0], 0, len(new) - 1)]
+                else:
+                    view[slot, :length] = new[:length]
 
 
 @jax.tree_util.register_pytree_node_class
@@ -199,8 +205,9 @@ class _AttendingLayer(HostAttention):
 
 @jax.jit
 def _entries_at(cache, positions):
-    """Each row's entry at its position: every leaf [b, L, ...] -> [b, ...]."""
-    return jax.tree.map(lambda a: a[jnp.arange(a.shape[0]), positions], cache)
+    """Each row's entry at its position (a ring's at that position modulo its size; a full layer holds every
+    position): every leaf [b, L, ...] -> [b, ...]."""
+    return jax.tree.map(lambda a: a[jnp.arange(a.shape[0]), positions % a.shape[1]], cache)
 
 
 @jax.jit

@@ -43,6 +43,7 @@ from hybridjit.models.common.decoder import NO_SCHEDULE
 from hybridjit.models.common.expert_storage import ExpertStorage
 from hybridjit.models.common.experts import group_by_expert
 from hybridjit.models.common.moe import ExpertSchedule, MoE
+from hybridjit.models.common.ring_cache import held_positions
 from hybridjit.models.registry import family_of
 from hybridjit.ops.routed_experts import register_layer, routed_experts
 from hybridjit.pinned_experts import host_view, pinned_layer, register_pinned
@@ -369,18 +370,20 @@ def test_streamed_decode_steps_match_the_decode_step(case, model, exact_model, t
         nxt, positions = np.asarray(expected).argmax(-1).astype(np.int32), positions + 1
 
 
-def test_attention_on_the_cpu_matches_the_decode_step_on_the_same_cache(case, model, exact_model, reference):
-    """Streamed decode steps whose attention runs on the CPU, over a KV cache in host memory (HostKVCache's
-    attention_on_cpu, hybridjit/ops/cpu_attention.py's kernels), give the logits of the family's decode step with XLA
-    attention on the same cache, and leave the same entries in it: MLA (DeepSeek) and GQA (GLM, MiniMax, Qwen3),
-    rows at different lengths. Caches with a sliding window's ring (gpt-oss, the windowed Mixtral cases) stay on the
-    device."""
+@pytest.mark.parametrize("on_cpu", [False, True], ids=["gpu_attends", "cpu_attends"])
+def test_a_cache_in_host_memory_matches_the_decode_step_on_the_same_cache(case, model, exact_model, reference, on_cpu):
+    """Streamed decode steps over a KV cache in host memory (HostKVCache), each layer's copied to the device for its
+    attention and the step's entries written back, or attended over on the CPU where it is (attention_on_cpu,
+    hybridjit/ops/cpu_attention.py's kernels), give the logits of the family's decode step with XLA attention on the
+    same cache, and leave the same entries in it: MLA (DeepSeek) and GQA, rows at different lengths. A sliding-window
+    layer keeps its window there as a ring, as on the device (gpt-oss, the windowed Mixtral cases), which the CPU
+    kernels do not read: refused with attention on the CPU."""
     ref_logits, ref_cache = reference
-    if case in ("gpt_oss-mxfp4", "mixtral-bf16", "mixtral-int8"):
-        with pytest.raises(ValueError, match="sliding-window layers keep their window as a ring on the device"):
+    if on_cpu and case in ("gpt_oss-mxfp4", "mixtral-bf16", "mixtral-int8"):
+        with pytest.raises(ValueError, match="attention_on_cpu: .*sliding-window layers keep only their window"):
             HostKVCache(model, 2, CACHE_LEN, attention_on_cpu=True)
         return
-    host = HostKVCache(model, 2, CACHE_LEN, attention_on_cpu=True)
+    host = HostKVCache(model, 2, CACHE_LEN, attention_on_cpu=on_cpu)
     for row, length in enumerate(LENGTHS):
         host.insert(ref_cache, row, int(length), row)
     step = jax.jit(exact_model.family.model.decode_step, static_argnums=(0, 5))
@@ -393,7 +396,11 @@ def test_attention_on_the_cpu_matches_the_decode_step_on_the_same_cache(case, mo
         assert rel_rms(logits, expected) < FLOAT32_RTOL, i
         for view, ref in zip(jax.tree.leaves(host._views), jax.tree.leaves(ref_cache), strict=True):
             for row, end in enumerate(positions + 1):
-                assert rel_rms(view[row, :end], np.asarray(ref)[row, :end]) < FLOAT32_RTOL, (i, row)
+                # The position each index holds: a full layer's index its own, a ring's the latest of its residue.
+                index_holds = held_positions(np.array([end - 1]), view.shape[1])[0]
+                kept = index_holds >= 0
+                got, want = view[row][kept], np.asarray(ref)[row][index_holds[kept]]
+                assert rel_rms(got, want) < FLOAT32_RTOL, (i, row)
         nxt, positions = np.asarray(expected).argmax(-1).astype(np.int32), positions + 1
     with pytest.raises(ValueError, match="attention_on_cpu: the CPU attends over a cache in host memory"):
         Engine(model, 2, CACHE_LEN, micro_batches=1, stream_experts=True, attention_on_cpu=True)
@@ -404,14 +411,14 @@ def test_an_engine_streaming_its_experts_decodes_as_the_engine_on_xla_experts(ca
     joined at different prompt lengths with one left free. (Not against the CPU kernels' engine: the integer
     formats' kernels quantize activations, and greedy tokens part at near-ties.) Also with the KV cache in pinned host
     memory (each layer's copied to the device for its attention, the step's entries written back), and attended over
-    on the CPU there. MLA, GQA, and gpt-oss's windowed rings, which the host cache refuses: the other families'
+    on the CPU there. MLA, GQA, and gpt-oss's windowed rings, which the CPU kernels do not read: the other families'
     streamed steps are checked against the decode step above."""
     only(case, FULL, "gpt_oss-mxfp4", "glm4_moe-bf16")
     prompts = [[5, 9, 2, 7, 11, 3], [4, 8, 15, 16, 23, 42, 7, 1, 9, 12, 30]]
     rings = case == "gpt_oss-mxfp4"
     generated = []
-    holdings = [(False, False, False), (True, False, False)]  # (stream, KV cache in host memory, attention on CPU)
-    holdings += [] if rings else [(True, True, False), (True, True, True)]
+    holdings = [(False, False, False), (True, False, False), (True, True, False)]  # (stream, host cache, CPU attends)
+    holdings += [] if rings else [(True, True, True)]
     for stream, in_host, on_cpu in holdings:
         engine = Engine(model if stream else exact_model, 3, CACHE_LEN, micro_batches=1, stream_experts=stream,
                         kv_in_host=in_host, attention_on_cpu=on_cpu)  # fmt: skip
@@ -428,8 +435,8 @@ def test_an_engine_streaming_its_experts_decodes_as_the_engine_on_xla_experts(ca
     for tokens in generated[1:]:
         np.testing.assert_array_equal(tokens, generated[0])
     if rings:
-        with pytest.raises(ValueError, match="kv_in_host: gpt_oss's sliding-window layers keep their window as a ring"):
-            Engine(model, 3, CACHE_LEN, micro_batches=1, stream_experts=True, kv_in_host=True)
+        with pytest.raises(ValueError, match="attention_on_cpu: gpt_oss's sliding-window layers keep only"):
+            Engine(model, 3, CACHE_LEN, micro_batches=1, stream_experts=True, kv_in_host=True, attention_on_cpu=True)
     with pytest.raises(ValueError, match="kv_in_host: a cache in host memory is read by streamed decode steps"):
         Engine(model, 3, CACHE_LEN, micro_batches=1, kv_in_host=True)
 

@@ -5,6 +5,7 @@ newest position written; attention masks by those true positions, never by the i
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def is_ring(node) -> bool:
@@ -12,11 +13,12 @@ def is_ring(node) -> bool:
     return getattr(node, "ring", False) is True
 
 
-def held_positions(newest: jax.Array, size: int) -> jax.Array:
+def held_positions(newest, size: int):
     """[b, size]: the position index j of a ring holds once each sequence's positions up to newest [b] are
-    written, the latest p <= newest with p % size == j; negative where no position is written there yet."""
+    written, the latest p <= newest with p % size == j; negative where no position is written there yet. A jax
+    array for a jax array, a numpy one for a numpy one (a host cache's rings, hybridjit/host_kv_cache.py)."""
     newest = newest[:, None]
-    return newest - (newest - jnp.arange(size)) % size
+    return newest - (newest - np.arange(size, dtype=np.int32)) % size
 
 
 def from_prompt(prompt: jax.Array, length: jax.Array, size: int) -> jax.Array:
