@@ -260,13 +260,14 @@ def gpu_seconds(cfg: ModelConfig, floors: Floors, batch: int, context: float, ca
     attention in `calls` micro-batches: per layer the roofline of its weight and KV reads against its FLOPs."""
     cost = family_of(cfg).cost
     part = cost.layer_flops(cfg, batch, 1)
-    kv = batch * context * cost.kv_elements_per_token(cfg) * itemsize
     seconds = 0.0
     for i in range(cfg.num_hidden_layers):
         dense = part["router+shared"] if cfg.is_moe_layer(i) else part["dense mlp"]
         flops = part["projections"] + dense  # 2 FLOPs per weight per token: the weights' elements are flops / 2b
         weights = flops / (2 * batch) * itemsize
-        attention = cost.decode_attention_flops(cfg, batch, int(context))
+        seen = attended(cfg, i, int(context))
+        kv = batch * seen * cost.kv_elements_per_token(cfg) * itemsize
+        attention = cost.decode_attention_flops(cfg, batch, seen)
         memory = (weights + kv) / (floors.gpu_hbm_gbps * 1e9)
         seconds += max(memory, (flops + attention) / (floors.gpu_tflops * 1e12)) + calls * floors.gpu_layer_us * 1e-6
     head = 2 * cfg.hidden_size * cfg.vocab_size
@@ -332,7 +333,8 @@ def cpu_attention_seconds(cfg: ModelConfig, floors: Floors, batch: int, context:
     if floors.cpu_attention_gflops is None:
         raise ValueError("attention on the CPU: its kernels' rate is not measured (Floors.cpu_attention_gflops)")
     reads = batch * kv_bytes_per_slot(cfg, math.ceil(context), itemsize) / (floors.host_read_gbps * 1e9)
-    flops = cfg.num_hidden_layers * family_of(cfg).cost.decode_attention_flops(cfg, batch, math.ceil(context))
+    attention = family_of(cfg).cost.decode_attention_flops
+    flops = sum(attention(cfg, batch, attended(cfg, i, math.ceil(context))) for i in range(cfg.num_hidden_layers))
     return max(reads, flops / (floors.cpu_attention_gflops * 1e9))
 
 
@@ -370,15 +372,24 @@ def predict(
 # ----------------------------------------------------------------------------------------- the choice
 
 
-def kv_bytes_per_slot(cfg: ModelConfig, cache_len: int, itemsize: int) -> int:
-    return cfg.num_hidden_layers * cache_len * family_of(cfg).cost.kv_elements_per_token(cfg) * itemsize
+def attended(cfg: ModelConfig, layer: int, context: int) -> int:
+    """The cached positions a decode token of layer `layer` attends over, and its slot holds there (a sliding-window
+    layer keeps its window, a ring, whatever the context), at `context` positions."""
+    return min(cfg.window(layer) or context, context)
+
+
+def kv_bytes_per_slot(cfg: ModelConfig, cache_len: int, itemsize: int, rings: bool = True) -> int:
+    """Bytes of one slot's KV cache of `cache_len` positions: a sliding-window layer's its window, as the engine
+    holds it, unless not `rings` (a prompt's cache, which prefill writes whole)."""
+    positions = sum(attended(cfg, i, cache_len) if rings else cache_len for i in range(cfg.num_hidden_layers))
+    return positions * family_of(cfg).cost.kv_elements_per_token(cfg) * itemsize
 
 
 def prefill_bytes(cfg: ModelConfig, batch: int, length: int, itemsize: int) -> int:
     """Device bytes a prefill of `batch` prompts of `length` tokens takes besides the weights: its activations and
     the prompts' own cache (on the device until inserted into the slots, wherever those hold theirs)."""
     activations = 4 * cfg.vocab_size + PREFILL_ACTIVATION_HIDDEN_COPIES * cfg.hidden_size * 4
-    return batch * (length * activations + kv_bytes_per_slot(cfg, length, itemsize))
+    return batch * (length * activations + kv_bytes_per_slot(cfg, length, itemsize, rings=False))
 
 
 def _powers_of_two(limit: int) -> list[int]:

@@ -4,8 +4,11 @@ read-bound), the memory bound on the slots, and the user's choices kept."""
 
 import dataclasses
 
+import jax.numpy as jnp
 import pytest
 
+from hybridjit.auto_placement import kv_cache_bytes
+from hybridjit.models.registry import GEOMETRIES
 from hybridjit.offline_policy import (
     DUAL,
     RESIDENT,
@@ -273,3 +276,18 @@ def test_resident_experts_are_priced_on_the_gpu():
     for options in ({"experts": "stream"}, {"micro_batches": DUAL}):
         with pytest.raises(ValueError, match="every routed expert of this model is resident on the device"):
             search(QWEN, FLOORS, WORK, 2, True, resident=True, **options)
+
+
+@pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
+def test_a_slots_kv_bytes_are_the_engines_cache_windows_as_rings(geometry):
+    """What the model prices a slot's cache at (device or host memory, the host cache's copies over the link) is
+    what the engine allocates, the family's init_cache with rings: gpt-oss-120b's sliding layers hold their 128
+    positions, not the context (at 8,192 positions its slot is 0.51 of all layers' full length); a prompt's cache,
+    which prefill writes whole, is priced whole."""
+    cfg = geometry_config(geometry, weight_format="bf16")
+    for cache_len in (1024, 8192):
+        assert kv_bytes_per_slot(cfg, cache_len, 2) == kv_cache_bytes(cfg, jnp.bfloat16, 1, cache_len)
+        whole = kv_bytes_per_slot(cfg, cache_len, 2, rings=False)
+        windowed = any(cfg.window(i) for i in range(cfg.num_hidden_layers))
+        assert (kv_bytes_per_slot(cfg, cache_len, 2) < whole) == windowed
+

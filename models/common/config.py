@@ -39,6 +39,8 @@ class ModelConfig(Protocol):
 
     def is_moe_layer(self, layer: int) -> bool: ...
 
+    def window(self, layer: int) -> int | None: ...
+
 
 def decoder_fields(f: ConfigFields, *, rms_norm_eps: float = 1e-6) -> dict:
     """The fields every family reads the same way from its config.json, by their ModelConfig names."""
@@ -91,6 +93,10 @@ class DecoderConfig:
     # the model does not run them; loading skips their tensors.
     num_nextn_predict_layers: int = 0
 
+    def window(self, layer: int) -> int | None:
+        """The sliding window of a layer (a query sees its last `window` positions), None for full attention."""
+        return None
+
     @staticmethod
     def fields(raw, source: str, model_types: tuple[str, ...]) -> ConfigFields:
         """The config.json's fields, once its model_type is one of the family's and its activation SiLU."""
@@ -116,10 +122,6 @@ class GQAConfig(DecoderConfig):
     @property
     def softmax_scale(self) -> float:
         return self.head_dim**-0.5
-
-    def window(self, layer: int) -> int | None:
-        """The sliding window of a layer (a query sees its last `window` positions), None for full attention."""
-        return None
 
     @property
     def attention_summary(self) -> str:
