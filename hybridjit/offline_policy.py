@@ -412,8 +412,8 @@ def _searched_splits(kv_in_host: bool) -> range:
 
 # Attention on the CPU is tried only where asked for: its steps ran at 0.32 of this model's prediction (0.38 with
 # the reads priced beside the copies), no faster than carrying the cache over the link (Qwen3-30B-A3B 8 layers, 1x
-# H200 with 16 cores, session 31: 1,024 slots 428 ms against 431, 2,048 slots 861 against 756), ~13 ms a layer of
-# it the io_callback's hand-off from the GPU program, which the model does not price.
+# H200 with 16 cores, session 31: 1,024 slots 428 ms against 431 in a profiling run, 2,048 slots 861 against 756),
+# ~13 ms a layer of it the io_callback's hand-off from the GPU program, which the model does not price.
 
 
 def search(
