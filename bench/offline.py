@@ -17,13 +17,15 @@ Each model is a geometry with random FP8 weights (prefill.py's PooledExperts: fa
   experts column reads "gpu-wide"); with `--kv-in-host`, every streamed case again with the KV cache in pinned host
   memory, copied to the GPU a layer at a time (hybridjit/host_kv_cache.py; the experts column reads "stream-hkv"),
   at up to hybridjit.offline_policy.MAX_HOST_KV_SLOTS slots; with `--attention-on-cpu`, again with the CPU attending
-  over that cache where it is ("stream-cpuattn"; hybridjit/ops/cpu_attention.py);
+  over that cache where it is ("stream-cpuattn"; hybridjit/ops/cpu_attention.py); with `--threads N ...`, the
+  co-executed cases again with the CPU kernels' pool at each of those sizes (whether co-execution, at 0.32-0.60 of
+  its prediction in sessions 30-31, lacks cores for the host's loop);
 - prefill of every --prefill batch of 512-token prompts (whichever path the engine chooses);
 - the performance model (hybridjit/offline_policy.py) fed with floors measured here (memory read floor, pinned
   H2D, dense GEMM, the device memory's read rate, the CPU expert kernels' rate at each case's tokens per call, the
-  device's free memory): its prediction of each measured case, and its pick over the same grid against the best
-  measured. A run's throughput combines them as the model does: generated tokens / (n / P prefills + n x 256 / B
-  steps), n = --requests.
+  device's free memory, the CPU attention kernels' rate at the model's shapes): its prediction of each measured
+  case, and its pick over the same grid against the best measured. A run's throughput combines them as the model
+  does: generated tokens / (n / P prefills + n x 256 / B steps), n = --requests.
 A truncated model's figures are also projected to full depth: the prediction for the policy the model picks at
 full depth (the pick's expert placement, as many slots as the full model's KV cache lets fit) times the measured /
 predicted ratio of the truncated one (labelled "projected"; not with --experts gpu, which is for models whose
@@ -58,6 +60,7 @@ from hybridjit.offline_policy import (
     search,
     widened_expert_bytes,
 )
+from hybridjit.ops.routed_experts import configure_threads
 from hybridjit.placement import Placement
 from hybridjit.sampling import SamplingParams
 from hybridjit.serving.engine import DEVICE_ONLY_DECODE_STEPS, Engine, Prefilled, bucket
@@ -262,6 +265,20 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
         print(f"{slots:6d} {label(case):>9} {1e3 * step:9.1f} {slots / step:9.1f} {1e3 * predicted:9.1f} "
               f"{slots / predicted:10.1f} {predicted / step:9.2f}"
               + (f" ({compiled} compiles while timed)" if compiled else ""))  # fmt: skip
+    by_threads = []  # the co-executed cases again, the CPU kernels' pool at each --threads size
+    for threads, case in [(t, c) for t in args.threads for c in decode if c.cpu_blocks]:
+        if time.perf_counter() > deadline:
+            print(f"time limit: co-executed cases with {threads or 'all'} pool threads and on not run")
+            break
+        configure_threads(threads)
+        step, compiled = decode_step_seconds(model, case.slots, 1, context, args.steps, rng, case.experts,
+                                             case.cpu_blocks, case.kv_in_host, work.cache_len,
+                                             case.attention_on_cpu)  # fmt: skip
+        by_threads.append(case_fields(case) | {"threads": threads, "step_ms": round(1e3 * step, 2),
+                                               "timed_compiles": compiled})  # fmt: skip
+        print(f"{case.slots:6d} {label(case):>9} {1e3 * step:9.1f} ms with {threads or 'all'} pool threads "
+              f"(all: {1e3 * decode[case]['step_s']:.1f})")
+    configure_threads(None)
     print(f"{'prompts':>7} {'path':>7} {'ms':>9} {'tok/s':>9} {'pred ms':>9}")
     for wide, batch in [(w, b) for w in [False, *([True] if args.widen else [])] for b in args.prefill]:
         if time.perf_counter() > deadline:
@@ -290,6 +307,7 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
                                      "predicted_tok_s": round(c.slots / d["predicted_step_s"], 2),
                                      "timed_compiles": d["timed_compiles"]}
                    for c, d in decode.items()],
+        "co_executed_by_threads": by_threads,
         "prefill": [{"prompts": p, "path": d["path"], "widened": w, "ms": round(1e3 * d["seconds"], 1),
                      "tok_s": round(p * PROMPT / d["seconds"], 1),
                      "predicted_tok_s": round(p * PROMPT / d["predicted_s"], 1)} for (p, w), d in prefill.items()],
@@ -391,6 +409,10 @@ def main(argv=None):
     parser.add_argument("--requests", type=int, default=4096, help="the modelled run's requests")
     parser.add_argument("--steps", type=int, default=6, help="timed decode steps per case")
     parser.add_argument("--dtype", default="bfloat16" if ON_GPU else "float32")
+    parser.add_argument("--threads", type=int, nargs="+", default=[],
+                        help="time the co-executed cases (CPU blocks beside the streamed ones) again with the CPU "
+                             "kernels' pool at each of these sizes (0: one thread per core), after the grid: whether "
+                             "co-execution falls short of its prediction for want of cores for the host's loop")
     parser.add_argument("--time-limit", type=float, default=330.0,
                         help="seconds after which no further case starts (the JSON line still ends the run)")
     args = parser.parse_args(argv)
