@@ -130,14 +130,15 @@ int64_t CarvedFloats(std::initializer_list<int64_t> regions) {
 }
 
 // For each head j: out[j] = (sum over partials c of exp(max_c - M) * acc_c) / (sum over c of exp(max_c - M) *
-// sum_c), M the largest max_c: the softmax-weighted values over all the chunks' positions.
+// sum_c), M the largest max_c: the softmax-weighted values over all the chunks' positions. With `sinks` (the
+// group's, [heads]), head j's sink joins the denominator as exp(sinks[j] - M), M then the sink too if larger.
 void MergePartials(const float* parts, int64_t n_parts, int64_t part_floats, int64_t heads, int64_t dim,
-                   float* out) {
+                   const float* sinks, float* out) {
   for (int64_t j = 0; j < heads; ++j) {
     const int64_t at = j * (2 + dim);
-    float max = kMinusInfinity;
+    float max = sinks != nullptr ? sinks[j] : kMinusInfinity;
     for (int64_t c = 0; c < n_parts; ++c) max = std::max(max, parts[c * part_floats + at]);
-    float denominator = 0.0f;
+    float denominator = sinks != nullptr ? std::exp(sinks[j] - max) : 0.0f;
     for (int64_t c = 0; c < n_parts; ++c) {
       const float* part = parts + c * part_floats + at;
       denominator += std::exp(part[0] - max) * part[1];
@@ -153,10 +154,12 @@ void MergePartials(const float* parts, int64_t n_parts, int64_t part_floats, int
 }
 
 // Runs chunk_kernel(const GroupChunk&, float* partial) over every group of every row in chunks, on the
-// global pool, and merges the partials into out [batch, heads, dim]. Rows of length 0 get zeros.
+// global pool, and merges the partials into out [batch, heads, dim], with the heads' `sinks` where given
+// (MergePartials). Rows of length 0 get zeros.
 template <typename ChunkKernel>
 std::string RunChunks(const int32_t* lengths, int64_t batch, int64_t heads, int64_t dim,
-                      const std::vector<HeadGroup>& groups, float* out, ChunkKernel chunk_kernel) {
+                      const std::vector<HeadGroup>& groups, const float* sinks, float* out,
+                      ChunkKernel chunk_kernel) {
   const std::shared_ptr<ThreadPool> pool = ThreadPool::Global();
   const int64_t n_groups = static_cast<int64_t>(groups.size());
   int64_t group_heads = 0;
@@ -214,17 +217,18 @@ std::string RunChunks(const int32_t* lengths, int64_t batch, int64_t heads, int6
   job.run = [&](int64_t id) {
     const Task& task = tasks[id];
     float* group_out = out + (task.chunk.row * heads + task.chunk.first_head) * dim;
+    const float* group_sinks = sinks != nullptr ? sinks + task.chunk.first_head : nullptr;
     if (task.slot < 0) {
       float* part = PartialScratch(part_floats);
       chunk_kernel(task.chunk, part);
-      MergePartials(part, 1, part_floats, task.chunk.heads, dim, group_out);
+      MergePartials(part, 1, part_floats, task.chunk.heads, dim, group_sinks, group_out);
       return;
     }
     chunk_kernel(task.chunk, parts.data() + task.slot * part_floats);
     // acq_rel: the last chunk to finish sees every other chunk's partial.
     if (unfinished[task.unit].fetch_sub(1, std::memory_order_acq_rel) == 1) {
       MergePartials(parts.data() + unit_first_slot[task.unit] * part_floats, unit_chunks[task.unit], part_floats,
-                    task.chunk.heads, dim, group_out);
+                    task.chunk.heads, dim, group_sinks, group_out);
     }
   };
   return pool->Run(job);
@@ -908,7 +912,7 @@ std::string RunGqaDecode(const GqaDecodeCall& call) {
     if (std::string error = CheckGqaDecode(call); !error.empty()) return error;
     const bool avx512 = UseAvx512();
     const bool bf16 = call.cache == CacheDtype::kBf16;
-    return RunChunks(call.lengths, call.batch, call.heads, call.head_dim, GqaHeadGroups(call), call.out,
+    return RunChunks(call.lengths, call.batch, call.heads, call.head_dim, GqaHeadGroups(call), call.sinks, call.out,
                      [&](const GroupChunk& chunk, float* part) {
                        if (avx512) {
                          bf16 ? GqaChunkAvx512ForHeads<uint16_t>(call, chunk, part)
@@ -928,7 +932,7 @@ std::string RunMlaDecode(const MlaDecodeCall& call) {
     if (std::string error = CheckMlaDecode(call); !error.empty()) return error;
     const bool avx512 = UseAvx512();
     const bool bf16 = call.cache == CacheDtype::kBf16;
-    return RunChunks(call.lengths, call.batch, call.heads, call.rank, MlaHeadGroups(call), call.out,
+    return RunChunks(call.lengths, call.batch, call.heads, call.rank, MlaHeadGroups(call), nullptr, call.out,
                      [&](const GroupChunk& chunk, float* part) {
                        if (avx512) {
                          bf16 ? MlaChunkAvx512ForHeads<uint16_t>(call, chunk, part)

@@ -30,6 +30,9 @@ struct GqaDecodeCall {
   int64_t head_dim = 0;
   int64_t max_len = 0;
   float scale = 1.0f;
+  // [heads], or null: a logit per query head that joins each row's softmax and takes its share of the
+  // probability with no value (gpt-oss's attention sinks): out = sum_s exp(x_s) v_s / (exp(sink) + sum_s exp(x_s)).
+  const float* sinks = nullptr;
   float* out = nullptr;  // [batch, heads, head_dim]: softmax(scale * q.k) . v
 };
 

@@ -288,7 +288,7 @@ void CheckLengthsArray(const HostArray& lengths, int64_t batch) {
 }
 
 void CpuAttentionGqa(const HostArray& q, const HostArray& k, const HostArray& v, const HostArray& lengths, float scale,
-                     HostOutput& out) {
+                     const HostArray& sinks, HostOutput& out) {
   if (q.ndim() != 3) throw std::invalid_argument("q must be [batch, heads, head_dim]");
   if (k.ndim() != 4) throw std::invalid_argument("k must be [batch, max_len, kv_heads, head_dim]");
   GqaDecodeCall call;
@@ -310,6 +310,11 @@ void CpuAttentionGqa(const HostArray& q, const HostArray& k, const HostArray& v,
   call.v = v.data();
   call.lengths = static_cast<const int32_t*>(lengths.data());
   call.scale = scale;
+  if (sinks.size() != 0) {  // empty: none
+    CheckFloat32("sinks", sinks.dtype());
+    CheckLayout("sinks", sinks, {call.heads});
+    call.sinks = static_cast<const float*>(sinks.data());
+  }
   call.out = static_cast<float*>(out.data());
   if (std::string error = CheckGqaDecode(call); !error.empty()) throw std::invalid_argument(error);
   std::string error;
@@ -397,10 +402,11 @@ NB_MODULE(hybridjit_ffi, m) {
         return r.ReadGbps(pattern);
       }, nb::arg("pattern"), "One read pass in a pattern of memory_bandwidth's read_by_pattern_gbps; GB/s.");
   m.def("cpu_attention_gqa", &CpuAttentionGqa, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("lengths"),
-        nb::arg("scale"), nb::arg("out"),
+        nb::arg("scale"), nb::arg("sinks"), nb::arg("out"),
         "Decode GQA over a host KV cache into out [batch, heads, head_dim] (float32): q float32 [batch, heads, "
         "head_dim]; k, v [batch, max_len, kv_heads, head_dim] float32 or bfloat16 (as uint16 bits); lengths int32 "
-        "[batch]. Every array C-contiguous.");
+        "[batch]; sinks float32 [heads] (a logit per head in each softmax), or empty for none. Every array "
+        "C-contiguous.");
   m.def("cpu_attention_mla", &CpuAttentionMla, nb::arg("q_latent"), nb::arg("q_rope"), nb::arg("latent"),
         nb::arg("k_rope"), nb::arg("lengths"), nb::arg("scale"), nb::arg("out"),
         "Decode absorbed MLA over a host latent cache into out [batch, heads, rank] (float32): q_latent, q_rope "

@@ -21,8 +21,8 @@ hands its queries and new entries to (models/common/host_attention.py). The prog
 (an io_callback: the step's queries go to the host, the core's output comes back), whose kernels
 (hybridjit/ops/cpu_attention.py) write the new entries and attend. The link then carries only the experts, and the
 CPU reads the cache at the host's memory rate; a GQA cache, a few FLOPs a byte, is read faster so than over PCIe,
-while MLA's 128 heads make its core compute-bound on the CPU. The kernels read whole caches, not rings: a model with
-sliding-window layers is refused there.
+while MLA's 128 heads make its core compute-bound on the CPU. A ring's indices below min(position + 1, window) hold
+the window's positions, which is all a softmax needs; gpt-oss's sinks join it in the kernels' merge.
 """
 
 import math
@@ -76,11 +76,6 @@ class HostKVCache:
         self.attention_on_cpu = attention_on_cpu
         family, cfg = model.family, model.config
         shapes = jax.eval_shape(partial(family.model.init_cache, cfg, slots, cache_len, model.dtype, ring=True))
-        if attention_on_cpu and any(is_ring(layer) for layer in shapes):
-            raise ValueError(
-                f"attention_on_cpu: {cfg.model_type}'s sliding-window layers keep only their window, as a ring, "
-                "which the CPU attention kernels do not read; let the GPU attend (kv_in_host alone)"
-            )
         host = SingleDeviceSharding(model.placement.device, memory_kind=PINNED_HOST)
 
         def pinned(shape: jax.ShapeDtypeStruct) -> jax.Array:
@@ -135,16 +130,21 @@ class HostKVCache:
         views, rows = self._views[int(layer)], np.arange(len(positions))
         self._written = True
         for name, new in entries.items():
-            getattr(views, name)[rows, positions[:, 0]] = new[:, 0]
+            view = getattr(views, name)
+            view[rows, positions[:, 0] % view.shape[1]] = new[:, 0]
         return views
 
     # The io_callback hands these its operands as CPU jax.Arrays: taken as numpy views first, their slicing and
     # scattering costs numpy's microseconds, not an eager jax op each (2.4-4.5 -> 0.8-0.9 ms a layer at Qwen3's
     # 1,024 slots on the dev VM).
-    def _attend_gqa(self, scale: float, layer, q, k, v, positions) -> np.ndarray:
+    def _attend_gqa(self, scale: float, layer, q, k, v, positions, sinks) -> np.ndarray:
         q, k, v, positions = map(np.asarray, (q, k, v, positions))
         views = self._entries_written(layer, positions, k=k, v=v)
-        return cpu_attention.gqa_decode(q[:, 0], views.k, views.v, positions[:, 0] + 1, scale)[:, None]
+        # A ring's first min(position + 1, window) indices hold exactly the window's positions: in another order,
+        # which a softmax over them does not see (their keys carry their positions' rotations).
+        lengths = np.minimum(positions[:, 0] + 1, views.k.shape[1])
+        sinks = None if sinks is None else np.asarray(sinks)
+        return cpu_attention.gqa_decode(q[:, 0], views.k, views.v, lengths, scale, sinks)[:, None]
 
     def _attend_mla(self, scale: float, layer, q_latent, q_rope, latent, k_rope, positions) -> np.ndarray:
         q_latent, q_rope, latent, k_rope, positions = map(np.asarray, (q_latent, q_rope, latent, k_rope, positions))
@@ -193,9 +193,9 @@ class _AttendingLayer(HostAttention):
     def tree_unflatten(cls, cache, leaves):
         return cls(cache, *leaves)
 
-    def gqa(self, q, k, v, positions, scale):
+    def gqa(self, q, k, v, positions, scale, sinks):
         out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-        return io_callback(partial(self.cache._attend_gqa, scale), out, self.layer, q, k, v, positions)
+        return io_callback(partial(self.cache._attend_gqa, scale), out, self.layer, q, k, v, positions, sinks)
 
     def mla(self, q_latent, q_rope, latent, k_rope, positions, scale):
         out = jax.ShapeDtypeStruct(q_latent.shape, jnp.float32)

@@ -39,7 +39,8 @@ def softmax_rows(scores):
     return weights / weights.sum(axis=-1, keepdims=True)
 
 
-def gqa_reference(q, k, v, lengths, scale):
+def gqa_reference(q, k, v, lengths, scale, sinks=None):
+    """With sinks [heads]: each head's softmax over its scores and its sink, the sink's share dropped."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     batch, heads, head_dim = q.shape
     per_kv_head = heads // k.shape[2]
@@ -48,7 +49,10 @@ def gqa_reference(q, k, v, lengths, scale):
         if n:
             keys = np.repeat(k[i, :n], per_kv_head, axis=1)  # [n, heads, head_dim]: query head j reads j // per_kv_head
             values = np.repeat(v[i, :n], per_kv_head, axis=1)
-            weights = softmax_rows(scale * np.einsum("he,she->hs", q[i], keys))
+            scores = scale * np.einsum("he,she->hs", q[i], keys)
+            if sinks is not None:
+                scores = np.concatenate([scores, np.asarray(sinks, np.float64)[:, None]], axis=1)
+            weights = softmax_rows(scores)[:, :n]
             out[i] = np.einsum("hs,she->he", weights, values)
     return out
 
@@ -96,6 +100,28 @@ def test_gqa_matches_float64_reference(family, cache_dtype, heads, kv_heads, hea
         out = gqa_decode(q, k, v, lengths, scale)
     assert out.dtype == np.float32 and out.shape == (batch, heads, head_dim)
     np.testing.assert_allclose(out, gqa_reference(q, k, v, lengths, scale), rtol=RTOL, atol=ATOL)
+    assert not out[lengths == 0].any(), "rows of length 0 must be zeros"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
+@pytest.mark.parametrize("heads, kv_heads, head_dim, max_len, lengths", [GQA_CASES[1], GQA_CASES[3], GQA_CASES[5]])
+def test_gqa_with_sinks_matches_float64_reference(family, cache_dtype, heads, kv_heads, head_dim, max_len, lengths):
+    """gpt-oss's attention sinks: a logit per head that takes its share of each softmax, with no value. Sinks of
+    the scores' scale (some above every score, some below), in groups of one chunk and of several merged."""
+    rng = np.random.default_rng(heads * 1000 + max_len + 1)
+    lengths = random_lengths(rng, lengths, max_len)
+    batch = len(lengths)
+    q = rng.standard_normal((batch, heads, head_dim), np.float32)
+    k = rng.standard_normal((batch, max_len, kv_heads, head_dim), np.float32).astype(cache_dtype)
+    v = rng.standard_normal((batch, max_len, kv_heads, head_dim), np.float32).astype(cache_dtype)
+    sinks = (3 * rng.standard_normal(heads)).astype(np.float32)
+    scale = head_dim**-0.5
+    with kernel_family(family):
+        out = gqa_decode(q, k, v, lengths, scale, sinks)
+    expected = gqa_reference(q, k, v, lengths, scale, sinks)
+    np.testing.assert_allclose(out, expected, rtol=RTOL, atol=ATOL)
+    assert np.abs(expected - gqa_reference(q, k, v, lengths, scale)).max() > 100 * ATOL  # the sinks weigh
     assert not out[lengths == 0].any(), "rows of length 0 must be zeros"
 
 
@@ -204,19 +230,24 @@ def test_extension_checks_its_arguments():
     """The extension checks what it indexes by itself, whoever calls it: its errors name the argument."""
     q, k, v, lengths = gqa_arrays()
     out = np.zeros(q.shape, np.float32)
-    _ffi.cpu_attention_gqa(q, k, v, lengths, 1.0, out)  # the baseline call is accepted
+    none = np.empty(0, np.float32)  # no sinks
+    _ffi.cpu_attention_gqa(q, k, v, lengths, 1.0, none, out)  # the baseline call is accepted
     with pytest.raises(TypeError, match="out must be float32"):
-        _ffi.cpu_attention_gqa(q, k, v, lengths, 1.0, out.astype(np.float64))
+        _ffi.cpu_attention_gqa(q, k, v, lengths, 1.0, none, out.astype(np.float64))
     with pytest.raises(ValueError, match=r"out has shape \(2, 8, 8\), expected \(2, 8, 16\)"):
-        _ffi.cpu_attention_gqa(q, k, v, lengths, 1.0, np.zeros((2, 8, 8), np.float32))
+        _ffi.cpu_attention_gqa(q, k, v, lengths, 1.0, none, np.zeros((2, 8, 8), np.float32))
     with pytest.raises(ValueError, match="q must be C-contiguous"):
-        _ffi.cpu_attention_gqa(np.zeros((2, 8, 32), np.float32)[..., ::2], k, v, lengths, 1.0, out)
+        _ffi.cpu_attention_gqa(np.zeros((2, 8, 32), np.float32)[..., ::2], k, v, lengths, 1.0, none, out)
     with pytest.raises(TypeError, match="v must have k's dtype"):
-        _ffi.cpu_attention_gqa(q, k, v.astype(BF16).view(np.uint16), lengths, 1.0, out)
+        _ffi.cpu_attention_gqa(q, k, v.astype(BF16).view(np.uint16), lengths, 1.0, none, out)
     with pytest.raises(TypeError, match="lengths must be int32"):
-        _ffi.cpu_attention_gqa(q, k, v, lengths.astype(np.int64), 1.0, out)
+        _ffi.cpu_attention_gqa(q, k, v, lengths.astype(np.int64), 1.0, none, out)
     with pytest.raises(ValueError, match=r"lengths\[1\] = 11 is outside \[0, 10\]"):
-        _ffi.cpu_attention_gqa(q, k, v, np.array([10, 11], np.int32), 1.0, out)
+        _ffi.cpu_attention_gqa(q, k, v, np.array([10, 11], np.int32), 1.0, none, out)
+    with pytest.raises(ValueError, match=r"sinks has shape \(4,\), expected \(8,\)"):
+        _ffi.cpu_attention_gqa(q, k, v, lengths, 1.0, np.zeros(4, np.float32), out)
+    with pytest.raises(TypeError, match="sinks must be float32"):
+        _ffi.cpu_attention_gqa(q, k, v, lengths, 1.0, np.zeros(8, np.float64), out)
     q_latent, q_rope, latent, k_rope, lengths = mla_arrays()
     out = np.zeros(q_latent.shape, np.float32)
     with pytest.raises(ValueError, match=r"k_rope has shape \(2, 10, 4\), expected \(2, 10, 8\)"):

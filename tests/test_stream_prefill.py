@@ -375,14 +375,10 @@ def test_a_cache_in_host_memory_matches_the_decode_step_on_the_same_cache(case, 
     """Streamed decode steps over a KV cache in host memory (HostKVCache), each layer's copied to the device for its
     attention and the step's entries written back, or attended over on the CPU where it is (attention_on_cpu,
     hybridjit/ops/cpu_attention.py's kernels), give the logits of the family's decode step with XLA attention on the
-    same cache, and leave the same entries in it: MLA (DeepSeek) and GQA, rows at different lengths. A sliding-window
-    layer keeps its window there as a ring, as on the device (gpt-oss, the windowed Mixtral cases), which the CPU
-    kernels do not read: refused with attention on the CPU."""
+    same cache, and leave the same entries in it: MLA (DeepSeek) and GQA, rows at different lengths; a sliding-window
+    layer keeps its window there as a ring, as on the device (gpt-oss, with its sinks, and the windowed Mixtral
+    cases)."""
     ref_logits, ref_cache = reference
-    if on_cpu and case in ("gpt_oss-mxfp4", "mixtral-bf16", "mixtral-int8"):
-        with pytest.raises(ValueError, match="attention_on_cpu: .*sliding-window layers keep only their window"):
-            HostKVCache(model, 2, CACHE_LEN, attention_on_cpu=True)
-        return
     host = HostKVCache(model, 2, CACHE_LEN, attention_on_cpu=on_cpu)
     for row, length in enumerate(LENGTHS):
         host.insert(ref_cache, row, int(length), row)
@@ -411,14 +407,13 @@ def test_an_engine_streaming_its_experts_decodes_as_the_engine_on_xla_experts(ca
     joined at different prompt lengths with one left free. (Not against the CPU kernels' engine: the integer
     formats' kernels quantize activations, and greedy tokens part at near-ties.) Also with the KV cache in pinned host
     memory (each layer's copied to the device for its attention, the step's entries written back), and attended over
-    on the CPU there. MLA, GQA, and gpt-oss's windowed rings, which the CPU kernels do not read: the other families'
-    streamed steps are checked against the decode step above."""
+    on the CPU there. MLA, GQA, and gpt-oss's windowed rings and sinks: the other families' streamed steps are checked
+    against the decode step above."""
     only(case, FULL, "gpt_oss-mxfp4", "glm4_moe-bf16")
     prompts = [[5, 9, 2, 7, 11, 3], [4, 8, 15, 16, 23, 42, 7, 1, 9, 12, 30]]
-    rings = case == "gpt_oss-mxfp4"
     generated = []
-    holdings = [(False, False, False), (True, False, False), (True, True, False)]  # (stream, host cache, CPU attends)
-    holdings += [] if rings else [(True, True, True)]
+    holdings = [(False, False, False), (True, False, False), (True, True, False), (True, True, True)]
+    # (experts streamed, KV cache in host memory, the CPU attending over it)
     for stream, in_host, on_cpu in holdings:
         engine = Engine(model if stream else exact_model, 3, CACHE_LEN, micro_batches=1, stream_experts=stream,
                         kv_in_host=in_host, attention_on_cpu=on_cpu)  # fmt: skip
@@ -434,9 +429,6 @@ def test_an_engine_streaming_its_experts_decodes_as_the_engine_on_xla_experts(ca
             assert engine.caches[0] is pinned and not any(np.asarray(a).any() for a in jax.tree.leaves(pinned.layers))
     for tokens in generated[1:]:
         np.testing.assert_array_equal(tokens, generated[0])
-    if rings:
-        with pytest.raises(ValueError, match="attention_on_cpu: gpt_oss's sliding-window layers keep only"):
-            Engine(model, 3, CACHE_LEN, micro_batches=1, stream_experts=True, kv_in_host=True, attention_on_cpu=True)
     with pytest.raises(ValueError, match="kv_in_host: a cache in host memory is read by streamed decode steps"):
         Engine(model, 3, CACHE_LEN, micro_batches=1, kv_in_host=True)
 

@@ -27,13 +27,15 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 _CACHE_DTYPES = (np.dtype(np.float32), BF16)
 
 
-def gqa_decode(q, k: np.ndarray, v: np.ndarray, lengths, scale: float) -> np.ndarray:
+def gqa_decode(q, k: np.ndarray, v: np.ndarray, lengths, scale: float, sinks=None) -> np.ndarray:
     """Grouped-query decode attention: [batch, heads, head_dim] float32.
 
     q: [batch, heads, head_dim] (any float dtype; converted to contiguous float32). k, v: [batch, max_len,
     kv_heads, head_dim], float32 or bfloat16, C-contiguous, one dtype. lengths: [batch] integers; row i attends to
     positions [0, lengths[i]) of its cache (0: the row is unused, its output is zeros). Query head j reads KV head
-    j // (heads // kv_heads). Output: softmax(scale * q . k) . v per row and head.
+    j // (heads // kv_heads). Output: softmax(scale * q . k) . v per row and head. sinks: None, or [heads] logits
+    (gpt-oss's attention sinks), each joining its head's softmax with no value: the weights are then
+    exp(x_s) / (exp(sink) + sum exp(x)).
 
     ValueError or TypeError naming the argument for mismatched shapes, dtypes, or lengths outside [0, max_len].
     """
@@ -52,8 +54,14 @@ def gqa_decode(q, k: np.ndarray, v: np.ndarray, lengths, scale: float) -> np.nda
     if kv_heads == 0 or heads % kv_heads:
         raise ValueError(f"q's heads ({heads}) must be a multiple of k's kv_heads ({kv_heads})")
     lengths = _lengths(lengths, batch, max_len)
+    if sinks is None:
+        sinks = np.empty(0, np.float32)  # none, to the kernel
+    else:
+        sinks = np.ascontiguousarray(sinks, np.float32)
+        if sinks.shape != (heads,):
+            raise ValueError(f"sinks has shape {sinks.shape}, expected (heads={heads},) to match q's {q.shape}")
     out = np.empty((batch, heads, head_dim), np.float32)
-    _ffi.cpu_attention_gqa(q, _as_ffi_cache(k), _as_ffi_cache(v), lengths, float(scale), out)
+    _ffi.cpu_attention_gqa(q, _as_ffi_cache(k), _as_ffi_cache(v), lengths, float(scale), sinks, out)
     return out
 
 

@@ -202,10 +202,8 @@ def decode(cfg, w: GQA, x: jax.Array, positions: jax.Array, cache: KVCache | Hos
     cache takes one token per sequence (a decode step): the `window` positions it keeps are all that token sees,
     where several tokens would overwrite positions the first of them still sees. A HostAttention layer writes the
     entries and attends itself."""
-    if isinstance(cache, HostAttention):
-        if w.sinks is not None or w.window is not None:
-            raise ValueError(f"{cfg.model_type}: attention on the host takes no sliding window nor sinks")
-        out = cache.gqa(*_project(cfg, w, x, positions), positions, cfg.softmax_scale).astype(x.dtype)
+    if isinstance(cache, HostAttention):  # its layer keeps a sliding window's positions as a ring, as below
+        out = cache.gqa(*_project(cfg, w, x, positions), positions, cfg.softmax_scale, w.sinks).astype(x.dtype)
         return linear(out.reshape(*x.shape[:2], -1), w.o, w.o_bias), cache
     size = cache.k.shape[1]
     if cache.ring and x.shape[1] != 1:

@@ -17,9 +17,11 @@ class HostAttention(abc.ABC):
     at positions [b, t], writes its entries at those positions and returns the core's output in float32."""
 
     @abc.abstractmethod
-    def gqa(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, scale: float) -> jax.Array:
+    def gqa(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, scale: float,
+            sinks: jax.Array | None) -> jax.Array:  # fmt: skip
         """Grouped-query attention: q [b, t, h, e], the new keys and values [b, t, kv heads, e] -> [b, t, h, e], each
-        query over its sequence's positions up to its own (no window, no sinks)."""
+        query over its sequence's positions up to its own, a sliding-window layer's over those its ring keeps (the
+        window's), with `sinks` [h] (or None) joining each head's softmax as logits without values."""
 
     @abc.abstractmethod
     def mla(self, q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, positions: jax.Array,
