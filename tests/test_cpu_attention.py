@@ -14,7 +14,8 @@ attention kernels).
 Shapes cover query heads per KV head 1, 3 (padded to 4), 4, 8 and 20 (a group of 16 and one of 4), head dims
 that are not multiples of 16, cache lengths 0, 1, full and ragged, lengths not multiples of any block (32 GQA
 positions, 16 MLA), and caches long enough to be split into chunks whose partial softmaxes are merged (a task
-takes at least 256 positions, and a call with fewer than 4 tasks per pool thread splits rows beyond that).
+takes at least 256 positions, and a call with fewer than 4 tasks per pool thread splits rows beyond that); GQA also
+with gpt-oss's attention sinks, which join each head's softmax in that merge.
 """
 
 import ml_dtypes
