@@ -35,7 +35,7 @@ from jax.experimental import io_callback
 from jax.sharding import Sharding, SingleDeviceSharding
 
 from hybridjit.models.common.host_attention import HostAttention
-from hybridjit.models.common.ring_cache import held_positions, is_ring
+from hybridjit.models.common.ring_cache import is_ring, prompt_positions
 from hybridjit.ops import cpu_attention
 from hybridjit.pinned_experts import HOST_MEMORY_LIMIT_VAR, PINNED_HOST, host_view, pinned_pool_room
 
@@ -173,7 +173,7 @@ class HostKVCache:
         for views, layer in zip(self._views, prompt, strict=True):
             for view, new in zip(jax.tree.leaves(views), jax.tree.leaves(layer), strict=True):
                 if is_ring(views):
-                    view[slot] = new[np.clip(held_positions(np.array([length - 1]), view.shape[1])[0], 0, len(new) - 1)]
+                    view[slot] = new[prompt_positions(np.array([length]), view.shape[1], len(new))[0]]
                 else:
                     view[slot, :length] = new[:length]
 

@@ -21,9 +21,15 @@ def held_positions(newest, size: int):
     return newest - (newest - np.arange(size, dtype=np.int32)) % size
 
 
+def prompt_positions(length, size: int, prompt_len: int):
+    """[b, size]: the prompt position whose entry each index of a ring of `size` takes from prompts of `prompt_len`
+    positions whose last ones are at length [b] - 1: the position it holds then (an index that holds none takes
+    any: attention masks it out). jax or numpy, as held_positions."""
+    return held_positions(length - 1, size).clip(0, prompt_len - 1)
+
+
 def from_prompt(prompt: jax.Array, length: jax.Array, size: int) -> jax.Array:
     """The ring of `size` positions [b, size, ...] of prompts whose entries prompt [b, t, ...] hold positions
-    [0, t) and whose last ones are at length [b] - 1: each index gets the position it holds then (an index that
-    holds none gets any entry: attention masks it out)."""
-    positions = jnp.clip(held_positions(length - 1, size), 0, prompt.shape[1] - 1)
+    [0, t) and whose last ones are at length [b] - 1 (prompt_positions)."""
+    positions = prompt_positions(length, size, prompt.shape[1])
     return jnp.take_along_axis(prompt, positions.reshape(positions.shape + (1,) * (prompt.ndim - 2)), axis=1)
