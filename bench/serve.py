@@ -9,7 +9,9 @@ make D alone last as long as P alone, which is how the seed sets its workloads u
 about 20 seconds when running alone"; with a truncated model P and D keep their per-layer costs, so matching
 their durations keeps the seed's regime). All requests of a workload are submitted at once, decodes first.
 Reported: TTFT of P, TPOT of D (mean time between its tokens, first excluded) and the workload's total latency,
-each also normalised to its 1P / 1D baseline (total: to the slower of the two). The chunked policy runs a
+each also normalised to its 1P / 1D baseline (total: to the slower of the two). With --devices N > 1, 1P streams
+over all N, and "1P apart" times it on the N - 1 that do not decode, the seed's 1P baseline (its 1P is
+disaggregated SLP on the prefill GPU): P's TTFT is also given as a ratio to that ("x apart"). The chunked policy runs a
 shorter prompt (`--chunked-prefill-tokens`): its prefill runs the routed experts on the CPU, as
 KTransformers' does, and the seed likewise gave KTransformers a shorter prompt (4K against 24K).
 
@@ -42,10 +44,12 @@ import numpy as np
 
 from bench_model import add_model_arguments, load_model
 from floors import floors_line, machine, memory_floors
+from hybridjit.machine_floors import device_to_device_gbps
 from hybridjit.ops.routed_experts import configure_threads
 from hybridjit.placement import Placement
 from hybridjit.sampling import SamplingParams
 from hybridjit.serving.scheduler import Finished, Request, Scheduler, Token
+from hybridjit.stream_prefill import stages_through
 from prefill import h2d_gbps, read_while_copying
 
 WORKLOADS = ("1P", "1D", "1P+1D", "2D", "1P+2D")
@@ -101,33 +105,48 @@ def run_workload(scheduler: Scheduler, name: str, prefill: list[int], decode: li
 
 def run_policy(model, policy: str, prefill_tokens: int, decode_tokens: int, args, rng) -> tuple[list[dict], int]:
     """The baselines and the chosen workloads under `policy`, each after a warm-up run of itself (compiles, fills
-    the graphs); returns (results with ratios to the baselines, the decode tokens used)."""
+    the graphs); returns (results with ratios to the baselines, the decode tokens used). With several devices and
+    the slo policy, 1P is also timed apart (Scheduler disaggregate="always": on the devices that do not decode),
+    the seed's 1P baseline (its prefill is disaggregated SLP on the prefill GPU), as "ttft_ratio_apart"."""
     vocab = model.config.vocab_size
     prefill = rng.integers(2, vocab, prefill_tokens).tolist()
     decode = rng.integers(2, vocab, (2, 10)).tolist()
     context = min(prefill_tokens + max(decode_tokens, 1024) + 16, model.config.max_position_embeddings)
-    scheduler = Scheduler(model, slots=4, cache_len=context, prefix_cache_bytes=0, policy=policy,
-                          chunk_tokens=args.chunk)
-    scheduler.start()
-    try:
-        def measured(name, n_decode_tokens):
-            run_workload(scheduler, name, prefill, decode, min(n_decode_tokens, 8), args.prefill_outputs)
-            return run_workload(scheduler, name, prefill, decode, n_decode_tokens, args.prefill_outputs)
 
-        base_p = measured("1P", decode_tokens or 16)
-        if not decode_tokens:  # D alone lasting as long as P alone
-            probe = measured("1D", 64)
-            decode_tokens = max(32, round(base_p["ttft_p_s"] / (probe["tpot_d_ms"] / 1e3)))
-        chosen = [name for name in WORKLOADS[1:] if name == "1D" or name in args.workloads]
-        results = [base_p] + [measured(name, decode_tokens) for name in chosen]
-    finally:
-        scheduler.shutdown()
-    base_d = next(r for r in results if r["workload"] == "1D")
+    def timed(names, disaggregate="auto"):
+        nonlocal decode_tokens
+        scheduler = Scheduler(model, slots=4, cache_len=context, prefix_cache_bytes=0, policy=policy,
+                              chunk_tokens=args.chunk, disaggregate=disaggregate)
+        scheduler.start()
+        try:
+            def measured(name, n_decode_tokens):  # the median of --repeats runs, after a warm-up
+                run_workload(scheduler, name, prefill, decode, min(n_decode_tokens, 8), args.prefill_outputs)
+                runs = [run_workload(scheduler, name, prefill, decode, n_decode_tokens, args.prefill_outputs)
+                        for _ in range(args.repeats)]
+                return {key: round(statistics.median(r[key] for r in runs), 4) if runs[0][key] is not None else None
+                        for key in ("ttft_p_s", "tpot_d_ms", "total_s")} | {"workload": name, "runs": runs}
+
+            rows = [measured("1P", decode_tokens or 16)]
+            if not decode_tokens and len(names) > 1:  # D alone lasting as long as P alone
+                probe = measured("1D", 64)
+                decode_tokens = max(32, round(rows[0]["ttft_p_s"] / (probe["tpot_d_ms"] / 1e3)))
+            return rows + [measured(name, decode_tokens) for name in names[1:]]
+        finally:
+            scheduler.shutdown()
+
+    results = timed(["1P"] + [name for name in WORKLOADS[1:] if name == "1D" or name in args.workloads])
+    base_p, base_d = results[0], next(r for r in results if r["workload"] == "1D")
+    base_apart = None
+    if args.devices > 1 and policy == "slo":
+        base_apart = timed(["1P"], disaggregate="always")[0]
+        results.append(base_apart | {"workload": "1P apart"})
     for r in results:
         r["policy"] = policy
         r["prefill_tokens"], r["decode_tokens"] = prefill_tokens, decode_tokens
         if r["ttft_p_s"] is not None:
             r["ttft_ratio"] = round(r["ttft_p_s"] / base_p["ttft_p_s"], 3)
+            if base_apart is not None:
+                r["ttft_ratio_apart"] = round(r["ttft_p_s"] / base_apart["ttft_p_s"], 3)
         if r["tpot_d_ms"] is not None:
             r["tpot_ratio"] = round(r["tpot_d_ms"] / base_d["tpot_d_ms"], 3)
         r["total_ratio"] = round(r["total_s"] / max(base_p["total_s"], base_d["total_s"]), 3)
@@ -145,6 +164,7 @@ def main(argv=None):
     parser.add_argument("--policies", nargs="+", default=["slo", "chunked"], choices=("slo", "chunked"))
     parser.add_argument("--devices", type=int, default=1, help="GPUs to prefill on (Placement.prefill_devices)")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs of each workload (their median)")
     parser.add_argument("--threads", type=int, nargs="+", default=[0],
                         help="CPU kernel pool sizes to run under, the calling thread counted (0: one per CPU)")
     parser.add_argument("--switch-interval-ms", type=float, nargs="+", default=[1e3 * sys.getswitchinterval()],
@@ -159,15 +179,19 @@ def main(argv=None):
     memory = memory_floors()
     print(floors_line(memory))
     # What a disaggregated prefill's copies leave the CPU kernels of the decode (the devices that do not decode copy).
-    sharing = None
+    sharing = d2d = None
     if args.devices > 1:
         sharing = read_while_copying(model.placement.stream_devices[1:], memory["read_pattern"])
         print(f"host read {sharing['read_gbps_alone']} GB/s alone, {sharing['read_gbps_while_copying']} while "
               f"{args.devices - 1} GPU(s) copy pinned memory at {sharing['h2d_gbps_each_while_reading']} GB/s each")
+        first, second = model.placement.stream_devices[:2]
+        d2d = device_to_device_gbps(first, second)
+        print(f"GPU to GPU {d2d:.1f} GB/s: a prefill apart copies the decoding GPU's share "
+              f"{'through it' if stages_through(first, second) else 'over its own link'} (stream_prefill._staging)")
     rng = np.random.default_rng(0)
     results = []
     print(f"{'policy':>8} {'threads':>7} {'switch':>6} {'workload':>8} {'P tokens':>8} {'D tokens':>8} "
-          f"{'TTFT P s':>9} {'x 1P':>6} {'TPOT D ms':>9} {'x 1D':>6} {'total s':>8} {'x base':>6}")
+          f"{'TTFT P s':>9} {'x 1P':>6} {'x apart':>7} {'TPOT D ms':>9} {'x 1D':>6} {'total s':>8} {'x base':>6}")
     for policy in args.policies:
         length = args.prefill_tokens if policy == "slo" else args.chunked_prefill_tokens
         decode_tokens = args.decode_tokens  # set by the first setting's run where 0, then kept: one D for all
@@ -179,12 +203,13 @@ def main(argv=None):
                 r["threads"], r["switch_interval_ms"] = threads, switch_ms
                 print(f"{policy:>8} {threads or 'all':>7} {switch_ms:6.2f} {r['workload']:>8} {r['prefill_tokens']:8d} "
                       f"{r['decode_tokens']:8d} {r['ttft_p_s'] or '-':>9} {r.get('ttft_ratio', '-'):>6} "
-                      f"{r['tpot_d_ms'] or '-':>9} {r.get('tpot_ratio', '-'):>6} {r['total_s']:8.3f} "
-                      f"{r['total_ratio']:6.3f}", flush=True)
+                      f"{r.get('ttft_ratio_apart', '-'):>7} {r['tpot_d_ms'] or '-':>9} {r.get('tpot_ratio', '-'):>6} "
+                      f"{r['total_s']:8.3f} {r['total_ratio']:6.3f}", flush=True)
             results += rows
     print(json.dumps({"bench": "serve", "model": name, "layers": model.config.num_hidden_layers,
                       "devices": args.devices, "full_layers": full.num_hidden_layers, "machine": machine(),
-                      "floors": {"h2d_gbps": h2d, "read_gbps": memory["read_gbps"], "read_while_copying": sharing},
+                      "floors": {"h2d_gbps": h2d, "read_gbps": memory["read_gbps"], "read_while_copying": sharing,
+                                 "d2d_gbps": d2d},
                       "results": results}))
 
 

@@ -27,6 +27,7 @@ from hybridjit.models.registry import ModelConfig
 from hybridjit.offline_policy import EXPERTS
 from hybridjit.placement import Placement
 from hybridjit.resolve import resolve_model
+from hybridjit.serving.scheduler import DISAGGREGATE
 from hybridjit.tokenizer import check_unicode
 from hybridjit.weights import routed_expert_bytes
 
@@ -130,6 +131,7 @@ def cmd_serve(args) -> int:
         model, model_name=args.model or DEFAULT_MODEL_NAME, sock=sock, api_key=args.api_key,
         slots=args.slots, max_queue=args.max_queue, cache_len=args.cache_len,
         prefix_cache_bytes=args.prefix_cache_mib << 20, online_placement=False if args.fixed_placement else None,
+        disaggregate=args.disaggregate,
     )  # fmt: skip
     return 0
 
@@ -335,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--fixed-placement", action="store_true",
                      help="keep the resident experts chosen at load (default: re-place them by the traffic's use "
                           "while serving, when some but not all of them fit on the GPU)")
+    srv.add_argument("--disaggregate", choices=DISAGGREGATE, default="auto",
+                     help="with several GPUs, where long prompts stream: auto, on the GPUs that do not decode while "
+                          "requests decode and over all of them otherwise; always, on those GPUs; never, over all")
     srv.add_argument("--quiet", action="store_true", help="no loading progress")
     srv.set_defaults(run=cmd_serve)
     bat = sub.add_parser("batch", help="complete every request of a JSON-lines file, for throughput (resumable)",

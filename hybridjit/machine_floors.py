@@ -105,6 +105,18 @@ def concurrent_h2d_gbps(devices, nbytes: int = 1 << 30, repeats: int = 3, source
     return nbytes / best / 1e9
 
 
+def device_to_device_gbps(source: jax.Device, target: jax.Device, nbytes: int = 1 << 28, repeats: int = 3) -> float:
+    """Device -> device bandwidth (NVLink, or whatever joins them): the best of `repeats` copies of one buffer."""
+    buffer = jax.block_until_ready(jax.device_put(np.zeros(nbytes, np.uint8), source))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        copy = jax.block_until_ready(jax.device_put(buffer, target))
+        best = min(best, time.perf_counter() - start)
+        copy.delete()
+    return nbytes / best / 1e9
+
+
 def gemm_tflops(device: jax.Device, n: int = 8192, repeats: int = 10) -> float:
     """A dense bf16 GEMM n x n x n on `device`: products back to back, best of three rounds."""
     keys = jax.random.split(jax.random.key(0))

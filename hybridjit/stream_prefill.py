@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 from hybridjit.checkpoint import DTYPES
 from hybridjit.host_kv_cache import DEVICE_LAYERS, HostKVCache
+from hybridjit.machine_floors import device_to_device_gbps, pinned_h2d_gbps
 from hybridjit.models.common.expert_storage import ExpertStorage
 from hybridjit.models.common.experts import experts_grouped, group_by_expert
 from hybridjit.models.common.layers import linear, mlp, rms_norm
@@ -496,9 +497,10 @@ class _Ring:
     of the mesh, at most `depth` steps resident: the ring of each device holds at most `depth` blocks."""
 
     def __init__(self, steps: list[Step], depth: int, mesh: Mesh, while_copying: Callable[[], bool] | None,
-                 abandon: Callable[[], bool] | None = None):
+                 abandon: Callable[[], bool] | None = None, staging: dict | None = None):
         self.mesh, self._devices = mesh, list(mesh.devices.flat)
         self._abandon = abandon
+        self._staging = staging or {}  # home device -> its device memory, for blocks copied on through it
         self._shardings = [SingleDeviceSharding(d, memory_kind="device") for d in self._devices]
         self._stacked = NamedSharding(mesh, P(PREFILL_AXIS))
         self._while_copying = while_copying
@@ -509,6 +511,7 @@ class _Ring:
         self.peak_bytes = 0  # the most bytes of device buffers one device's ring ever held (measured: live buffers)
         self.peak_in_use = None  # a device's bytes in use right after each step's allocation, at most
         self.streamed_bytes = 0  # over all devices
+        self.staged_bytes = 0  # of those, copied over a link of a device outside the mesh (_staging)
         self.phase_seconds: collections.Counter = collections.Counter()  # wall time per phase since last cleared
 
     def load(self) -> None:
@@ -517,7 +520,7 @@ class _Ring:
         then joined into arrays along the mesh axis without moving."""
         while self._free and self._waiting:
             step = self._waiting.popleft()
-            copies = [jax.device_put(block.arrays, s) for block, s in zip(step, self._shardings, strict=True)]
+            copies = [self._copy(block, s) for block, s in zip(step, self._shardings, strict=True)]
             arrays = tuple(
                 jax.make_array_from_single_device_arrays((len(parts) * parts[0].shape[0], *parts[0].shape[1:]),
                                                          self._stacked, list(parts))
@@ -526,6 +529,15 @@ class _Ring:
             self._free -= 1
             self._copied.append((step, arrays))
             self._measure(arrays)
+
+    def _copy(self, block: ExpertBlock, target: SingleDeviceSharding) -> tuple[jax.Array, ...]:
+        """The block's copy on the target's device: from its pinned memory, or through its home device's memory
+        where that stages it (the staged copy is freed once the copy on from it has run)."""
+        arrays = block.arrays
+        if (staging := self._staging.get(block.home)) is not None:
+            arrays = jax.device_put(arrays, staging)
+            self.staged_bytes += block.nbytes
+        return jax.device_put(arrays, target)
 
     def take(self, step: Step) -> tuple[jax.Array, ...]:
         """The device copies of `step`, the next one in order, along the mesh axis (the copies may still be in
@@ -578,6 +590,7 @@ class StreamStats:
 
     plan: RingPlan | None = None
     streamed_bytes: int = 0
+    staged_bytes: int = 0  # of those, copied through a device outside the mesh (_staging)
     peak_ring_bytes: int = 0
     peak_device_bytes: int | None = None
     layer_done_s: list[float] = dataclasses.field(default_factory=list)
@@ -697,7 +710,11 @@ def _stream_layers(model, devices, tokens, positions, live, last, cache, vram_bu
     stats = stats if stats is not None else StreamStats()
     stats.plan = plan
     start = time.perf_counter()
-    ring = _Ring([step for layer in steps.values() for step in layer], plan.depth, mesh, while_copying, abandon)
+    staging = _staging(mesh, pinned.values(), plan.depth)
+    if staging:  # the blocks of each home in turn, so that the links copy at once whatever the ring's depth
+        steps = {i: _alternating_homes(layer_steps) for i, layer_steps in steps.items()}
+    ring = _Ring([step for layer in steps.values() for step in layer], plan.depth, mesh, while_copying, abandon,
+                 staging)
     layout = _Layout.of(mesh, *tokens.shape)
     x = ring.run("embed", _embed, layout, weights.embed, tokens)
     for i, layer in enumerate(weights.layers):
@@ -719,8 +736,8 @@ def _stream_layers(model, devices, tokens, positions, live, last, cache, vram_bu
         stats.layer_done_s.append(time.perf_counter() - start)
         stats.layer_phase_s.append(dict(ring.phase_seconds))
     logits = _last_logits(cfg, layout, weights.norm, weights.lm_head, x, last)
-    stats.streamed_bytes, stats.peak_ring_bytes, stats.peak_device_bytes = (
-        ring.streamed_bytes, ring.peak_bytes, ring.peak_in_use
+    stats.streamed_bytes, stats.staged_bytes, stats.peak_ring_bytes, stats.peak_device_bytes = (
+        ring.streamed_bytes, ring.staged_bytes, ring.peak_bytes, ring.peak_in_use
     )
     if host is not None:
         return _on(model.placement.device, logits), host
@@ -733,6 +750,46 @@ def _on(device: jax.Device, array: jax.Array) -> jax.Array:
     assert array.sharding.is_fully_replicated, array.sharding
     shards = {shard.device: shard.data for shard in array.addressable_shards}
     return shards[device] if device in shards else jax.device_put(array.addressable_shards[0].data, device)
+
+
+def _staging(mesh: Mesh, layers, depth: int) -> dict[jax.Device, SingleDeviceSharding]:
+    """The devices outside the prefill mesh that blocks are pinned through (a disaggregated prefill's: the decoding
+    device's share) and that stage them: a block is copied over its home device's own link into its memory, then on
+    to the mesh's device over the interconnect, instead of over the mesh device's link beside its own share. The
+    decoding device's link is otherwise idle (a decode's hand-offs are kilobytes), so the prefill streams over two
+    links, which matters where the host's memory rather than one link bounds the copies: while the CPU kernels read
+    at their floor, one link gets ~38 GB/s and two ~33-39 each (bench/RESULTS.md, serving). A home stages only
+    where the interconnect is faster than a link (stages_through) and it has room for `depth` blocks, as many as
+    the ring has in flight."""
+    inside = set(mesh.devices.flat)
+    homes = {b.home for layer in layers for b in layer.blocks} - inside
+    largest = max((b.nbytes for layer in layers for b in layer.blocks), default=0)
+    return {home: SingleDeviceSharding(home, memory_kind="device") for home in homes
+            if ((free := free_device_memory(home)) is None or free >= depth * largest)
+            and all(stages_through(home, device) for device in inside)}
+
+
+def _alternating_homes(steps: list[Step]) -> list[Step]:
+    """One-block steps reordered to take one of each home device's blocks in turn (the order of a layer's steps
+    is free: the blocks' outputs are added)."""
+    by_home: dict[jax.Device, collections.deque] = collections.defaultdict(collections.deque)
+    for step in steps:
+        by_home[step[0].home].append(step)
+    order = []
+    while by_home:
+        for home in list(by_home):
+            order.append(by_home[home].popleft())
+            if not by_home[home]:
+                del by_home[home]
+    return order
+
+
+@cache
+def stages_through(home: jax.Device, device: jax.Device) -> bool:
+    """Whether copies from `home`'s memory to `device` run at twice or more a pinned host copy to `device` (measured
+    once per pair: NVLink does, a PCIe switch or the host does not)."""
+    return (home.platform == "gpu"
+            and device_to_device_gbps(home, device) >= 2 * pinned_h2d_gbps(device, 1 << 28))
 
 
 def _least_free(devices) -> jax.Device:

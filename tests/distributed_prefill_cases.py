@@ -152,6 +152,26 @@ def test_matches_one_device_and_the_plain_prefill(model, shards, one_device, exa
         assert stats.largest_pass_slots <= stats.plan.block_slots
 
 
+@pytest.mark.parametrize("stages", [True, False], ids=["staged", "direct"])
+def test_a_prefill_apart_stages_the_other_devices_share_through_them(model, shards, one_device, tokens, monkeypatch,
+                                                                     stages):
+    """A prefill on the devices that do not decode (disaggregated) copies the blocks pinned through the others (the
+    decoding device, and on four devices the one the blocks' split leaves out) through those devices' memory where
+    the interconnect pays (stages_through; XLA:CPU's does not, so it is forced here), else straight from the
+    pinned memory; either way it gives one device's logits and cache."""
+    monkeypatch.setattr(sp, "stages_through", lambda home, device: stages)
+    apart = sp.streaming_devices(model, tuple(DEVICES[1:shards]))  # as the scheduler's
+    logits, cache, stats = streamed(model, tokens, devices=apart)
+    one_logits, one_cache, _ = streamed(one_device, tokens)
+    assert rel_rms(logits, one_logits) < FLOAT32_RTOL
+    assert cache_error(cache, one_cache) < FLOAT32_RTOL
+    assert all(leaf.devices() == {DEVICES[0]} for leaf in jax.tree.leaves(cache))
+    layers = pinned(model)
+    home_bytes = sum(b.nbytes for p in layers for b in p.blocks if b.home not in apart)
+    assert stats.streamed_bytes == sum(p.nbytes for p in layers)
+    assert stats.staged_bytes == (home_bytes if stages else 0) and home_bytes > 0
+
+
 def test_decode_continues_on_the_first_device(model, one_device):
     """Generation through the engine with every prompt streamed gives one device's tokens."""
     prompts = [[5, 17, 42, 99, 3, 250, 7, 8, 9], [11, 12, 13]]
@@ -238,6 +258,39 @@ def test_scheduler_disaggregates_a_long_prompt_that_arrives_while_another_decode
             scheduler.shutdown()
         assert decoding.tokens == expected_short
         assert arriving.tokens == alone.tokens == expected_long
+    finally:
+        for m in (model, one_device):
+            m.stream_prefill_threshold = None
+
+
+@pytest.mark.parametrize("disaggregate, apart", [("always", 2), ("never", 0)])
+def test_scheduler_disaggregates_always_or_never_when_asked(model, one_device, disaggregate, apart):
+    """disaggregate="always" streams a long prompt on the devices that do not decode even with nothing decoding
+    (the seed's disaggregated SLP), "never" over all of them even while another request decodes; the tokens are
+    what each request gets alone on one device either way."""
+    short, long = [5, 17, 42], [int(t) for t in np.random.default_rng(1).integers(2, 200, 24)]
+    for m in (model, one_device):
+        m.stream_prefill_threshold = 16
+    try:
+        expected_short, _ = solo(one_device, short, 24)
+        expected_long, _ = solo(one_device, long, 6)
+        scheduler = Scheduler(model, slots=2, cache_len=64, disaggregate=disaggregate)
+        scheduler.start()
+        try:
+            alone = Collector()
+            scheduler.submit(Request(long, 6), alone)
+            alone.wait()
+            decoding, arriving = Collector(), Collector()
+            first_token = threading.Event()
+            scheduler.submit(Request(short, 24), lambda e: (decoding(e), first_token.set()))
+            assert first_token.wait(60)
+            scheduler.submit(Request(long, 6), arriving)
+            decoding.wait(), arriving.wait()
+            assert scheduler.stats()["disaggregated_prefills"] == apart
+        finally:
+            scheduler.shutdown()
+        assert decoding.tokens == expected_short
+        assert alone.tokens == arriving.tokens == expected_long
     finally:
         for m in (model, one_device):
             m.stream_prefill_threshold = None

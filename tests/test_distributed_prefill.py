@@ -3,7 +3,8 @@ XLA_FLAGS when it starts, so the cases get a process of their own. Every case se
 
 To keep CI short the selection is MLA over two devices through the scheduler (a disaggregated prefill, then the
 same prompt over both devices, its tokens split between them, each decoding from its streamed cache to its solo
-tokens; a disaggregated prefill cancelled, and one under shutdown) and gpt-oss (MXFP4, biases, sinks, window; skewed
+tokens; a disaggregated prefill cancelled, and one under shutdown; a prefill apart with the decoding device's share
+staged through it and not) and gpt-oss (MXFP4, biases, sinks, window; skewed
 routing) over two, its batch of two prompts split between them, with the whole-layer ring, plus the split attention
 cores and the uneven split; the whole module (every family case over two and four devices, ring of one) runs with
 `pytest tests/distributed_prefill_cases.py` under the same XLA_FLAGS (about 20 minutes on two cores) and on a
@@ -22,7 +23,7 @@ CASES = Path(__file__).with_name("distributed_prefill_cases.py")
 def test_distributed_prefill_on_four_host_devices():
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     selection = ("heads_split or split_evenly "
-                 "or (deepseek_v3 and 2-devices and (disaggregat or pinned_through or copied_once)) "
+                 "or (deepseek_v3 and 2-devices and (disaggregat or pinned_through or copied_once or stages_the)) "
                  "or (gpt_oss and 2-devices and not ring-of-1 and not decode and not disaggregat)")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-k", selection,
                           str(CASES)],

@@ -241,6 +241,13 @@ def test_requests_the_model_cannot_take_are_refused_naming_the_field(model, requ
         Scheduler(model, slots=1, cache_len=256).submit(request_, Collector())
 
 
+def test_disaggregation_without_a_second_device_or_of_an_unknown_kind_is_refused_by_name(model):
+    with pytest.raises(ValueError, match="no prefill device besides"):
+        Scheduler(model, slots=1, cache_len=16, disaggregate="always")
+    with pytest.raises(ValueError, match="disaggregate must be one of"):
+        Scheduler(model, slots=1, cache_len=16, disaggregate=True)
+
+
 def test_a_failed_step_fails_only_its_requests(model, scheduler_of):
     scheduler = scheduler_of(slots=2, cache_len=256)
     engine, real = scheduler.engine, scheduler.engine.generate

@@ -13,7 +13,9 @@ How a prompt is prefilled (policy "slo", the seed's):
 - with several prefill devices (Placement.stream_devices), a streamed prompt that arrives while requests decode
   runs on the devices that do not decode, in a thread of its own, while the decode steps go on undisturbed on the
   placement's device (intra-node prefill-decode disaggregation, §3.3.2: both read the one pinned copy of the
-  experts); with no decodes running it streams over all of them (distributed stream-loaded prefill, §3.2);
+  experts); with no decodes running it streams over all of them (distributed stream-loaded prefill, §3.2),
+  or, with disaggregate="always", on the same devices apart (the decoding device never prefills, so a request
+  that arrives during a long prefill starts decoding at once; the seed's disaggregated SLP);
 - otherwise, while requests are decoding, the prompt runs in chunks of `chunk_tokens`, one chunk per decode
   step, so that neither stalls the other for long; with no decodes running it runs whole.
 Policy "chunked" is KTransformers' (one chunk of `chunk_tokens` per decode step, whatever the length), kept
@@ -46,6 +48,7 @@ from hybridjit.stream_prefill import choose_prefill_path, stream_prefill, stream
 log = logging.getLogger(__name__)
 
 POLICIES = ("slo", "chunked")
+DISAGGREGATE = ("auto", "always", "never")
 # The largest chunk extend runs at once when nothing else waits (its attention scores grow with it).
 MAX_CHUNK = 2048
 
@@ -113,9 +116,9 @@ class Scheduler:
     room for `cache_len` positions (default: the model's context, at most 32768), and at most `max_queue`
     requests waiting. `prefix_cache_bytes` bounds the prefix cache (0 turns it off). `online_placement` re-places
     the model's resident experts by the traffic's use of them (serving.online_placement; default: when some of its
-    experts are resident on the device and some are not; `self.online`). `disaggregate` streams long prompts that
-    arrive while others decode on the prefill devices that do not decode (default: when the placement has more
-    than one)."""
+    experts are resident on the device and some are not; `self.online`). `disaggregate` is where long prompts
+    stream when the placement has prefill devices besides the one that decodes: "auto" on those devices while
+    others decode and over all of them otherwise, "always" on those devices, "never" over all of them."""
 
     def __init__(
         self,
@@ -129,10 +132,12 @@ class Scheduler:
         chunk_tokens: int = 256,
         policy: str = "slo",
         online_placement: bool | None = None,
-        disaggregate: bool | None = None,
+        disaggregate: str = "auto",
     ):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if disaggregate not in DISAGGREGATE:
+            raise ValueError(f"disaggregate must be one of {DISAGGREGATE}, got {disaggregate!r}")
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.model, self.max_queue, self.policy = model, max_queue, policy
@@ -153,9 +158,10 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.steps = 0
         others = streaming_devices(model, model.placement.stream_devices[1:])
-        self._apart = others if (disaggregate is None or disaggregate) else ()
-        if disaggregate and not others:
-            raise ValueError("disaggregate: the placement has no prefill device besides the one that decodes")
+        if disaggregate == "always" and not others:
+            raise ValueError("disaggregate='always': the placement has no prefill device besides the one that decodes")
+        self._apart = others if disaggregate != "never" else ()
+        self._always_apart = disaggregate == "always"
         self._prefiller = concurrent.futures.ThreadPoolExecutor(1, "hybridjit-prefill") if self._apart else None
         # The prefill thread's last job: one whose request ended while it ran stops at its next executable
         # (stream_prefill's abandon), and a prefill on every device waits for that first (no two on one GPU).
@@ -303,7 +309,7 @@ class Scheduler:
                 prefilled = job.apart.result()
                 self.disaggregated_prefills += 1
             elif job.done == 0 and self.policy == "slo" and self._streams(len(prompt)):
-                if decoding and self._apart:
+                if self._apart and (decoding or self._always_apart):
                     job.apart = self._last_apart = self._prefiller.submit(self._stream_prefill, job, self._apart)
                     return
                 if self._last_apart is not None:

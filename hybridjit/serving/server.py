@@ -395,12 +395,13 @@ def serve(
     cache_len: int | None = None,
     prefix_cache_bytes: int | None = None,
     online_placement: bool | None = None,
+    disaggregate: str = "auto",
 ):
     """Serves `model` on `sock` (listening_socket) until SIGINT or SIGTERM; then requests in flight get
     GRACEFUL_SHUTDOWN_SECONDS to end."""
     scheduler = sched.Scheduler(
         model, slots=slots, max_queue=max_queue, cache_len=cache_len, prefix_cache_bytes=prefix_cache_bytes,
-        online_placement=online_placement,
+        online_placement=online_placement, disaggregate=disaggregate,
     )
     app = create_app(scheduler, model_name=model_name, api_key=api_key)
     host, port = sock.getsockname()[:2]
