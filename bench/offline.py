@@ -17,9 +17,9 @@ Each model is a geometry with random FP8 weights (prefill.py's PooledExperts: fa
   experts column reads "gpu-wide"); with `--kv-in-host`, every streamed case again with the KV cache in pinned host
   memory, copied to the GPU a layer at a time (hybridjit/host_kv_cache.py; the experts column reads "stream-hkv"),
   at up to hybridjit.offline_policy.MAX_HOST_KV_SLOTS slots; with `--attention-on-cpu`, again with the CPU attending
-  over that cache where it is ("stream-cpuattn"; hybridjit/ops/cpu_attention.py); with `--threads N ...`, the
-  co-executed cases again with the CPU kernels' pool at each of those sizes (whether co-execution, at 0.32-0.60 of
-  its prediction in sessions 30-31, lacks cores for the host's loop);
+  over that cache where it is ("stream-cpuattn"; hybridjit/ops/cpu_attention.py). Co-executed cases run the CPU's
+  share on the pool a batch run gives it (offline_policy.co_execution_threads: HOST_LOOP_CPUS left to the host's
+  loop); with `--threads N ...`, they run again with the CPU kernels' pool at each of those sizes;
 - prefill of every --prefill batch of 512-token prompts (whichever path the engine chooses);
 - the performance model (hybridjit/offline_policy.py) fed with floors measured here (memory read floor, pinned
   H2D, dense GEMM, the device memory's read rate, the CPU expert kernels' rate at each case's tokens per call, the
@@ -55,12 +55,13 @@ from hybridjit.offline_policy import (
     Floors,
     Policy,
     Workload,
+    co_execution_threads,
     kv_bytes_per_slot,
     predict,
     search,
     widened_expert_bytes,
 )
-from hybridjit.ops.routed_experts import configure_threads
+from hybridjit.ops.routed_experts import pool_of
 from hybridjit.placement import Placement
 from hybridjit.sampling import SamplingParams
 from hybridjit.serving.engine import DEVICE_ONLY_DECODE_STEPS, Engine, Prefilled, bucket
@@ -257,9 +258,10 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
             print(f"{slots:6d} slots: their KV cache ({kv / 2**30:.1f} GiB) does not fit host memory")
             continue
         model.hold_resident_experts(case.widened)
-        step, compiled = decode_step_seconds(model, slots, 1, context, args.steps, rng, case.experts,
-                                             case.cpu_blocks, case.kv_in_host, work.cache_len,
-                                             case.attention_on_cpu)  # fmt: skip
+        with pool_of(co_execution_threads() if case.cpu_blocks else None):  # as a batch run co-executes
+            step, compiled = decode_step_seconds(model, slots, 1, context, args.steps, rng, case.experts,
+                                                 case.cpu_blocks, case.kv_in_host, work.cache_len,
+                                                 case.attention_on_cpu)  # fmt: skip
         predicted = predict(cfg, floors, work, case, itemsize, ON_GPU).step_s
         decode[case] = {"step_s": step, "predicted_step_s": predicted, "timed_compiles": compiled}
         print(f"{slots:6d} {label(case):>9} {1e3 * step:9.1f} {slots / step:9.1f} {1e3 * predicted:9.1f} "
@@ -270,15 +272,14 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
         if time.perf_counter() > deadline:
             print(f"time limit: co-executed cases with {threads or 'all'} pool threads and on not run")
             break
-        configure_threads(threads)
-        step, compiled = decode_step_seconds(model, case.slots, 1, context, args.steps, rng, case.experts,
-                                             case.cpu_blocks, case.kv_in_host, work.cache_len,
-                                             case.attention_on_cpu)  # fmt: skip
+        with pool_of(threads):
+            step, compiled = decode_step_seconds(model, case.slots, 1, context, args.steps, rng, case.experts,
+                                                 case.cpu_blocks, case.kv_in_host, work.cache_len,
+                                                 case.attention_on_cpu)  # fmt: skip
         by_threads.append(case_fields(case) | {"threads": threads, "step_ms": round(1e3 * step, 2),
                                                "timed_compiles": compiled})  # fmt: skip
         print(f"{case.slots:6d} {label(case):>9} {1e3 * step:9.1f} ms with {threads or 'all'} pool threads "
-              f"(all: {1e3 * decode[case]['step_s']:.1f})")
-    configure_threads(None)
+              f"({co_execution_threads()}: {1e3 * decode[case]['step_s']:.1f})")
     print(f"{'prompts':>7} {'path':>7} {'ms':>9} {'tok/s':>9} {'pred ms':>9}")
     for wide, batch in [(w, b) for w in [False, *([True] if args.widen else [])] for b in args.prefill]:
         if time.perf_counter() > deadline:
@@ -411,8 +412,7 @@ def main(argv=None):
     parser.add_argument("--dtype", default="bfloat16" if ON_GPU else "float32")
     parser.add_argument("--threads", type=int, nargs="+", default=[],
                         help="time the co-executed cases (CPU blocks beside the streamed ones) again with the CPU "
-                             "kernels' pool at each of these sizes (0: one thread per core), after the grid: whether "
-                             "co-execution falls short of its prediction for want of cores for the host's loop")
+                             "kernels' pool at each of these sizes (0: one thread per core), after the grid")
     parser.add_argument("--time-limit", type=float, default=330.0,
                         help="seconds after which no further case starts (the JSON line still ends the run)")
     args = parser.parse_args(argv)

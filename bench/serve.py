@@ -20,7 +20,8 @@ random bytes, whose many subnormal codes the CPU kernels decode far slower; rout
 copy, shared by the CPU kernels and the stream-loaded prefill), truncated to --layers: both P's streamed
 layers and D's decode steps keep their per-layer cost, which is what the ratios compare. With --devices N (N GPUs)
 P streams over all N while nothing decodes and, arriving while D decodes, on the N - 1 that do not decode
-(prefill-decode disaggregation, seed 000 §3.3.2; D decodes on the first).
+(prefill-decode disaggregation, seed 000 §3.3.2; D decodes on the first), the first's share of each layer
+staged through it where the GPUs' interconnect is faster than a link (stream_prefill.stages_through).
 
 What else a disaggregated P takes from D is the host: its memory bandwidth (`read_while_copying`), its cores (the
 CPU kernels' pool beside P's prefill thread: `--threads` runs the workloads under each pool size) and Python's
@@ -181,13 +182,17 @@ def main(argv=None):
     # What a disaggregated prefill's copies leave the CPU kernels of the decode (the devices that do not decode copy).
     sharing = d2d = None
     if args.devices > 1:
-        sharing = read_while_copying(model.placement.stream_devices[1:], memory["read_pattern"])
-        print(f"host read {sharing['read_gbps_alone']} GB/s alone, {sharing['read_gbps_while_copying']} while "
-              f"{args.devices - 1} GPU(s) copy pinned memory at {sharing['h2d_gbps_each_while_reading']} GB/s each")
+        # One link: a prefill apart's own; all of them: one that stages the decoding GPU's share through it.
+        sharing = {links: read_while_copying(model.placement.stream_devices[-links:], memory["read_pattern"])
+                   for links in sorted({args.devices - 1, args.devices})}
+        for links, rates in sharing.items():
+            print(f"host read {rates['read_gbps_alone']} GB/s alone, {rates['read_gbps_while_copying']} while "
+                  f"{links} GPU(s) copy pinned memory at {rates['h2d_gbps_each_while_reading']} GB/s each")
         first, second = model.placement.stream_devices[:2]
         d2d = device_to_device_gbps(first, second)
-        print(f"GPU to GPU {d2d:.1f} GB/s: a prefill apart copies the decoding GPU's share "
-              f"{'through it' if stages_through(first, second) else 'over its own link'} (stream_prefill._staging)")
+        route = "through it" if stages_through(first, second) else "over the prefill GPU's own link"
+        print(f"GPU to GPU {d2d:.1f} GB/s: a prefill apart copies the decoding GPU's share {route} "
+              "(stream_prefill._staging)")
     rng = np.random.default_rng(0)
     results = []
     print(f"{'policy':>8} {'threads':>7} {'switch':>6} {'workload':>8} {'P tokens':>8} {'D tokens':>8} "

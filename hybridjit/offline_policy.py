@@ -46,6 +46,7 @@ free once the weights are loaded. Any of the three can be fixed by the user; the
 
 import dataclasses
 import math
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -55,6 +56,7 @@ from hybridjit.auto_placement import resident_copies_are_fp8, resident_expert_by
 from hybridjit.host_kv_cache import DEVICE_LAYERS, host_kv_budget
 from hybridjit.models.common.resident_experts import gathered, grouped_capacity
 from hybridjit.models.registry import ModelConfig, family_of
+from hybridjit.ops.routed_experts import kernel_info
 from hybridjit.pinned_experts import BLOCKS_PER_LAYER
 from hybridjit.serving.engine import bucket
 from hybridjit.stream_prefill import (
@@ -174,7 +176,8 @@ class Policy:
             self.experts
         ]
         if self.cpu_blocks:
-            where += f", the CPU computing {self.cpu_blocks} of each layer's {BLOCKS_PER_LAYER} blocks meanwhile"
+            where += (f", the CPU computing {self.cpu_blocks} of each layer's {BLOCKS_PER_LAYER} blocks meanwhile on "
+                      f"{co_execution_threads()} threads")
         if self.widened:
             where += " (held dequantized for the run)"
         if self.kv_in_host:
@@ -408,6 +411,20 @@ def _searched_splits(kv_in_host: bool) -> range:
     1x H200, session 30: 2,048 slots 651 ms a step without CPU blocks, 815 with 3; 4,096 slots 873 / 1,254 ms),
     while each holding alone ran at 0.89-0.99; why is not found yet. Given explicitly, they still run."""
     return range(1) if kv_in_host else range(BLOCKS_PER_LAYER)
+
+
+# CPUs a co-executed streamed step leaves to the host's loop (its Python thread, XLA's dispatch and copy threads): the
+# CPU's share runs on the others. With every CPU in the pool it ran slower than streaming every block; with 4 left
+# it ran faster (Qwen3-30B-A3B FP8 8 layers, 1x H200 with 16 cores, session 32: 1,024 slots with 2 CPU blocks
+# 200.3 ms a step on 16 pool threads, 163.1 on 14, 128.7 on 12, against 144.5 streaming all; 2,048 slots with 1:
+# 262.0 / 194.4 / 166.9 against 175.6).
+HOST_LOOP_CPUS = 4
+
+
+def co_execution_threads() -> int:
+    """The CPU pool a co-executed streamed step's CPU share runs on: the pool as configured, but at most this
+    process's CPUs less HOST_LOOP_CPUS."""
+    return max(1, min(kernel_info()["threads"], len(os.sched_getaffinity(0)) - HOST_LOOP_CPUS))
 
 
 # Attention on the CPU is tried only where asked for: its steps ran at 0.32 of this model's prediction (0.38 with

@@ -5,14 +5,17 @@ runs; an output file is resumed, its torn last line dropped and its done ids ski
 import contextlib
 import dataclasses
 import json
+import os
 
 import jax
 import pytest
 
 import hybridjit
-from hybridjit.offline_policy import RESIDENT, choose_policy
+from hybridjit.offline_policy import HOST_LOOP_CPUS, RESIDENT, choose_policy, co_execution_threads
+from hybridjit.ops.routed_experts import kernel_info
 from hybridjit.placement import Placement
 from hybridjit.resolve import default_model_dir
+from hybridjit.serving import batch as batch_module
 from hybridjit.serving.batch_output import ResumableOutput
 from hybridjit.serving.batch_requests import BatchInputError, encode_requests, read_requests
 from hybridjit.serving.chat import ChatTemplate
@@ -56,15 +59,23 @@ def test_greedy_outputs_equal_generate_whatever_the_policy(model, slots, micro_b
 
 
 @pytest.mark.parametrize("cpu_blocks", [0, 3])
-def test_greedy_outputs_equal_generate_with_the_experts_streamed_each_step(model, cpu_blocks):
+def test_greedy_outputs_equal_generate_with_the_experts_streamed_each_step(model, cpu_blocks, monkeypatch):
     """The policy that streams the routed experts to the device each decode step (here the CPU device: the same
     program as on a GPU), with or without 3 of each layer's 8 blocks on the CPU kernels meanwhile (co-execution),
-    gives every request what generate gives it alone."""
+    gives every request what generate gives it alone. Co-executing, the run's CPU pool leaves the host's loop its
+    CPUs (offline_policy.co_execution_threads), and is as it was afterwards."""
+    before, during = kernel_info()["threads"], []
+    decode_all = batch_module._decode_all
+    monkeypatch.setattr(batch_module, "_decode_all",
+                        lambda *a: (during.append(kernel_info()["threads"]), decode_all(*a)))
     placement = dataclasses.replace(model.placement, pinned_experts=True)
     with contextlib.closing(hybridjit.load(placement=placement)) as pinned:
         records = run(pinned, REQUESTS[:5], slots=3, prefill_batch=2, experts="stream", cpu_blocks=cpu_blocks)
     for request, record in zip(REQUESTS, records, strict=False):
         assert record["text"] == alone(model, request["prompt"], request["max_tokens"]), request["id"]
+    assert during == [co_execution_threads() if cpu_blocks else before]
+    assert co_execution_threads() == max(1, min(before, len(os.sched_getaffinity(0)) - HOST_LOOP_CPUS))
+    assert kernel_info()["threads"] == before
 
 
 def test_greedy_outputs_equal_generate_with_the_kv_cache_in_host_memory(model):

@@ -14,9 +14,10 @@ with "unknown layer id" (ids are never reused), it never reads freed memory.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -407,3 +408,19 @@ def configure_threads(threads: int | None = None, numa_nodes: int | None = None)
     per CPU of the affinity mask) split into `numa_nodes` logical nodes (HYBRIDJIT_NUMA_NODES; default the
     machine's). Forcing two nodes on a one-node machine exercises the per-node slicing."""
     _ffi.configure_threads(operator.index(threads or 0), operator.index(numa_nodes or 0))
+
+
+@contextlib.contextmanager
+def pool_of(threads: int | None) -> Iterator[None]:
+    """The CPU thread pool at `threads` threads (counting the calling thread) inside the block, then as it was
+    (None: left as it is); forced NUMA nodes are kept."""
+    if threads is None:
+        yield
+        return
+    info = kernel_info()
+    nodes = info["numa_nodes"] if info["numa_forced"] else None
+    configure_threads(threads, nodes)
+    try:
+        yield
+    finally:
+        configure_threads(info["threads"], nodes)
