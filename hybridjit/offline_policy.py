@@ -409,7 +409,8 @@ def _searched_splits(kv_in_host: bool) -> range:
     """The CPU blocks a search tries for a streamed step. None with the KV cache in host memory: co-executing beside
     it ran at 0.57-0.60 of this model's prediction and slower than streaming every block (DeepSeek-V3 FP8 5 layers,
     1x H200, session 30: 2,048 slots 651 ms a step without CPU blocks, 815 with 3; 4,096 slots 873 / 1,254 ms),
-    while each holding alone ran at 0.89-0.99; why is not found yet. Given explicitly, they still run."""
+    while each holding alone ran at 0.89-0.99; those ran on every CPU, before HOST_LOOP_CPUS (which made co-execution
+    beside a cache on the device faster than none) and are not measured since. Given explicitly, they still run."""
     return range(1) if kv_in_host else range(BLOCKS_PER_LAYER)
 
 
