@@ -54,6 +54,7 @@ import numpy as np
 from hybridjit import machine_floors
 from hybridjit.auto_placement import resident_copies_are_fp8, resident_expert_bytes
 from hybridjit.host_kv_cache import DEVICE_LAYERS, host_kv_budget
+from hybridjit.models.common.config import attended
 from hybridjit.models.common.resident_experts import gathered, grouped_capacity
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.ops.routed_experts import kernel_info
@@ -373,12 +374,6 @@ def predict(
 
 
 # ----------------------------------------------------------------------------------------- the choice
-
-
-def attended(cfg: ModelConfig, layer: int, context: int) -> int:
-    """The cached positions a decode token of layer `layer` attends over, and its slot holds there (a sliding-window
-    layer keeps its window, a ring, whatever the context), at `context` positions."""
-    return min(cfg.window(layer) or context, context)
 
 
 def kv_bytes_per_slot(cfg: ModelConfig, cache_len: int, itemsize: int, rings: bool = True) -> int:

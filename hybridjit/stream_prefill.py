@@ -50,6 +50,7 @@ from jax.sharding import PartitionSpec as P
 from hybridjit.checkpoint import DTYPES
 from hybridjit.host_kv_cache import DEVICE_LAYERS, HostKVCache
 from hybridjit.machine_floors import device_to_device_gbps, pinned_h2d_gbps
+from hybridjit.models.common.config import attended
 from hybridjit.models.common.expert_storage import ExpertStorage
 from hybridjit.models.common.experts import experts_grouped, group_by_expert
 from hybridjit.models.common.layers import linear, mlp, rms_norm
@@ -189,9 +190,11 @@ def _attention(cfg, batch, length, dtype, device, chunk):
 
 
 def decode_scores_bytes(cfg: ModelConfig, batch: int, cache_len: int) -> int:
-    """Device memory of a decode attention's float32 scores, `batch` tokens over `cache_len` positions each (about
-    three live copies): what a streamed decode step needs besides the ring, and what bounds a micro-batch."""
-    return 3 * 4 * batch * cfg.num_attention_heads * cache_len
+    """Device memory of a decode attention's float32 scores, `batch` tokens over the most positions a layer of a
+    `cache_len` cache attends (a sliding-window layer's, its window) each (about three live copies): what a streamed
+    decode step needs besides the ring, and what bounds a micro-batch."""
+    widest = max(attended(cfg, i, cache_len) for i in range(cfg.num_hidden_layers))
+    return 3 * 4 * batch * cfg.num_attention_heads * widest
 
 
 def free_device_memory(device: jax.Device) -> int | None:

@@ -24,6 +24,7 @@ from hybridjit.offline_policy import (
     stream_ring_bytes,
     widened_expert_bytes,
 )
+from hybridjit.stream_prefill import decode_scores_bytes
 from hybridjit.synthetic import geometry_config
 
 V3 = geometry_config("deepseek-v3", weight_format="fp8")
@@ -291,3 +292,16 @@ def test_a_slots_kv_bytes_are_the_engines_cache_windows_as_rings(geometry):
         windowed = any(cfg.window(i) for i in range(cfg.num_hidden_layers))
         assert (kv_bytes_per_slot(cfg, cache_len, 2) < whole) == windowed
 
+
+
+def test_a_decode_steps_scores_span_the_widest_layers_positions():
+    """A decode step's attention scores are priced over the most positions one layer attends: the whole cache where
+    any layer attends fully (gpt-oss's full layers), a window where every layer is windowed (Mixtral with one)."""
+    mixtral = geometry_config("mixtral-8x7b", weight_format="bf16")
+    windowed = dataclasses.replace(mixtral, sliding_window=256)
+    per_position = 3 * 4 * 8 * mixtral.num_attention_heads
+    assert decode_scores_bytes(mixtral, 8, 8192) == per_position * 8192
+    assert decode_scores_bytes(windowed, 8, 8192) == per_position * 256
+    assert decode_scores_bytes(windowed, 8, 100) == per_position * 100
+    gpt_oss = geometry_config("gpt-oss-120b", weight_format="bf16")
+    assert decode_scores_bytes(gpt_oss, 8, 8192) == 3 * 4 * 8 * gpt_oss.num_attention_heads * 8192
