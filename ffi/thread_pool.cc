@@ -16,6 +16,13 @@
 namespace hybridjit {
 namespace {
 
+void PinThread(pthread_t thread, int cpu) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  pthread_setaffinity_np(thread, sizeof set, &set);
+}
+
 // Round to nearest, no flush-to-zero or denormals-are-zero, all exceptions masked: the kernels'
 // float arithmetic must not depend on what the calling thread's runtime (XLA, Eigen) chose.
 constexpr unsigned kDefaultMxcsr = 0x1f80;
@@ -148,7 +155,10 @@ ThreadPool::ThreadPool(int threads, int numa_nodes) {
   if (threads_ <= static_cast<int>(order.size())) submitter_cpu_ = order[0];
   for (int t = 1; t < threads_; ++t) {
     const int cpu = order[t % order.size()];
-    workers_.emplace_back(&ThreadPool::Worker, this, cpu, cpu_node_[cpu]);
+    workers_.emplace_back(&ThreadPool::Worker, this, cpu_node_[cpu]);
+    // Pinned here rather than by the worker itself: the pool is pinned once it exists, however late its threads
+    // first run (on a loaded machine they may not have run yet when the constructor returns).
+    PinThread(workers_.back().native_handle(), cpu);
   }
 }
 
@@ -174,15 +184,9 @@ ThreadPool::RunState* ThreadPool::FindOpen() {
   return nullptr;
 }
 
-void PinCurrentThread(int cpu) {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  CPU_SET(cpu, &set);
-  pthread_setaffinity_np(pthread_self(), sizeof set, &set);
-}
+void PinCurrentThread(int cpu) { PinThread(pthread_self(), cpu); }
 
-void ThreadPool::Worker(int cpu, int node) {
-  PinCurrentThread(cpu);
+void ThreadPool::Worker(int node) {
   _mm_setcsr(kDefaultMxcsr);
   for (;;) {
     // Spin a while before sleeping so that back-to-back jobs do not pay a wake-up each.

@@ -79,7 +79,7 @@ class ThreadPool {
  private:
   struct RunState;
 
-  void Worker(int cpu, int node);
+  void Worker(int node);
   void Participate(RunState& state, int node);
   RunState* FindOpen();
   int NodeOfCurrentCpu() const;
