@@ -19,7 +19,9 @@ Each model is a geometry with random FP8 weights (prefill.py's PooledExperts: fa
   at up to hybridjit.offline_policy.MAX_HOST_KV_SLOTS slots; with `--attention-on-cpu`, again with the CPU attending
   over that cache where it is ("stream-cpuattn"; hybridjit/ops/cpu_attention.py). Co-executed cases run the CPU's
   share on the pool a batch run gives it (offline_policy.co_execution_threads: HOST_LOOP_CPUS left to the host's
-  loop); with `--threads N ...`, they run again with the CPU kernels' pool at each of those sizes;
+  loop); with `--threads N ...`, they run again with the CPU kernels' pool at each of those sizes; with
+  `--queued-expert-steps N ...`, the streamed cases run again with N expert steps left queued on the device
+  (stream_prefill.set_queued_expert_steps; 0 waits for each, as the ring did before session 32);
 - prefill of every --prefill batch of 512-token prompts (whichever path the engine chooses);
 - the performance model (hybridjit/offline_policy.py) fed with floors measured here (memory read floor, pinned
   H2D, dense GEMM, the device memory's read rate, the CPU expert kernels' rate at each case's tokens per call, the
@@ -65,7 +67,12 @@ from hybridjit.ops.routed_experts import pool_of
 from hybridjit.placement import Placement
 from hybridjit.sampling import SamplingParams
 from hybridjit.serving.engine import DEVICE_ONLY_DECODE_STEPS, Engine, Prefilled, bucket
-from hybridjit.stream_prefill import choose_prefill_path, free_device_memory
+from hybridjit.stream_prefill import (
+    choose_prefill_path,
+    free_device_memory,
+    queued_expert_steps,
+    set_queued_expert_steps,
+)
 from prefill import PooledExperts, cpu_expert_tflops, gemm_tflops, h2d_gbps
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -280,6 +287,24 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
                                                "timed_compiles": compiled})  # fmt: skip
         print(f"{case.slots:6d} {label(case):>9} {1e3 * step:9.1f} ms with {threads or 'all'} pool threads "
               f"({co_execution_threads()}: {1e3 * decode[case]['step_s']:.1f})")
+    by_queued = []  # the streamed cases again, each number of --queued-expert-steps
+    grid_queued = queued_expert_steps()  # the setting the grid ran with
+    for queued, case in [(q, c) for q in args.queued_expert_steps for c in decode if c.experts == "stream"]:
+        if time.perf_counter() > deadline:
+            print(f"time limit: streamed cases with {queued} expert steps queued and on not run")
+            break
+        set_queued_expert_steps(queued)
+        try:
+            with pool_of(co_execution_threads() if case.cpu_blocks else None):
+                step, compiled = decode_step_seconds(model, case.slots, 1, context, args.steps, rng, case.experts,
+                                                     case.cpu_blocks, case.kv_in_host, work.cache_len,
+                                                     case.attention_on_cpu)  # fmt: skip
+        finally:
+            set_queued_expert_steps(grid_queued)
+        by_queued.append(case_fields(case) | {"queued_expert_steps": queued, "step_ms": round(1e3 * step, 2),
+                                              "timed_compiles": compiled})  # fmt: skip
+        print(f"{case.slots:6d} {label(case):>9} {1e3 * step:9.1f} ms with {queued} expert steps queued "
+              f"({grid_queued}: {1e3 * decode[case]['step_s']:.1f})")
     print(f"{'prompts':>7} {'path':>7} {'ms':>9} {'tok/s':>9} {'pred ms':>9}")
     for wide, batch in [(w, b) for w in [False, *([True] if args.widen else [])] for b in args.prefill]:
         if time.perf_counter() > deadline:
@@ -309,6 +334,7 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
                                      "timed_compiles": d["timed_compiles"]}
                    for c, d in decode.items()],
         "co_executed_by_threads": by_threads,
+        "streamed_by_queued_expert_steps": by_queued,
         "prefill": [{"prompts": p, "path": d["path"], "widened": w, "ms": round(1e3 * d["seconds"], 1),
                      "tok_s": round(p * PROMPT / d["seconds"], 1),
                      "predicted_tok_s": round(p * PROMPT / d["predicted_s"], 1)} for (p, w), d in prefill.items()],
@@ -413,6 +439,9 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, nargs="+", default=[],
                         help="time the co-executed cases (CPU blocks beside the streamed ones) again with the CPU "
                              "kernels' pool at each of these sizes (0: one thread per core), after the grid")
+    parser.add_argument("--queued-expert-steps", type=int, nargs="+", default=[],
+                        help="time the streamed cases again with each number of expert steps left queued on the "
+                             "device (0: each waited for; stream_prefill.set_queued_expert_steps), after the grid")
     parser.add_argument("--time-limit", type=float, default=330.0,
                         help="seconds after which no further case starts (the JSON line still ends the run)")
     args = parser.parse_args(argv)

@@ -83,6 +83,24 @@ COARSE_MEAN_PAIRS = 512
 # The hand-off slot of a streamed decode step's CPU share (co-execution): the step is the only program running, so
 # the interactive decode's first slot is free.
 CPU_SHARE_SLOT = 0
+# Expert steps the ring leaves queued on the devices behind the one it waits for before freeing its blocks
+# (_Ring.take; set_queued_expert_steps). With 1, the next step's executable is queued while the host dispatches the
+# one after it, so the device does not idle for each step's dispatch and wait: a streamed decode step of Qwen3-30B-A3B
+# (8 layers, 1,024 slots, 1x H200, session 31) ran ~152 executables, each waited for, and spent ~45 ms of its
+# ~150 ms outside them. With 0 the ring waits for every step before dispatching the next (as before session 32).
+_queued_expert_steps = 1
+
+
+def queued_expert_steps() -> int:
+    return _queued_expert_steps
+
+
+def set_queued_expert_steps(steps: int) -> None:
+    """How many expert steps a ring leaves queued (0 or more); for benchmarks comparing the two ways."""
+    global _queued_expert_steps
+    if steps < 0:
+        raise ValueError(f"queued expert steps must be >= 0, got {steps}")
+    _queued_expert_steps = steps
 
 
 # ------------------------------------------------------------------------------------------ the plan
@@ -350,15 +368,18 @@ def _step_firsts(steps: dict, replicated: NamedSharding) -> dict[tuple[int, ...]
 @partial(jax.jit, static_argnums=(0, 1, 2), donate_argnames="out")
 def _expert_step(mesh, storage: ExpertStorage, dtype, tokens, grouped, out, weights, scales, biases):
     """One step of blocks, one per device of the mesh (their arrays stacked along the mesh axis), each on its
-    device's tokens as `grouped` ([devices, ...]) says, added into that device's sum in out [devices, tokens, d]."""
+    device's tokens as `grouped` ([devices, ...]) says, added into that device's sum in out [devices, tokens, d].
+    Also returned: one element of each device's sum, which is ready when the step has run on every device (`out`
+    goes on, donated, to the next step; the ring waits for this before it frees the step's blocks)."""
 
     def on_each_device(tokens, grouped, out, weights, scales, biases):
         first_pass, later = jax.tree.map(lambda a: a[jax.lax.axis_index(PREFILL_AXIS)], grouped)
-        return _expert_block(storage, dtype, tokens, first_pass, later, out[0], weights, scales, biases)[None]
+        out = _expert_block(storage, dtype, tokens, first_pass, later, out[0], weights, scales, biases)[None]
+        return out, out[:, :1, :1]
 
     mine = P(PREFILL_AXIS)
-    return jax.shard_map(on_each_device, mesh=mesh, in_specs=(P(), P(), mine, mine, mine, mine), out_specs=mine)(
-        tokens, grouped, out, weights, scales, biases)
+    return jax.shard_map(on_each_device, mesh=mesh, in_specs=(P(), P(), mine, mine, mine, mine),
+                         out_specs=(mine, mine))(tokens, grouped, out, weights, scales, biases)
 
 
 def _expert_block(storage: ExpertStorage, dtype, tokens, first_pass, later, out, weights, scales, biases):
@@ -510,6 +531,7 @@ class _Ring:
         self._waiting = collections.deque(steps)  # not copied yet
         self._copied: collections.deque = collections.deque()  # (step, device arrays), copies maybe in flight
         self._free = depth
+        self._releasing: collections.deque = collections.deque()  # (phase, arrays, done): see release
         self._resident: list[tuple[jax.Array, ...]] = []
         self.peak_bytes = 0  # the most bytes of device buffers one device's ring ever held (measured: live buffers)
         self.peak_in_use = None  # a device's bytes in use right after each step's allocation, at most
@@ -544,7 +566,11 @@ class _Ring:
 
     def take(self, step: Step) -> tuple[jax.Array, ...]:
         """The device copies of `step`, the next one in order, along the mesh axis (the copies may still be in
-        flight, unless while_copying is given: it runs until they land or it has nothing to do)."""
+        flight, unless while_copying is given: it runs until they land or it has nothing to do). Released steps
+        are waited for and unloaded first, all but the last QUEUED_EXPERT_STEPS where this step's copy has its
+        slot already (so that many stay queued on the device while this one is dispatched), all where it waits for
+        one."""
+        self._settle(queued_expert_steps() if self._copied else 0)
         self.load()
         copied, arrays = self._copied.popleft()
         assert copied is step, "steps taken out of the order they are copied in"
@@ -559,15 +585,34 @@ class _Ring:
             a.delete()
         self._free += 1
 
-    def run(self, phase: str, executable, *args):
+    def release(self, phase: str, arrays: tuple[jax.Array, ...], done: jax.Array) -> None:
+        """Frees the slot of a step dispatched with run(wait=False) once `done` (an output of its last executable) is
+        ready, at a later take or run; the wait is added to phase_seconds[phase]."""
+        self._releasing.append((phase, arrays, done))
+
+    def _settle(self, keep: int) -> None:
+        while len(self._releasing) > keep:
+            phase, arrays, done = self._releasing.popleft()
+            start = time.perf_counter()
+            jax.block_until_ready(done)
+            self.phase_seconds[phase] += time.perf_counter() - start
+            self.unload(arrays)
+
+    def run(self, phase: str, executable, *args, wait: bool = True):
         """Dispatches one executable after issuing every copy there is room for, and waits for it: the next
         copies then find the compute queue empty and start at once. Its wall time, waits for its blocks'
-        copies included, is added to phase_seconds[phase]. Raises PrefillAbandoned first where `abandon` says."""
+        copies included, is added to phase_seconds[phase]. Raises PrefillAbandoned first where `abandon` says.
+        Without `wait`, only the dispatch is timed; its step is then release()d. A waited run first waits for
+        the released steps, so that their time is theirs."""
         if self._abandon is not None and self._abandon():
             raise PrefillAbandoned(f"abandoned before {phase}")
+        if wait:
+            self._settle(0)
         self.load()
         start = time.perf_counter()
-        out = jax.block_until_ready(executable(*args))
+        out = executable(*args)
+        if wait:
+            out = jax.block_until_ready(out)
         self.phase_seconds[phase] += time.perf_counter() - start
         return out
 
@@ -760,8 +805,9 @@ def _staging(mesh: Mesh, layers, depth: int) -> dict[jax.Device, SingleDeviceSha
     device's share) and that stage them: a block is copied over its home device's own link into its memory, then on
     to the mesh's device over the interconnect, instead of over the mesh device's link beside its own share. The
     decoding device's link is otherwise idle (a decode's hand-offs are kilobytes), so the prefill streams over two
-    links, which matters where the host's memory rather than one link bounds the copies: while the CPU kernels read
-    at their floor, one link gets ~38 GB/s and two ~33-39 each (bench/RESULTS.md, serving). A home stages only
+    links, which together draw more of the host's memory than one: while the CPU kernels read at their floor, one
+    link got ~38 GB/s and two ~33-39 each; a 16K-token prefill apart took 0.38 s against 0.45 (DeepSeek-V3 FP8 5
+    layers, 2x H200 with NVLink, session 32; bench/RESULTS.md, serving). A home stages only
     where the interconnect is faster than a link (stages_through) and it has room for `depth` blocks, as many as
     the ring has in flight."""
     inside = set(mesh.devices.flat)
@@ -894,11 +940,11 @@ def _moe_layer(cfg, plan: RingPlan, attend, layout: _Layout, layer, storage: Exp
     grouped, out = ring.run("dispatch", _dispatch, plans, firsts, mesh, tokens, ids, weights, counts)
     for step, step_grouped in zip(steps, grouped, strict=True):
         arrays = ring.take(step)
-        out = ring.run(
+        out, done = ring.run(
             "experts", _expert_step, mesh, storage, jnp.dtype(dtype), tokens, step_grouped, out,
-            *step[0].parts(arrays),
+            *step[0].parts(arrays), wait=False,
         )
-        ring.unload(arrays)
+        ring.release("experts", arrays, done)
     slots = [p.pass_slots for step in plans for p in step]
     top_k = None if cpu is None else cfg.num_experts_per_tok
     return ring.run("combine", _moe_combine, layout, top_k, x, out, shared, cpu_pending), cache, slots
