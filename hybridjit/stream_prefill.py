@@ -83,11 +83,12 @@ COARSE_MEAN_PAIRS = 512
 # The hand-off slot of a streamed decode step's CPU share (co-execution): the step is the only program running, so
 # the interactive decode's first slot is free.
 CPU_SHARE_SLOT = 0
-# Expert steps the ring leaves queued on the devices behind the one it waits for before freeing its blocks
-# (_Ring.take; set_queued_expert_steps). With 1, the next step's executable is queued while the host dispatches the
-# one after it, so the device does not idle for each step's dispatch and wait: a streamed decode step of Qwen3-30B-A3B
-# (8 layers, 1,024 slots, 1x H200, session 31) ran ~152 executables, each waited for, and spent ~45 ms of its
-# ~150 ms outside them. With 0 the ring waits for every step before dispatching the next (as before session 32).
+# Expert steps the ring leaves queued on the devices while it waits for the one before them to free its blocks
+# (_Ring.release; set_queued_expert_steps). With 1, each step is dispatched before the host waits for the previous
+# one, so the device does not idle while the host frees a slot, issues the next copy and dispatches: a streamed decode
+# step of Qwen3-30B-A3B (8 layers, 1,024 slots, 1x H200, session 31) ran ~152 executables, each waited for, and spent
+# ~45 ms of its ~150 ms outside them. With 0 the ring waits for every step as it is dispatched (as before session
+# 32). Either way a slot's next copy is issued once its step has run.
 _queued_expert_steps = 1
 
 
@@ -566,11 +567,10 @@ class _Ring:
 
     def take(self, step: Step) -> tuple[jax.Array, ...]:
         """The device copies of `step`, the next one in order, along the mesh axis (the copies may still be in
-        flight, unless while_copying is given: it runs until they land or it has nothing to do). Released steps
-        are waited for and unloaded first, all but the last QUEUED_EXPERT_STEPS where this step's copy has its
-        slot already (so that many stay queued on the device while this one is dispatched), all where it waits for
-        one."""
-        self._settle(queued_expert_steps() if self._copied else 0)
+        flight, unless while_copying is given: it runs until they land or it has nothing to do). Where its copy
+        waits for a slot, the released steps are waited for and unloaded first."""
+        if not self._copied:
+            self._settle(0)
         self.load()
         copied, arrays = self._copied.popleft()
         assert copied is step, "steps taken out of the order they are copied in"
@@ -587,8 +587,13 @@ class _Ring:
 
     def release(self, phase: str, arrays: tuple[jax.Array, ...], done: jax.Array) -> None:
         """Frees the slot of a step dispatched with run(wait=False) once `done` (an output of its last executable) is
-        ready, at a later take or run; the wait is added to phase_seconds[phase]."""
+        ready: waits now for the steps released before it, all but the last queued_expert_steps() (this one
+        among them), frees their slots and issues the copies they make room for; the rest at a later take or run.
+        So the device has the last steps queued while the host waits, and a slot's next copy is issued when its
+        step has run, as when every step is waited for. The waits are added to phase_seconds[phase]."""
         self._releasing.append((phase, arrays, done))
+        self._settle(queued_expert_steps())
+        self.load()
 
     def _settle(self, keep: int) -> None:
         while len(self._releasing) > keep:

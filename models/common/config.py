@@ -42,6 +42,12 @@ class ModelConfig(Protocol):
     def window(self, layer: int) -> int | None: ...
 
 
+def attended(cfg: ModelConfig, layer: int, context: int) -> int:
+    """The cached positions a decode token of layer `layer` attends over, and its slot holds there (a sliding-window
+    layer keeps its window, a ring, whatever the context), at `context` positions."""
+    return min(cfg.window(layer) or context, context)
+
+
 def decoder_fields(f: ConfigFields, *, rms_norm_eps: float = 1e-6) -> dict:
     """The fields every family reads the same way from its config.json, by their ModelConfig names."""
     vocab = f.integer("vocab_size", minimum=1)
