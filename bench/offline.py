@@ -247,6 +247,11 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
 
     decode, prefill = {}, {}  # decode: {case: ...}, prefill: {(prompts, widened): ...}
     print(f"{'slots':>6} {'experts':>9} {'step ms':>9} {'tok/s':>9} {'pred ms':>9} {'pred tok/s':>10} {'meas/pred':>9}")
+
+    def timed(case: Policy) -> tuple[float, int]:
+        return decode_step_seconds(model, case.slots, 1, context, args.steps, rng, case.experts, case.cpu_blocks,
+                                   case.kv_in_host, work.cache_len, case.attention_on_cpu)
+
     for case in decode_cases(cfg, floors, work, itemsize, args):
         slots = case.slots
         if time.perf_counter() > deadline:
@@ -266,23 +271,20 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
             continue
         model.hold_resident_experts(case.widened)
         with pool_of(co_execution_threads() if case.cpu_blocks else None):  # as a batch run co-executes
-            step, compiled = decode_step_seconds(model, slots, 1, context, args.steps, rng, case.experts,
-                                                 case.cpu_blocks, case.kv_in_host, work.cache_len,
-                                                 case.attention_on_cpu)  # fmt: skip
+            step, compiled = timed(case)
         predicted = predict(cfg, floors, work, case, itemsize, ON_GPU).step_s
         decode[case] = {"step_s": step, "predicted_step_s": predicted, "timed_compiles": compiled}
         print(f"{slots:6d} {label(case):>9} {1e3 * step:9.1f} {slots / step:9.1f} {1e3 * predicted:9.1f} "
               f"{slots / predicted:10.1f} {predicted / step:9.2f}"
               + (f" ({compiled} compiles while timed)" if compiled else ""))  # fmt: skip
+
     by_threads = []  # the co-executed cases again, the CPU kernels' pool at each --threads size
     for threads, case in [(t, c) for t in args.threads for c in decode if c.cpu_blocks]:
         if time.perf_counter() > deadline:
             print(f"time limit: co-executed cases with {threads or 'all'} pool threads and on not run")
             break
         with pool_of(threads):
-            step, compiled = decode_step_seconds(model, case.slots, 1, context, args.steps, rng, case.experts,
-                                                 case.cpu_blocks, case.kv_in_host, work.cache_len,
-                                                 case.attention_on_cpu)  # fmt: skip
+            step, compiled = timed(case)
         by_threads.append(case_fields(case) | {"threads": threads, "step_ms": round(1e3 * step, 2),
                                                "timed_compiles": compiled})  # fmt: skip
         print(f"{case.slots:6d} {label(case):>9} {1e3 * step:9.1f} ms with {threads or 'all'} pool threads "
@@ -296,9 +298,7 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
         set_queued_expert_steps(queued)
         try:
             with pool_of(co_execution_threads() if case.cpu_blocks else None):
-                step, compiled = decode_step_seconds(model, case.slots, 1, context, args.steps, rng, case.experts,
-                                                     case.cpu_blocks, case.kv_in_host, work.cache_len,
-                                                     case.attention_on_cpu)  # fmt: skip
+                step, compiled = timed(case)
         finally:
             set_queued_expert_steps(grid_queued)
         by_queued.append(case_fields(case) | {"queued_expert_steps": queued, "step_ms": round(1e3 * step, 2),
