@@ -229,10 +229,14 @@ def test_mla_core_with_heads_split_equals_the_core():
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-6, atol=1e-6)
 
 
-def test_scheduler_disaggregates_a_long_prompt_that_arrives_while_another_decodes(model, one_device):
-    """A prompt long enough to stream, submitted while another request decodes, streams on the devices that do not
-    decode, in the prefill thread; the same prompt with nothing decoding streams over all of them. Every request's
-    tokens are what it gets alone on one device."""
+@pytest.mark.parametrize("disaggregate, apart_alone, apart_arriving", [("auto", 0, 1), ("always", 1, 1),
+                                                                        ("never", 0, 0)])
+def test_scheduler_disaggregates_a_long_prompt_as_asked(model, one_device, disaggregate, apart_alone,
+                                                        apart_arriving):
+    """A prompt long enough to stream, alone and then submitted while another request decodes: by default
+    ("auto") it streams over all the devices alone, and on those that do not decode, in the prefill thread, while
+    another decodes; "always" streams it apart both times (the seed's disaggregated SLP), "never" over all the
+    devices both times. Every request's tokens are what it gets alone on one device."""
     short, long = [5, 17, 42], [int(t) for t in np.random.default_rng(1).integers(2, 200, 24)]
     for m in (model, one_device):
         m.stream_prefill_threshold = 16  # the 24-token prompt streams, the 3-token one does not
@@ -240,53 +244,20 @@ def test_scheduler_disaggregates_a_long_prompt_that_arrives_while_another_decode
         expected_short, _ = solo(one_device, short, 24)
         expected_long, _ = solo(one_device, long, 6)
         assert len(expected_short) >= 8, "the short request must still decode when the long one arrives"
-        scheduler = Scheduler(model, slots=2, cache_len=64)
-        scheduler.start()
-        try:
-            decoding, arriving = Collector(), Collector()
-            first_token = threading.Event()
-            scheduler.submit(Request(short, 24), lambda e: (decoding(e), first_token.set()))
-            assert first_token.wait(60)
-            scheduler.submit(Request(long, 6), arriving)
-            decoding.wait(), arriving.wait()
-            assert scheduler.stats()["disaggregated_prefills"] == 1
-            alone = Collector()
-            scheduler.submit(Request(long, 6), alone)
-            alone.wait()
-            assert scheduler.stats()["disaggregated_prefills"] == 1  # nothing decoded: over all the devices
-        finally:
-            scheduler.shutdown()
-        assert decoding.tokens == expected_short
-        assert arriving.tokens == alone.tokens == expected_long
-    finally:
-        for m in (model, one_device):
-            m.stream_prefill_threshold = None
-
-
-@pytest.mark.parametrize("disaggregate, apart", [("always", 2), ("never", 0)])
-def test_scheduler_disaggregates_always_or_never_when_asked(model, one_device, disaggregate, apart):
-    """disaggregate="always" streams a long prompt on the devices that do not decode even with nothing decoding
-    (the seed's disaggregated SLP), "never" over all of them even while another request decodes; the tokens are
-    what each request gets alone on one device either way."""
-    short, long = [5, 17, 42], [int(t) for t in np.random.default_rng(1).integers(2, 200, 24)]
-    for m in (model, one_device):
-        m.stream_prefill_threshold = 16
-    try:
-        expected_short, _ = solo(one_device, short, 24)
-        expected_long, _ = solo(one_device, long, 6)
         scheduler = Scheduler(model, slots=2, cache_len=64, disaggregate=disaggregate)
         scheduler.start()
         try:
             alone = Collector()
             scheduler.submit(Request(long, 6), alone)
             alone.wait()
+            assert scheduler.stats()["disaggregated_prefills"] == apart_alone
             decoding, arriving = Collector(), Collector()
             first_token = threading.Event()
             scheduler.submit(Request(short, 24), lambda e: (decoding(e), first_token.set()))
             assert first_token.wait(60)
             scheduler.submit(Request(long, 6), arriving)
             decoding.wait(), arriving.wait()
-            assert scheduler.stats()["disaggregated_prefills"] == apart
+            assert scheduler.stats()["disaggregated_prefills"] == apart_alone + apart_arriving
         finally:
             scheduler.shutdown()
         assert decoding.tokens == expected_short
