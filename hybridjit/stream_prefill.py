@@ -568,13 +568,15 @@ class _Ring:
     def take(self, step: Step) -> tuple[jax.Array, ...]:
         """The device copies of `step`, the next one in order, along the mesh axis (the copies may still be in
         flight, unless while_copying is given: it runs until they land or it has nothing to do). Where its copy
-        waits for a slot, the released steps are waited for and unloaded first."""
+        waits for a slot, the released steps are waited for and unloaded first; so they are before while_copying
+        runs, whose work (a server's decode steps) then finds the device idle rather than behind queued steps."""
         if not self._copied:
             self._settle(0)
         self.load()
         copied, arrays = self._copied.popleft()
         assert copied is step, "steps taken out of the order they are copied in"
-        if self._while_copying is not None:
+        if self._while_copying is not None and not all(a.is_ready() for a in arrays):
+            self._settle(0)
             while not all(a.is_ready() for a in arrays) and self._while_copying():
                 pass
         return arrays
