@@ -190,13 +190,14 @@ def test_steps_left_queued_change_nothing_but_when_blocks_are_freed(case, model,
     it gives waiting for every step, bit for bit, its ring within the plan; a ring of one block waits for each
     step anyway (the next block has no slot until then)."""
     only(case, FULL)
+    default = sp.queued_expert_steps()
     try:
         results = {}
         for queued in (0, 1, 2):
             sp.set_queued_expert_steps(queued)
             results[queued] = streamed(model, tokens, depth=depth, attention_chunk=CHUNK)
     finally:
-        sp.set_queued_expert_steps(1)
+        sp.set_queued_expert_steps(default)
     for queued, (logits, cache, stats) in results.items():
         np.testing.assert_array_equal(logits, results[0][0], err_msg=f"{queued} queued")
         for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(results[0][1]), strict=True):
