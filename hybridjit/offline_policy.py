@@ -111,6 +111,9 @@ class Floors:
     # over a cache larger than the CPU's caches (machine_floors.cpu_attention_gflops), measured where attention on
     # the CPU is asked for (choose_policy; offline.py always). None: not measured.
     cpu_attention_gflops: float | None = None
+    # Of the pool's CPU expert rate, what a co-executed streamed step's CPU share gets: its pool leaves
+    # HOST_LOOP_CPUS to the host's loop (co_execution_threads() over the pool's threads; of_machine measures it).
+    co_execution_share: float = 1.0
 
     def prefill_rates(self) -> PrefillRates:
         return PrefillRates(self.pcie_gbps, self.gpu_tflops, self.cpu_expert_tflops)
@@ -133,7 +136,8 @@ class Floors:
         by_tokens = tuple((t, model.cpu_expert_tflops(t)) for t in RATE_TOKENS) if model.expert_layers else ()
         return cls(host_read_gbps=floors.host_read_gbps, cpu_expert_tflops=rates.cpu_expert_tflops,
                    pcie_gbps=rates.pcie_gbps, gpu_tflops=rates.gpu_tflops, gpu_hbm_gbps=floors.gpu_hbm_gbps,
-                   cpu_expert_tflops_by_tokens=by_tokens)
+                   cpu_expert_tflops_by_tokens=by_tokens,
+                   co_execution_share=co_execution_threads() / kernel_info()["threads"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,7 +320,13 @@ def decode_step(cfg: ModelConfig, floors: Floors, batch: int, context: float, mi
         else:
             copies += batch * kv_bytes_per_slot(cfg, host_kv_positions, itemsize) / (floors.pcie_gbps * 1e9)
             attention = 0.0
-        cpu = (1 - streamed) * cpu_expert_seconds(cfg, sharing, batch)  # from each layer's router to its combine
+        # The CPU's blocks, from each layer's router to its combine, on the pool's co_execution_share: its compute
+        # rates scaled by it (the read floor is the host's, however few threads read).
+        share = floors.co_execution_share
+        co = dataclasses.replace(sharing, cpu_expert_tflops=share * floors.cpu_expert_tflops,
+                                 cpu_expert_tflops_by_tokens=tuple((t, share * r)
+                                                                   for t, r in floors.cpu_expert_tflops_by_tokens))
+        cpu = (1 - streamed) * cpu_expert_seconds(cfg, co, batch)
         # (With the attention on the CPU the GPU's share still counts reading the cache from HBM: ~1% of the CPU's.)
         gpu = gpu_seconds(cfg, floors, batch, context, 1, itemsize) + attention
         step = max(copies, gpu + max(expert_gpu, cpu)) + (handoffs if cpu_blocks else 0.0)

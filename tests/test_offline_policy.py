@@ -17,6 +17,7 @@ from hybridjit.offline_policy import (
     Workload,
     cpu_attention_seconds,
     cpu_expert_seconds,
+    decode_step,
     kv_bytes_per_slot,
     predict,
     resident_expert_seconds,
@@ -305,3 +306,19 @@ def test_a_decode_steps_scores_span_the_widest_layers_positions():
     assert decode_scores_bytes(windowed, 8, 100) == per_position * 100
     gpt_oss = geometry_config("gpt-oss-120b", weight_format="bf16")
     assert decode_scores_bytes(gpt_oss, 8, 8192) == 3 * 4 * 8 * gpt_oss.num_attention_heads * 8192
+
+
+def test_a_co_executed_steps_cpu_share_runs_at_the_pools_share_of_the_rate():
+    """The CPU's blocks of a co-executed streamed step are priced at co_execution_share of the kernels' compute rate
+    (their pool leaves the host's loop its CPUs): with half the rate the CPU's part takes twice as long where compute
+    binds it, while a step that streams every block is priced as before."""
+    full = dataclasses.replace(FLOORS, cpu_expert_tflops_by_tokens=((64, 0.5), (4096, 3.8)))
+    half = dataclasses.replace(full, co_execution_share=0.5)
+    # The link, the GPU and the host's reads all but free, so the CPU's compute is the step.
+    free = {"host_read_gbps": 1e12, "pcie_gbps": 1e9, "gpu_tflops": 1e9, "gpu_hbm_gbps": 1e12, "gpu_layer_us": 0.0,
+            "handoff_us": 0.0}
+    full, half = (dataclasses.replace(f, **free) for f in (full, half))
+    co_executed = [decode_step(QWEN, f, 1024, 640, 1, 2, "stream", cpu_blocks=4)[0] for f in (full, half)]
+    assert co_executed[1] == pytest.approx(2 * co_executed[0], rel=0.05)
+    streamed = [decode_step(QWEN, f, 1024, 640, 1, 2, "stream")[0] for f in (full, half)]
+    assert streamed[0] == streamed[1] < co_executed[0]
