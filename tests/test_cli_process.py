@@ -3,6 +3,7 @@ and a server that cannot start. Each ends with one line on stderr (or none) and 
 a traceback."""
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -17,14 +18,16 @@ LONG_RUN = ["generate", "--max-new-tokens", "2000", "def fibonacci(n):"]  # seco
 
 
 @contextlib.contextmanager
-def hybridjit(*argv):
-    """`python -m hybridjit ...` of this source tree, with pipes; killed if the test leaves it running."""
+def hybridjit(*argv, env: dict | None = None):
+    """`python -m hybridjit ...` of this source tree, with pipes (and `env` added to the environment); killed if the
+    test leaves it running."""
     # A child inherits an ignored SIGINT (a shell's background job) but not a handler: while it starts, the
     # handler is set, so that the child's Python raises KeyboardInterrupt on SIGINT as it does in a terminal.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "hybridjit", *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            [sys.executable, "-m", "hybridjit", *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env={**os.environ, **(env or {})},
         )
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -70,6 +73,15 @@ def test_serve_refuses_a_cache_longer_than_the_context_in_one_line():
         _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2
     assert err.decode().splitlines()[-1] == "hybridjit: error: cache_len must be in [1, 2048], got 99999"
+
+
+def test_serve_refuses_disaggregation_on_one_device_in_one_line():
+    one_gpu = {"CUDA_VISIBLE_DEVICES": "0"}  # on a host with several; nothing changes on a CPU
+    with hybridjit("serve", "--quiet", "--disaggregate", "always", "--port", str(free_port()), env=one_gpu) as proc:
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert err.decode().splitlines()[-1] == ("hybridjit: error: disaggregate='always': the placement has no prefill "
+                                             "device besides the one that decodes")
 
 
 def test_serve_on_a_port_in_use_says_so_in_one_line_before_loading():
