@@ -827,8 +827,8 @@ def _staging(mesh: Mesh, layers, depth: int) -> dict[jax.Device, SingleDeviceSha
 
 
 def _alternating_homes(steps: list[Step]) -> list[Step]:
-    """One-block steps reordered to take one of each home device's blocks in turn (the order of a layer's steps
-    is free: the blocks' outputs are added)."""
+    """A layer's steps reordered to take one of each home device's in turn, by the home of each step's first block
+    (the order of a layer's steps is free: the blocks' outputs are added)."""
     by_home: dict[jax.Device, collections.deque] = collections.defaultdict(collections.deque)
     for step in steps:
         by_home[step[0].home].append(step)
