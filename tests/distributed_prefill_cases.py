@@ -152,24 +152,29 @@ def test_matches_one_device_and_the_plain_prefill(model, shards, one_device, exa
         assert stats.largest_pass_slots <= stats.plan.block_slots
 
 
-@pytest.mark.parametrize("stages", [True, False], ids=["staged", "direct"])
+@pytest.mark.parametrize("stages, room", [(True, True), (False, True), (True, False)],
+                         ids=["staged", "direct", "no-room"])
 def test_a_prefill_apart_stages_the_other_devices_share_through_them(model, shards, one_device, tokens, monkeypatch,
-                                                                     stages):
+                                                                     stages, room):
     """A prefill on the devices that do not decode (disaggregated) copies the blocks pinned through the others (the
     decoding device, and on four devices the one the blocks' split leaves out) through those devices' memory where
-    the interconnect pays (stages_through; XLA:CPU's does not, so it is forced here), else straight from the
-    pinned memory; either way it gives one device's logits and cache."""
-    monkeypatch.setattr(sp, "stages_through", lambda home, device: stages)
-    apart = sp.streaming_devices(model, tuple(DEVICES[1:shards]))  # as the scheduler's
-    logits, cache, stats = streamed(model, tokens, devices=apart)
+    the interconnect pays (stages_through; XLA:CPU's does not, so it is forced here) and they have room for the
+    ring's blocks in flight, else straight from the pinned memory; either way it gives one device's logits and
+    cache."""
     one_logits, one_cache, _ = streamed(one_device, tokens)
+    apart = sp.streaming_devices(model, tuple(DEVICES[1:shards]))  # as the scheduler's
+    monkeypatch.setattr(sp, "stages_through", lambda home, device: stages)
+    if not room:  # the homes say they have no memory free (XLA:CPU's say nothing: room, as for any size)
+        free = sp.free_device_memory
+        monkeypatch.setattr(sp, "free_device_memory", lambda d: free(d) if d in apart else 0)
+    logits, cache, stats = streamed(model, tokens, devices=apart)
     assert rel_rms(logits, one_logits) < FLOAT32_RTOL
     assert cache_error(cache, one_cache) < FLOAT32_RTOL
     assert all(leaf.devices() == {DEVICES[0]} for leaf in jax.tree.leaves(cache))
     layers = pinned(model)
     home_bytes = sum(b.nbytes for p in layers for b in p.blocks if b.home not in apart)
     assert stats.streamed_bytes == sum(p.nbytes for p in layers)
-    assert stats.staged_bytes == (home_bytes if stages else 0) and home_bytes > 0
+    assert stats.staged_bytes == (home_bytes if stages and room else 0) and home_bytes > 0
 
 
 def test_decode_continues_on_the_first_device(model, one_device):
