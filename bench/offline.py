@@ -21,7 +21,7 @@ Each model is a geometry with random FP8 weights (prefill.py's PooledExperts: fa
   share on the pool a batch run gives it (offline_policy.co_execution_threads: HOST_LOOP_CPUS left to the host's
   loop); with `--threads N ...`, they run again with the CPU kernels' pool at each of those sizes; with
   `--queued-expert-steps N ...`, the streamed cases run again with N expert steps left queued on the device
-  (stream_prefill.set_queued_expert_steps; 0 waits for each, as the ring did before session 32);
+  (stream_prefill.expert_steps_queued; 0 waits for each, as the ring did before session 32);
 - prefill of every --prefill batch of 512-token prompts (whichever path the engine chooses);
 - the performance model (hybridjit/offline_policy.py) fed with floors measured here (memory read floor, pinned
   H2D, dense GEMM, the device memory's read rate, the CPU expert kernels' rate at each case's tokens per call, the
@@ -37,10 +37,12 @@ experts fit the device at full depth). With --kv-in-host, also the full-depth pi
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
 import time
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +59,6 @@ from hybridjit.offline_policy import (
     Floors,
     Policy,
     Workload,
-    co_execution_threads,
     kv_bytes_per_slot,
     predict,
     search,
@@ -69,9 +70,8 @@ from hybridjit.sampling import SamplingParams
 from hybridjit.serving.engine import DEVICE_ONLY_DECODE_STEPS, Engine, Prefilled, bucket
 from hybridjit.stream_prefill import (
     choose_prefill_path,
+    expert_steps_queued,
     free_device_memory,
-    queued_expert_steps,
-    set_queued_expert_steps,
 )
 from prefill import PooledExperts, cpu_expert_tflops, gemm_tflops, h2d_gbps
 
@@ -101,6 +101,13 @@ def measured_floors(model, memory: dict, tokens: list[int]) -> Floors:
                     "gpu_hbm_gbps": hbm_read_gbps(device), "device_free_bytes": free_device_memory(device),
                     "host_free_bytes": host_kv_budget(model)}  # fmt: skip
     return dataclasses.replace(Floors(), **figures)
+
+
+@contextlib.contextmanager
+def _queued_on_its_pool(queued: int, case: Policy) -> Iterator[None]:
+    """`queued` expert steps queued, on the CPU pool a batch run gives `case`."""
+    with expert_steps_queued(queued), case.cpu_pool():
+        yield
 
 
 def decode_step_seconds(model, slots: int, micro_batches: int | None, context: int, steps: int, rng,
@@ -270,7 +277,7 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
             print(f"{slots:6d} slots: their KV cache ({kv / 2**30:.1f} GiB) does not fit host memory")
             continue
         model.hold_resident_experts(case.widened)
-        with pool_of(co_execution_threads() if case.cpu_blocks else None):  # as a batch run co-executes
+        with case.cpu_pool():  # as a batch run has it
             step, compiled = timed(case)
         predicted = predict(cfg, floors, work, case, itemsize, ON_GPU).step_s
         decode[case] = {"step_s": step, "predicted_step_s": predicted, "timed_compiles": compiled}
@@ -278,33 +285,28 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
               f"{slots / predicted:10.1f} {predicted / step:9.2f}"
               + (f" ({compiled} compiles while timed)" if compiled else ""))  # fmt: skip
 
-    by_threads = []  # the co-executed cases again, the CPU kernels' pool at each --threads size
-    for threads, case in [(t, c) for t in args.threads for c in decode if c.cpu_blocks]:
-        if time.perf_counter() > deadline:
-            print(f"time limit: co-executed cases with {threads or 'all'} pool threads and on not run")
-            break
-        with pool_of(threads):
-            step, compiled = timed(case)
-        by_threads.append(case_fields(case) | {"threads": threads, "step_ms": round(1e3 * step, 2),
-                                               "timed_compiles": compiled})  # fmt: skip
-        print(f"{case.slots:6d} {label(case):>9} {1e3 * step:9.1f} ms with {threads or 'all'} pool threads "
-              f"({co_execution_threads()}: {1e3 * decode[case]['step_s']:.1f})")
-    by_queued = []  # the streamed cases again, each number of --queued-expert-steps
-    grid_queued = queued_expert_steps()  # the setting the grid ran with
-    for queued, case in [(q, c) for q in args.queued_expert_steps for c in decode if c.experts == "stream"]:
-        if time.perf_counter() > deadline:
-            print(f"time limit: streamed cases with {queued} expert steps queued and on not run")
-            break
-        set_queued_expert_steps(queued)
-        try:
-            with pool_of(co_execution_threads() if case.cpu_blocks else None):
+    def timed_again(cases, values, key: str, setting, said) -> list[dict]:
+        """Each of `cases` timed again under each of `values` (setting(value, case): a context manager), after the
+        grid: rows of the case's fields, `key`: the value and the step; `said(value)` words it."""
+        rows = []
+        for value, case in [(v, c) for v in values for c in cases]:
+            if time.perf_counter() > deadline:
+                print(f"time limit: cases {said(value)} and on not run")
+                break
+            with setting(value, case):
                 step, compiled = timed(case)
-        finally:
-            set_queued_expert_steps(grid_queued)
-        by_queued.append(case_fields(case) | {"queued_expert_steps": queued, "step_ms": round(1e3 * step, 2),
-                                              "timed_compiles": compiled})  # fmt: skip
-        print(f"{case.slots:6d} {label(case):>9} {1e3 * step:9.1f} ms with {queued} expert steps queued "
-              f"({grid_queued}: {1e3 * decode[case]['step_s']:.1f})")
+            rows.append(case_fields(case) | {key: value, "step_ms": round(1e3 * step, 2), "timed_compiles": compiled})
+            print(f"{case.slots:6d} {label(case):>9} {1e3 * step:9.1f} ms {said(value)} "
+                  f"(in the grid: {1e3 * decode[case]['step_s']:.1f})")
+        return rows
+
+    # The co-executed cases with the CPU kernels' pool at each --threads size; the streamed ones with each number of
+    # --queued-expert-steps (on the pool a batch run gives them).
+    by_threads = timed_again([c for c in decode if c.cpu_blocks], args.threads, "threads",
+                             lambda threads, _: pool_of(threads), lambda t: f"with {t or 'all'} pool threads")
+    by_queued = timed_again([c for c in decode if c.experts == "stream"], args.queued_expert_steps,
+                            "queued_expert_steps", _queued_on_its_pool,
+                            lambda q: f"with {q} expert steps queued")
     print(f"{'prompts':>7} {'path':>7} {'ms':>9} {'tok/s':>9} {'pred ms':>9}")
     for wide, batch in [(w, b) for w in [False, *([True] if args.widen else [])] for b in args.prefill]:
         if time.perf_counter() > deadline:
@@ -441,7 +443,7 @@ def main(argv=None):
                              "kernels' pool at each of these sizes (0: one thread per core), after the grid")
     parser.add_argument("--queued-expert-steps", type=int, nargs="+", default=[],
                         help="time the streamed cases again with each number of expert steps left queued on the "
-                             "device (0: each waited for; stream_prefill.set_queued_expert_steps), after the grid")
+                             "device (0: each waited for; stream_prefill.expert_steps_queued), after the grid")
     parser.add_argument("--time-limit", type=float, default=330.0,
                         help="seconds after which no further case starts (the JSON line still ends the run)")
     args = parser.parse_args(argv)

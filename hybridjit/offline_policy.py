@@ -57,7 +57,7 @@ from hybridjit.host_kv_cache import DEVICE_LAYERS, host_kv_budget
 from hybridjit.models.common.config import attended
 from hybridjit.models.common.resident_experts import gathered, grouped_capacity
 from hybridjit.models.registry import ModelConfig, family_of
-from hybridjit.ops.routed_experts import kernel_info
+from hybridjit.ops.routed_experts import kernel_info, pool_of
 from hybridjit.pinned_experts import BLOCKS_PER_LAYER
 from hybridjit.serving.engine import bucket
 from hybridjit.stream_prefill import (
@@ -174,6 +174,11 @@ class Policy:
     widened: bool = False  # with RESIDENT FP8 copies: held dequantized in the compute dtype for the run
     kv_in_host: bool = False  # with experts "stream": the KV cache in pinned host memory, copied in a layer at a time
     attention_on_cpu: bool = False  # with kv_in_host: the CPU attends over that cache where it is instead
+
+    def cpu_pool(self):
+        """The CPU pool the run's decode steps take (ops.routed_experts.pool_of): co_execution_threads() where the
+        CPU computes blocks of a streamed step, else the pool as it is."""
+        return pool_of(co_execution_threads() if self.cpu_blocks else None)
 
     def describe(self) -> str:
         mb = "dual-batch overlap" if self.micro_batches == DUAL else f"{self.micro_batches} attention micro-batch(es)"

@@ -35,10 +35,11 @@ sequence's last prompt token.
 """
 
 import collections
+import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import cache, partial
 
 import jax
@@ -84,7 +85,7 @@ COARSE_MEAN_PAIRS = 512
 # the interactive decode's first slot is free.
 CPU_SHARE_SLOT = 0
 # Expert steps the ring leaves queued on the devices while it waits for the one before them to free its blocks
-# (_Ring.release; set_queued_expert_steps). With 0 (the measured way) the ring waits for every step as it is
+# (_Ring.release; expert_steps_queued). With 0 (the measured way) the ring waits for every step as it is
 # dispatched. With 1, each step is dispatched before the host waits for the previous one, so the device need not idle
 # while the host frees a slot, issues the next copy and dispatches: a streamed decode step of Qwen3-30B-A3B (8 layers,
 # 1,024 slots, 1x H200, session 31) ran ~152 executables, each waited for, and spent ~45 ms of its ~150 ms outside
@@ -97,12 +98,18 @@ def queued_expert_steps() -> int:
     return _queued_expert_steps
 
 
-def set_queued_expert_steps(steps: int) -> None:
-    """How many expert steps a ring leaves queued (0 or more); for benchmarks comparing the two ways."""
+@contextlib.contextmanager
+def expert_steps_queued(steps: int) -> Iterator[None]:
+    """Rings leave `steps` (0 or more) expert steps queued inside the block, then as many as before; for benchmarks
+    comparing the two ways."""
     global _queued_expert_steps
     if steps < 0:
         raise ValueError(f"queued expert steps must be >= 0, got {steps}")
-    _queued_expert_steps = steps
+    before, _queued_expert_steps = _queued_expert_steps, steps
+    try:
+        yield
+    finally:
+        _queued_expert_steps = before
 
 
 # ------------------------------------------------------------------------------------------ the plan

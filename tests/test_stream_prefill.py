@@ -186,26 +186,22 @@ def test_device_memory_stays_within_the_budget(case, model, tokens):
 
 @pytest.mark.parametrize("depth", [1, 3])
 def test_steps_left_queued_change_nothing_but_when_blocks_are_freed(case, model, tokens, depth):
-    """With expert steps left queued behind the one waited for (sp.set_queued_expert_steps), the prefill gives what
+    """With expert steps left queued behind the one waited for (sp.expert_steps_queued), the prefill gives what
     it gives waiting for every step, bit for bit, its ring within the plan; a ring of one block waits for each
     step anyway (the next block has no slot until then)."""
     only(case, FULL)
-    default = sp.queued_expert_steps()
-    try:
-        results = {}
-        for queued in (0, 1, 2):
-            sp.set_queued_expert_steps(queued)
+    results = {}
+    for queued in (0, 1, 2):
+        with sp.expert_steps_queued(queued):
             results[queued] = streamed(model, tokens, depth=depth, attention_chunk=CHUNK)
-    finally:
-        sp.set_queued_expert_steps(default)
     for queued, (logits, cache, stats) in results.items():
         np.testing.assert_array_equal(logits, results[0][0], err_msg=f"{queued} queued")
         for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(results[0][1]), strict=True):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
         assert 0 < stats.peak_ring_bytes <= stats.plan.ring_bytes
         assert stats.block_passes == results[0][2].block_passes
-    with pytest.raises(ValueError, match="queued expert steps must be >= 0"):
-        sp.set_queued_expert_steps(-1)
+    with pytest.raises(ValueError, match="queued expert steps must be >= 0"), sp.expert_steps_queued(-1):
+        pass
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3])

@@ -20,8 +20,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from hybridjit.host_kv_cache import host_memory_bytes
-from hybridjit.offline_policy import DUAL, Floors, choose_policy, co_execution_threads
-from hybridjit.ops.routed_experts import pool_of
+from hybridjit.offline_policy import DUAL, Floors, choose_policy
 from hybridjit.pinned_experts import open_host_memory_pool
 from hybridjit.serving.batch_output import ResumableOutput
 from hybridjit.serving.batch_requests import check_defaults, encode_requests, id_key, read_requests
@@ -148,7 +147,7 @@ def _complete(model, todo, out: ResumableOutput | None, done: dict, overrides: t
     micro_batches = None if policy.micro_batches == DUAL else policy.micro_batches  # None: the Engine's dual overlap
     try:
         model.hold_resident_experts(policy.widened)
-        with pool_of(co_execution_threads() if policy.cpu_blocks else None):
+        with policy.cpu_pool():
             _decode_all(model, todo, out, done, policy, micro_batches, cache_len, progress)
     finally:
         if not owned:  # as stored again, as interactive decode reads them fastest (a model closed next needs not)
