@@ -104,6 +104,28 @@ def measured_floors(model, memory: dict, tokens: list[int]) -> Floors:
 
 
 @contextlib.contextmanager
+def counting_compiles() -> Iterator[list]:
+    """A list that grows by one for each program XLA compiles while the block runs."""
+    compiles = []
+
+    def count(event, _secs, **_):
+        if event == BACKEND_COMPILE_EVENT:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+
+
+def warmed_up(calls_run: int, warmup: int, compiled: int) -> bool:
+    """Whether a call is timed: after `warmup` calls, the first that compiled nothing (or any once MAX_WARMUP_CALLS
+    ran), and every call after it."""
+    return calls_run > warmup and (not compiled or calls_run > MAX_WARMUP_CALLS)
+
+
+@contextlib.contextmanager
 def _queued_on_its_pool(queued: int, case: Policy) -> Iterator[None]:
     """`queued` expert steps queued, on the CPU pool a batch run gives `case`."""
     with expert_steps_queued(queued), case.cpu_pool():
@@ -141,15 +163,8 @@ def decode_step_seconds(model, slots: int, micro_batches: int | None, context: i
     # 24's 4 timed steps after 2, when capacities were eighths, were mostly compiling), so it warms up longer, and
     # then on until a call compiles nothing. Compiles in the timed calls are counted and returned.
     warmup = 2 if experts == "cpu" else STREAMED_WARMUP_STEPS
-    compiles = []
-
-    def count(event, _secs, **_):
-        if event == BACKEND_COMPILE_EVENT:
-            compiles.append(event)
-
     times, previous, last, calls_run, timed_compiles = [], None, time.perf_counter(), 0, 0
-    jax.monitoring.register_event_duration_secs_listener(count)
-    try:
+    with counting_compiles() as compiles:
         while len(times) < calls:
             before = len(compiles)
             step = engine.generate()  # compiles, where it does, as it dispatches
@@ -158,13 +173,11 @@ def decode_step_seconds(model, slots: int, micro_batches: int | None, context: i
             now = time.perf_counter()
             calls_run += 1
             compiled = len(compiles) - before
-            if times or (calls_run > warmup and (not compiled or calls_run > MAX_WARMUP_CALLS)):
+            if times or warmed_up(calls_run, warmup, compiled):
                 times.append((now - last) / engine.steps)
                 timed_compiles += compiled
             previous, last = step, now
         previous.tokens()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(count)
     return statistics.median(times), timed_compiles
 
 
@@ -208,22 +221,34 @@ def case_fields(case: Policy, prefill: int | None = None) -> dict:
     return fields if prefill is None else fields | {"prefill": prefill}
 
 
-def prefill_seconds(model, batch: int, rng, repeats: int = 3, warmup: int = 3) -> tuple[float, str]:
-    """Median seconds of the engine's prefill of `batch` random 512-token prompts, and the path it took. The first
-    `warmup` compile: the stream-loaded path has a program per expert-step shape, and a new prompt's routing may
-    need one the earlier prompts did not (a run of thousands of prompts compiles each once)."""
+def prefill_seconds(model, batch: int, rng, repeats: int = 3, warmup: int = 2) -> tuple[float, str, int, int]:
+    """Median seconds of the engine's prefill of `batch` random 512-token prompts over the calls after `warmup` that
+    compiled nothing, the path it took, how many calls after `warmup` were left out for compiling, and the programs
+    compiled while timed (0 but where MAX_WARMUP_CALLS ran out first). The stream-loaded path
+    has a program per expert-step capacity, and a new prompt's routing may need one the earlier prompts did not: a
+    run of thousands of prompts compiles each once, where timing them measured compiles (Qwen3-30B-A3B, 8 layers,
+    1x H200: 1.1-2.4 s a call in sessions 31-33 against ~90 ms of copies)."""
     engine = Engine(model, 1, PROMPT + 1)
     params = [SamplingParams()] * batch
-    times = []
-    for _ in range(repeats + warmup):
-        seqs = rng.integers(2, model.config.vocab_size, (batch, PROMPT)).tolist()
-        start = time.perf_counter()
-        prefilled = engine.prefill(seqs, params)
-        np.asarray(prefilled.tokens)
-        times.append(time.perf_counter() - start)
-        del prefilled
+    times, calls_run, left_out, timed_compiles = [], 0, 0, 0
+    with counting_compiles() as compiles:
+        while len(times) < repeats:
+            seqs = rng.integers(2, model.config.vocab_size, (batch, PROMPT)).tolist()
+            before, start = len(compiles), time.perf_counter()
+            prefilled = engine.prefill(seqs, params)
+            np.asarray(prefilled.tokens)
+            seconds, compiled = time.perf_counter() - start, len(compiles) - before
+            del prefilled
+            calls_run += 1
+            if calls_run <= warmup:
+                continue
+            if compiled and calls_run <= MAX_WARMUP_CALLS:
+                left_out += 1
+                continue
+            times.append(seconds)
+            timed_compiles += compiled
     path = choose_prefill_path(model, batch, PROMPT, threshold=model.stream_prefill_threshold)
-    return statistics.median(times[warmup:]), path
+    return statistics.median(times), path, left_out, timed_compiles
 
 
 def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
@@ -317,12 +342,15 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
             print(f"prefill {batch}: the widened copies do not fit the device")
             continue
         model.hold_resident_experts(wide)
-        seconds, path = prefill_seconds(model, batch, rng)
+        seconds, path, left_out, compiled = prefill_seconds(model, batch, rng)
         policy = Policy(1, 1, batch, experts=where, widened=wide)
         predicted = predict(cfg, floors, work, policy, itemsize, ON_GPU).prefill_s
-        prefill[batch, wide] = {"seconds": seconds, "predicted_s": predicted, "path": path}
+        prefill[batch, wide] = {"seconds": seconds, "predicted_s": predicted, "path": path,
+                                "calls_left_out_compiling": left_out, "timed_compiles": compiled}  # fmt: skip
         path += "-wide" if wide else ""
-        print(f"{batch:7d} {path:>7} {1e3 * seconds:9.1f} {batch * PROMPT / seconds:9.1f} {1e3 * predicted:9.1f}")
+        print(f"{batch:7d} {path:>7} {1e3 * seconds:9.1f} {batch * PROMPT / seconds:9.1f} {1e3 * predicted:9.1f}"
+              + (f" ({left_out} calls that compiled left out)" if left_out else "")
+              + (f" ({compiled} compiles while timed)" if compiled else ""))  # fmt: skip
 
     def run_tok_s(b, p, step, pre):
         generated = work.requests * NEW
@@ -339,7 +367,9 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
         "streamed_by_queued_expert_steps": by_queued,
         "prefill": [{"prompts": p, "path": d["path"], "widened": w, "ms": round(1e3 * d["seconds"], 1),
                      "tok_s": round(p * PROMPT / d["seconds"], 1),
-                     "predicted_tok_s": round(p * PROMPT / d["predicted_s"], 1)} for (p, w), d in prefill.items()],
+                     "predicted_tok_s": round(p * PROMPT / d["predicted_s"], 1),
+                     "calls_left_out_compiling": d["calls_left_out_compiling"],
+                     "timed_compiles": d["timed_compiles"]} for (p, w), d in prefill.items()],
     }  # fmt: skip
     if decode:
         best_decode = max(c.slots / d["step_s"] for c, d in decode.items())

@@ -34,7 +34,8 @@ jitted prefill, routed experts on the CPU) is measured at --hybrid-tokens (it ho
 so only short prompts fit) and projected to full depth by its time per MoE layer; at other lengths it is
 modelled (stream_prefill.prefill_seconds with the measured rates). `--prompts random repeated` also runs one
 token repeated: every token then routes to the same experts, the skew under which an expert
-block runs in several passes (StreamStats.block_passes). Ends with one JSON line.
+block runs in several passes (StreamStats.block_passes). `--queued-expert-steps 1 0` runs the stream cases once
+with each number of expert steps the ring leaves queued on the device. Ends with one JSON line.
 """
 
 import argparse
@@ -337,6 +338,9 @@ def main(argv=None):
                         help="random tokens, or one token repeated (skewed routing); each runs every length")
     parser.add_argument("--devices", type=int, default=1,
                         help="GPUs the stream-loaded prefill is distributed over (Placement.prefill_devices)")
+    parser.add_argument("--queued-expert-steps", type=int, nargs="+", default=[sp.queued_expert_steps()],
+                        help="run the stream-loaded cases once per number of expert steps the ring leaves queued on "
+                             "the device (stream_prefill.expert_steps_queued; default: the library's)")
     parser.add_argument("--time-limit", type=float, default=float("inf"),
                         help="seconds after which no new case starts (the JSON line still comes)")
     args = parser.parse_args(argv)
@@ -365,14 +369,15 @@ def main(argv=None):
     results, skipped = [], []
     print(f"{'path':>6} {'tokens':>6} {'depth':>5} {'TTFT ms':>9} {'layer ms':>8} {'full s(proj)':>12} "
           f"{'H2D GB/s':>8} {'of peak':>7} {'TFLOP/s':>7} {'floor s':>8} {'ratio':>6}")
-    cases = [("stream", n, kind) for kind in args.prompts for n in args.tokens]
-    cases += [("hybrid", n, kind) for kind in args.prompts for n in args.hybrid_tokens]
-    for path, length, kind in cases:
+    cases = [("stream", n, kind, q) for q in args.queued_expert_steps for kind in args.prompts for n in args.tokens]
+    cases += [("hybrid", n, kind, None) for kind in args.prompts for n in args.hybrid_tokens]
+    for path, length, kind, queued in cases:
         if time.perf_counter() - begin > args.time_limit:
-            skipped.append(f"{path} {length} {kind}")
+            skipped.append(f"{path} {length} {kind}" + (f" {queued} queued" if queued is not None else ""))
             continue
         if path == "stream":
-            r = stream_case(model, full, length, floors, budget, kind)
+            with sp.expert_steps_queued(queued):
+                r = stream_case(model, full, length, floors, budget, kind) | {"queued_expert_steps": queued}
             print(f"{path:>6} {length:6d} {r['ring_depth']:5d} {r['ttft_ms']:9.1f} {r['moe_layer_ms']:8.1f} "
                   f"{r['projected_full_depth_ttft_s']:12.2f} {r['h2d_gbps']:8.1f} {r['h2d_ratio']:7.2f} "
                   f"{r['tflops']:7.1f} {r['floor_full_depth_s']:8.2f} {r['ratio_to_floor']:6.2f}", flush=True)
@@ -381,7 +386,7 @@ def main(argv=None):
                   f"alone {r['attention_core_alone_ms']} ms = {r['attention_core_alone_tflops']} TFLOP/s; floor "
                   f"with that attention {r['floor_with_measured_attention_s']} s, ratio "
                   f"{r['ratio_to_floor_with_measured_attention']}; {r['expert_block_passes']} expert block passes "
-                  f"({kind} prompt)", flush=True)
+                  f"({kind} prompt, {queued} expert steps queued)", flush=True)
         else:
             r = hybrid_case(model, full, length, kind)
             print(f"{path:>6} {length:6d} {'-':>5} {r['ttft_ms']:9.1f} {'-':>8} "

@@ -85,13 +85,12 @@ COARSE_MEAN_PAIRS = 512
 # the interactive decode's first slot is free.
 CPU_SHARE_SLOT = 0
 # Expert steps the ring leaves queued on the devices while it waits for the one before them to free its blocks
-# (_Ring.release; expert_steps_queued). With 0 (the measured way) the ring waits for every step as it is
-# dispatched. With 1, each step is dispatched before the host waits for the previous one, so the device need not idle
-# while the host frees a slot, issues the next copy and dispatches: a streamed decode step of Qwen3-30B-A3B (8 layers,
-# 1,024 slots, 1x H200, session 31) ran ~152 executables, each waited for, and spent ~45 ms of its ~150 ms outside
-# them. Not yet measured on a GPU (bench/offline.py --queued-expert-steps 1). Either way a slot's next copy is issued
-# once its step has run.
-_queued_expert_steps = 0
+# (_Ring.release; expert_steps_queued). With 0 the ring waits for every step as it is dispatched. With 1, each step
+# is dispatched before the host waits for the previous one, so the device need not idle while the host frees a slot,
+# issues the next copy and dispatches: a streamed decode step of Qwen3-30B-A3B (8 layers, 2,048 slots, 1x H200)
+# ran ~152 executables, and took 180 ms with each waited for, 148 ms with 1 queued, 154 ms with 2 (session 33,
+# bench/offline.py --queued-expert-steps 0 1 2). Either way a slot's next copy is issued once its step has run.
+_queued_expert_steps = 1
 
 
 def queued_expert_steps() -> int:
