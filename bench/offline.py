@@ -54,11 +54,13 @@ from floors import floors_line, machine, memory_floors
 from hybridjit.host_kv_cache import DEVICE_LAYERS, host_kv_budget
 from hybridjit.machine_floors import cpu_attention_gflops, hbm_read_gbps
 from hybridjit.offline_policy import (
+    CO_EXECUTION_TOKENS,
     EXPERTS,
     RESIDENT,
     Floors,
     Policy,
     Workload,
+    co_execution_threads,
     kv_bytes_per_slot,
     predict,
     search,
@@ -89,17 +91,20 @@ def load(geometry: str, layers: int | None, dtype):
 
 def measured_floors(model, memory: dict, tokens: list[int]) -> Floors:
     """The model's Floors from this run's measurements (the GPU ones only on a GPU; the rest stay defaults): the CPU
-    expert rate at each of `tokens` per call (the decode steps' slots, the prefill batches' tokens) and at 4096, and
-    the CPU attention kernels' rate at the model's shapes."""
+    expert rate at each of `tokens` per call (the decode steps' slots, the prefill batches' tokens), at
+    CO_EXECUTION_TOKENS and at 4096, the CPU attention kernels' rate at the model's shapes, and, as Floors.of_machine
+    measures it, the share of the CPU expert rate a co-executed step's CPU blocks get."""
     device = model.placement.device
-    by_tokens = tuple((t, cpu_expert_tflops(model, t)) for t in sorted({*tokens, 4096}))
+    by_tokens = tuple((t, cpu_expert_tflops(model, t)) for t in sorted({*tokens, CO_EXECUTION_TOKENS, 4096}))
     figures = {"host_read_gbps": memory["read_gbps"], "cpu_expert_tflops": dict(by_tokens)[4096],
                "cpu_expert_tflops_by_tokens": by_tokens,
                "cpu_attention_gflops": cpu_attention_gflops(model.config, model.dtype)}  # fmt: skip
     if ON_GPU:
+        co_executed = cpu_expert_tflops(model, CO_EXECUTION_TOKENS, threads=co_execution_threads(), copying_to=device)
         figures |= {"pcie_gbps": h2d_gbps(device), "gpu_tflops": gemm_tflops(device),
                     "gpu_hbm_gbps": hbm_read_gbps(device), "device_free_bytes": free_device_memory(device),
-                    "host_free_bytes": host_kv_budget(model)}  # fmt: skip
+                    "host_free_bytes": host_kv_budget(model),
+                    "co_execution_share": co_executed / dict(by_tokens)[CO_EXECUTION_TOKENS]}  # fmt: skip
     return dataclasses.replace(Floors(), **figures)
 
 
@@ -270,7 +275,8 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
           f"{floors.host_read_gbps:.1f} GB/s, H2D {floors.pcie_gbps:.1f} GB/s, GEMM {floors.gpu_tflops:.0f} TFLOP/s, "
           f"HBM {floors.gpu_hbm_gbps:.0f} GB/s, "
           f"CPU experts {', '.join(f'{r:.2f} at {t}' for t, r in floors.cpu_expert_tflops_by_tokens)} TFLOP/s "
-          f"(tokens per call), CPU attention {floors.cpu_attention_gflops:.0f} GFLOP/s, device free "
+          f"(tokens per call; co-executed beside the link's copies at {floors.co_execution_share:.2f} of the rate), "
+          f"CPU attention {floors.cpu_attention_gflops:.0f} GFLOP/s, device free "
           + (f"{floors.device_free_bytes / 2**30:.1f} GiB" if floors.device_free_bytes else "unbounded"))  # fmt: skip
 
     interactive, _ = decode_step_seconds(model, 1, None, context, args.steps, rng)  # as generate runs one prompt

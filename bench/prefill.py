@@ -43,14 +43,13 @@ import json
 import os
 import platform
 import statistics
-import threading
 import time
 import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from moe_cpu import GGUF_FORMATS
 
@@ -141,40 +140,21 @@ def read_while_copying(devices, read_pattern: str, seconds: float = 0.5) -> dict
         return statistics.median(rates), start, now
 
     alone, _, _ = median_read()
-    pinned = [SingleDeviceSharding(d, memory_kind="pinned_host") for d in devices]
-    buffers = jax.block_until_ready([jax.device_put(np.zeros(GIB, np.uint8), p) for p in pinned])
-    targets = [SingleDeviceSharding(d, memory_kind="device") for d in devices]
-
-    def copy_round():
-        jax.block_until_ready([jax.device_put(b, t) for b, t in zip(buffers, targets, strict=True)])
-
-    copy_round()  # compiles, allocates: the timed rounds are copies alone
-    stop, ends, started = threading.Event(), [], threading.Event()
-
-    def copy_back_to_back():
-        while not stop.is_set():
-            copy_round()
-            ends.append(time.perf_counter())
-            started.set()
-
-    copier = threading.Thread(target=copy_back_to_back)
-    copier.start()
-    started.wait()  # a round done: the copies are under way
-    under, start, end = median_read()
-    stop.set()
-    copier.join()
+    with machine_floors.copying(devices, GIB) as ends:
+        under, start, end = median_read()
     during = [t for t in ends if start <= t <= end]
     link = GIB * (len(during) - 1) / (during[-1] - during[0]) / 1e9 if len(during) > 1 else float("nan")
     return {"read_gbps_alone": round(alone, 1), "read_gbps_while_copying": round(under, 1),
             "h2d_gbps_each_while_reading": round(link, 1), "copy_rounds_while_reading": len(during)}
 
 
-def cpu_expert_tflops(model: engine.Model, tokens: int, repeats=3) -> float:
-    """The CPU expert kernels on the first MoE layer, `tokens` tokens routed uniformly at random (best of repeats)."""
+def cpu_expert_tflops(model: engine.Model, tokens: int, repeats=3, **where) -> float:
+    """The CPU expert kernels on the first MoE layer, `tokens` tokens routed uniformly at random (best of repeats);
+    `where`: machine_floors.cpu_expert_tflops's threads and copying_to."""
     cfg = model.config
     moe = next(layer.mlp for layer in model.weights.layers if isinstance(layer.mlp, MoE))
     return machine_floors.cpu_expert_tflops(moe.expert_layer, cfg.hidden_size, cfg.moe_intermediate_size,
-                                            cfg.n_routed_experts, cfg.num_experts_per_tok, tokens, repeats)
+                                            cfg.n_routed_experts, cfg.num_experts_per_tok, tokens, repeats, **where)
 
 
 def attention_core_seconds(model: engine.Model, attention, length: int, repeats=3) -> float:

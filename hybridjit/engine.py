@@ -109,16 +109,25 @@ class Model:
             return PrefillRates()
         return PrefillRates(floors.pcie_gbps, floors.gpu_tflops, self.cpu_expert_tflops())
 
-    def cpu_expert_tflops(self, tokens: int = machine_floors.CPU_EXPERT_TOKENS) -> float:
+    def cpu_expert_tflops(self, tokens: int = machine_floors.CPU_EXPERT_TOKENS, threads: int | None = None,
+                          copying: bool = False) -> float:  # fmt: skip
         """The CPU kernels' rate on this model's routed experts (their format and shapes) in a call of `tokens`
         tokens routed uniformly, on this machine (hybridjit.machine_floors: measured the first time, then cached).
-        It falls steeply with the tokens per expert: the offline policy reads it at several batch sizes."""
+        It falls steeply with the tokens per expert: the offline policy reads it at several batch sizes. On a pool
+        of `threads` (default: as configured), and, `copying`, while the link copies to the device back to back
+        (as beside a streamed step)."""
         layer, k = self.expert_layers[0], self.config.num_experts_per_tok
         key = f"{layer.format} experts {layer.hidden}x{layer.inter}, {k} of {layer.n_experts} a token"
         if tokens != machine_floors.CPU_EXPERT_TOKENS:  # the prefill-path choice's rate keeps its key
             key += f", {tokens} tokens a call"
-        return machine_floors.FloorCache().cpu_expert_tflops(self.placement.device, key, lambda: (
-            machine_floors.cpu_expert_tflops(layer.id, layer.hidden, layer.inter, layer.n_experts, k, tokens)))
+        if threads is not None:
+            key += f", {threads} threads"
+        if copying:
+            key += ", the link copying"
+        device = self.placement.device
+        return machine_floors.FloorCache().cpu_expert_tflops(device, key, lambda: machine_floors.cpu_expert_tflops(
+            layer.id, layer.hidden, layer.inter, layer.n_experts, k, tokens, threads=threads,
+            copying_to=device if copying else None))  # fmt: skip
 
     def prefill_weights(self, devices: tuple[jax.Device, ...] | None = None):
         """The weights stream-loaded prefill runs on over `devices` (default Placement.stream_devices). On the

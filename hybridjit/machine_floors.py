@@ -13,11 +13,14 @@ core count, the kernels' thread count and the accelerator, so that a cache copie
 another thread count, measures again. `hybridjit floors` shows them (`--remeasure` to refresh).
 """
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import threading
 import time
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -29,7 +32,7 @@ from jax.sharding import SingleDeviceSharding
 import hybridjit_ffi as _ffi
 from hybridjit.models.registry import family_of
 from hybridjit.ops import cpu_attention
-from hybridjit.ops.routed_experts import kernel_info, routed_experts
+from hybridjit.ops.routed_experts import kernel_info, pool_of, routed_experts
 from hybridjit.resolve import cache_dir
 
 log = logging.getLogger(__name__)
@@ -105,6 +108,37 @@ def concurrent_h2d_gbps(devices, nbytes: int = 1 << 30, repeats: int = 3, source
     return nbytes / best / 1e9
 
 
+@contextlib.contextmanager
+def copying(devices, nbytes: int = 1 << 30) -> Iterator[list[float]]:
+    """Pinned host -> device copies of `nbytes` to each of `devices`, back to back on a thread while the block runs
+    (what the links of stream-loaded prefill or a streamed decode step do beside the CPU's work). Yields the end
+    times of the rounds done (a round: one copy to each device), the first ending before the block starts."""
+    pinned = [SingleDeviceSharding(d, memory_kind="pinned_host") for d in devices]
+    buffers = jax.block_until_ready([jax.device_put(np.zeros(nbytes, np.uint8), p) for p in pinned])
+    targets = [SingleDeviceSharding(d, memory_kind="device") for d in devices]
+
+    def copy_round():
+        jax.block_until_ready([jax.device_put(b, t) for b, t in zip(buffers, targets, strict=True)])
+
+    copy_round()  # compiles, allocates: the rounds the block sees are copies alone
+    stop, ends, started = threading.Event(), [], threading.Event()
+
+    def back_to_back():
+        while not stop.is_set():
+            copy_round()
+            ends.append(time.perf_counter())
+            started.set()
+
+    copier = threading.Thread(target=back_to_back, name="copying")
+    copier.start()
+    started.wait()  # a round done: the copies are under way
+    try:
+        yield ends
+    finally:
+        stop.set()
+        copier.join()
+
+
 def device_to_device_gbps(source: jax.Device, target: jax.Device, nbytes: int = 1 << 28, repeats: int = 3) -> float:
     """Device -> device bandwidth (NVLink, or whatever joins them): the best of `repeats` copies of one buffer."""
     buffer = jax.block_until_ready(jax.device_put(np.zeros(nbytes, np.uint8), source))
@@ -176,16 +210,20 @@ def cpu_attention_gflops(cfg, dtype, slots: int = 64, context: int = 1024, repea
 
 
 def cpu_expert_tflops(layer_id: int, hidden: int, inter: int, experts: int, k: int,
-                      tokens: int = CPU_EXPERT_TOKENS, repeats: int = 2) -> float:
+                      tokens: int = CPU_EXPERT_TOKENS, repeats: int = 2, threads: int | None = None,
+                      copying_to: jax.Device | None = None) -> float:  # fmt: skip
     """The CPU expert kernels' TFLOP/s on the registered expert layer `layer_id` (ExpertLayer.id), `tokens` tokens
-    routed uniformly at random to k of its `experts`, best of `repeats` after one warm-up call."""
+    routed uniformly at random to k of its `experts`, best of `repeats` after one warm-up call: on a pool of
+    `threads` (default: the pool as configured), and, with `copying_to`, while pinned host memory is copied to that
+    device back to back (a co-executed streamed decode step's CPU share: its link reads the host's memory too)."""
     cpu = jax.devices("cpu")[0]
     rng = np.random.default_rng(0)
     ids = np.argsort(rng.random((tokens, experts)), axis=1)[:, :k].astype(np.int32)
     args = jax.device_put((rng.standard_normal((tokens, hidden)).astype(jnp.bfloat16), ids,
                            np.full(ids.shape, 0.1, np.float32)), cpu)
     call = jax.jit(lambda x, ids, w: routed_experts(x, ids, w, layer=layer_id))
-    seconds = best_seconds(call, *args, repeats=1, rounds=repeats)
+    with pool_of(threads), copying([copying_to]) if copying_to else contextlib.nullcontext():
+        seconds = best_seconds(call, *args, repeats=1, rounds=repeats)
     return 2 * 3 * hidden * inter * tokens * k / seconds / 1e12
 
 

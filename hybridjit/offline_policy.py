@@ -74,6 +74,9 @@ RESIDENT = "gpu"  # Policy.experts of a model holding every routed expert on the
 # Tokens per call at which of_machine measures the CPU expert rate (each measured once per machine and expert shape,
 # then cached): decode steps of tens to thousands of slots, and a prefill's worth.
 RATE_TOKENS = (16, 64, 256, 1024, 4096)
+# Tokens per call at which of_machine measures the co-executed CPU share's rate (Floors.co_execution_share): a
+# decode step's, whose tokens per expert a step's CPU blocks keep (they take whole experts).
+CO_EXECUTION_TOKENS = 1024
 MAX_SLOTS = 1024
 # With the KV cache in host memory the device no longer bounds the slots: MoE-Gen's batches reach thousands.
 MAX_HOST_KV_SLOTS = 8192
@@ -111,8 +114,9 @@ class Floors:
     # over a cache larger than the CPU's caches (machine_floors.cpu_attention_gflops), measured where attention on
     # the CPU is asked for (choose_policy; offline.py always). None: not measured.
     cpu_attention_gflops: float | None = None
-    # Of the pool's CPU expert rate, what a co-executed streamed step's CPU share gets: its pool leaves
-    # HOST_LOOP_CPUS to the host's loop (co_execution_threads() over the pool's threads; of_machine measures it).
+    # Of the pool's CPU expert rate, what a co-executed streamed step's CPU share gets: of_machine measures it as
+    # the rate at CO_EXECUTION_TOKENS on co_execution_threads() (the pool less HOST_LOOP_CPUS) while the link copies
+    # to the device back to back, over the rate alone. 1.0: not measured.
     co_execution_share: float = 1.0
 
     def prefill_rates(self) -> PrefillRates:
@@ -133,11 +137,15 @@ class Floors:
         if model.placement.device.platform == "cpu":
             return cls()
         floors, rates = machine_floors.FloorCache().floors(model.placement.device), model.prefill_rates()
-        by_tokens = tuple((t, model.cpu_expert_tflops(t)) for t in RATE_TOKENS) if model.expert_layers else ()
+        if not model.expert_layers:  # every routed expert on the device: no CPU rate to measure
+            return cls(host_read_gbps=floors.host_read_gbps, cpu_expert_tflops=rates.cpu_expert_tflops,
+                       pcie_gbps=rates.pcie_gbps, gpu_tflops=rates.gpu_tflops, gpu_hbm_gbps=floors.gpu_hbm_gbps)
+        by_tokens = tuple((t, model.cpu_expert_tflops(t)) for t in RATE_TOKENS)
+        co_executed = model.cpu_expert_tflops(CO_EXECUTION_TOKENS, co_execution_threads(), copying=True)
         return cls(host_read_gbps=floors.host_read_gbps, cpu_expert_tflops=rates.cpu_expert_tflops,
                    pcie_gbps=rates.pcie_gbps, gpu_tflops=rates.gpu_tflops, gpu_hbm_gbps=floors.gpu_hbm_gbps,
                    cpu_expert_tflops_by_tokens=by_tokens,
-                   co_execution_share=co_execution_threads() / kernel_info()["threads"])
+                   co_execution_share=co_executed / dict(by_tokens)[CO_EXECUTION_TOKENS])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,6 +2,7 @@
 measured again where the cache is for another machine, unreadable or refreshed on request; the CPU expert rate is
 measured on a real registered layer and cached per layer format and shapes; `hybridjit floors` shows them."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ import hybridjit
 from hybridjit import cli, machine_floors
 from hybridjit.machine_floors import FloorCache, MachineFloors
 from hybridjit.ops import cpu_attention
+from hybridjit.ops.routed_experts import kernel_info
 from hybridjit.synthetic import geometry_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,7 +119,7 @@ def test_a_models_cpu_expert_rate_is_measured_once_per_call_size(tmp_path, monke
     monkeypatch.setenv("HYBRIDJIT_CACHE", str(tmp_path))
     asked = []
 
-    def fake(layer_id, hidden, inter, experts, k, tokens=machine_floors.CPU_EXPERT_TOKENS, repeats=2):
+    def fake(layer_id, hidden, inter, experts, k, tokens=machine_floors.CPU_EXPERT_TOKENS, repeats=2, **where):
         asked.append(tokens)
         return tokens / 1000
 
@@ -129,6 +131,39 @@ def test_a_models_cpu_expert_rate_is_measured_once_per_call_size(tmp_path, monke
     cached = FloorCache(tmp_path).cpu_expert_rates(machine_floors.machine_key(jax.devices()[0]))
     key = f"{layer.format} experts {layer.hidden}x{layer.inter}, {k} of {layer.n_experts} a token"
     assert cached == {f"{key}, 64 tokens a call": 0.064, f"{key}, 1024 tokens a call": 1.024, key: 4.096}
+
+
+def test_the_cpu_expert_rate_beside_the_links_copies_is_timed_on_the_pool_asked_for(tmp_path, monkeypatch):
+    """machine_floors.cpu_expert_tflops(threads=, copying_to=) times the layer on a pool of that size while pinned
+    memory is copied to the device back to back, then leaves the pool as it was; Model.cpu_expert_tflops keeps such
+    a rate under a key of its own (the co-executed share's, Floors.of_machine)."""
+    with hybridjit.load() as model:
+        layer, k = model.expert_layers[0], model.config.num_experts_per_tok
+        before, pools, rounds = kernel_info()["threads"], [], []
+        real_copying = machine_floors.copying
+
+        @contextlib.contextmanager
+        def watched_copying(devices, nbytes=None):
+            pools.append(kernel_info()["threads"])  # entered inside the pool
+            with real_copying(devices, 1 << 20) as ends:
+                yield ends
+            rounds.append(len(ends))
+
+        monkeypatch.setattr(machine_floors, "copying", watched_copying)
+        rate = machine_floors.cpu_expert_tflops(layer.id, layer.hidden, layer.inter, layer.n_experts, k, tokens=64,
+                                                repeats=1, threads=1, copying_to=CPU)
+        assert rate > 0 and pools == [1] and rounds[0] >= 1  # timed on one thread while rounds of copies ran
+        assert kernel_info()["threads"] == before
+
+        monkeypatch.setenv("HYBRIDJIT_CACHE", str(tmp_path))
+        asked = []
+        monkeypatch.setattr(machine_floors, "cpu_expert_tflops", lambda *layer, threads, copying_to: (
+            asked.append((layer[-1], threads, copying_to)) or 0.25))
+        assert model.cpu_expert_tflops(1024, 3, copying=True) == model.cpu_expert_tflops(1024, 3, copying=True) == 0.25
+        assert asked == [(1024, 3, model.placement.device)]
+    key = f"{layer.format} experts {layer.hidden}x{layer.inter}, {k} of {layer.n_experts} a token"
+    cached = FloorCache(tmp_path).cpu_expert_rates(machine_floors.machine_key(CPU))
+    assert cached == {f"{key}, 1024 tokens a call, 3 threads, the link copying": 0.25}
 
 
 @pytest.mark.parametrize("geometry", ["deepseek-v3", "qwen3-30b-a3b"])

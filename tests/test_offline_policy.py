@@ -3,18 +3,23 @@ predictions (batch 1 near the measured hybrid decode, throughput growing with th
 read-bound), the memory bound on the slots, and the user's choices kept."""
 
 import dataclasses
+import types
 
 import jax.numpy as jnp
 import pytest
 
+from hybridjit import machine_floors
 from hybridjit.auto_placement import kv_cache_bytes
+from hybridjit.machine_floors import MachineFloors
 from hybridjit.models.registry import GEOMETRIES
 from hybridjit.offline_policy import (
+    CO_EXECUTION_TOKENS,
     DUAL,
     RESIDENT,
     Floors,
     Policy,
     Workload,
+    co_execution_threads,
     cpu_attention_seconds,
     cpu_expert_seconds,
     decode_step,
@@ -25,7 +30,7 @@ from hybridjit.offline_policy import (
     stream_ring_bytes,
     widened_expert_bytes,
 )
-from hybridjit.stream_prefill import decode_scores_bytes
+from hybridjit.stream_prefill import PrefillRates, decode_scores_bytes
 from hybridjit.synthetic import geometry_config
 
 V3 = geometry_config("deepseek-v3", weight_format="fp8")
@@ -306,6 +311,26 @@ def test_a_decode_steps_scores_span_the_widest_layers_positions():
     assert decode_scores_bytes(windowed, 8, 100) == per_position * 100
     gpt_oss = geometry_config("gpt-oss-120b", weight_format="bf16")
     assert decode_scores_bytes(gpt_oss, 8, 8192) == 3 * 4 * 8 * gpt_oss.num_attention_heads * 8192
+
+
+def test_on_a_gpu_machine_the_co_executed_share_is_the_rate_beside_the_links_copies_over_the_rate_alone(monkeypatch):
+    """Floors.of_machine measures co_execution_share: the CPU expert rate at CO_EXECUTION_TOKENS on
+    co_execution_threads() while the link copies, over the rate at those tokens alone on the whole pool."""
+    asked = []
+
+    def rate(tokens=4096, threads=None, copying=False):
+        asked.append((tokens, threads, copying))
+        return 0.9 if copying else 3.0
+
+    model = types.SimpleNamespace(placement=types.SimpleNamespace(device=types.SimpleNamespace(platform="gpu")),
+                                  expert_layers=[object()], cpu_expert_tflops=rate,
+                                  prefill_rates=lambda: PrefillRates(50.0, 700.0, 3.0))
+    machine = MachineFloors("a gpu", host_read_gbps=150.0, pcie_gbps=50.0, gpu_tflops=700.0, gpu_hbm_gbps=3e3)
+    monkeypatch.setattr(machine_floors.FloorCache, "floors", lambda self, device: machine)
+    floors = Floors.of_machine(model)
+    assert floors.co_execution_share == pytest.approx(0.3)
+    assert (CO_EXECUTION_TOKENS, co_execution_threads(), True) in asked
+    assert (CO_EXECUTION_TOKENS, None, False) in asked
 
 
 def test_a_co_executed_steps_cpu_share_runs_at_the_pools_share_of_the_rate():
