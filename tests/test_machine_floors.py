@@ -162,7 +162,7 @@ def test_the_cpu_expert_rate_beside_the_links_copies_is_timed_on_the_pool_asked_
         assert model.cpu_expert_tflops(1024, 3, copying=True) == model.cpu_expert_tflops(1024, 3, copying=True) == 0.25
         assert asked == [(1024, 3, model.placement.device)]
     key = f"{layer.format} experts {layer.hidden}x{layer.inter}, {k} of {layer.n_experts} a token"
-    cached = FloorCache(tmp_path).cpu_expert_rates(machine_floors.machine_key(CPU))
+    cached = FloorCache(tmp_path).cpu_expert_rates(machine_floors.machine_key(model.placement.device))
     assert cached == {f"{key}, 1024 tokens a call, 3 threads, the link copying": 0.25}
 
 

@@ -187,17 +187,20 @@ def test_device_memory_stays_within_the_budget(case, model, tokens):
 @pytest.mark.parametrize("depth", [1, 3])
 def test_steps_left_queued_change_nothing_but_when_blocks_are_freed(case, model, tokens, depth):
     """With expert steps left queued behind the one waited for (sp.expert_steps_queued), the prefill gives what
-    it gives waiting for every step, bit for bit, its ring within the plan; a ring of one block waits for each
-    step anyway (the next block has no slot until then)."""
+    it gives waiting for every step, its ring within the plan; a ring of one block waits for each step anyway (the
+    next block has no slot until then). Bit for bit on the CPU; on a GPU, two runs of the same prefill differ in
+    float32's last bits whatever is queued (1.4e-6 at most on logits of ~1 at depth 1, 1x H200, session 33), so
+    there they agree to 1e-5, as the multi-device paths do."""
     only(case, FULL)
     results = {}
     for queued in (0, 1, 2):
         with sp.expert_steps_queued(queued):
             results[queued] = streamed(model, tokens, depth=depth, attention_chunk=CHUNK)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if jax.default_backend() == "gpu" else {"rtol": 0, "atol": 0}
     for queued, (logits, cache, stats) in results.items():
-        np.testing.assert_array_equal(logits, results[0][0], err_msg=f"{queued} queued")
+        np.testing.assert_allclose(logits, results[0][0], err_msg=f"{queued} queued", **tolerance)
         for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(results[0][1]), strict=True):
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+            np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tolerance)
         assert 0 < stats.peak_ring_bytes <= stats.plan.ring_bytes
         assert stats.block_passes == results[0][2].block_passes
     with pytest.raises(ValueError, match="queued expert steps must be >= 0"), sp.expert_steps_queued(-1):
