@@ -21,11 +21,13 @@ Each model is a geometry with random FP8 weights (prefill.py's PooledExperts: fa
   share on the pool a batch run gives it (offline_policy.co_execution_threads: HOST_LOOP_CPUS left to the host's
   loop); with `--threads N ...`, they run again with the CPU kernels' pool at each of those sizes; with
   `--queued-expert-steps N ...`, the streamed cases run again with N expert steps left queued on the device
-  (stream_prefill.expert_steps_queued; 0 waits for each, as the ring did before session 32);
-- prefill of every --prefill batch of 512-token prompts (whichever path the engine chooses);
+  (stream_prefill.expert_steps_queued; 0 waits for each, as the ring did before session 33; the default is 1);
+- prefill of every --prefill batch of 512-token prompts (whichever path the engine chooses), timed over the calls
+  that compile nothing (a new routing can need a new block capacity's program, which a long run compiles once);
 - the performance model (hybridjit/offline_policy.py) fed with floors measured here (memory read floor, pinned
-  H2D, dense GEMM, the device memory's read rate, the CPU expert kernels' rate at each case's tokens per call, the
-  device's free memory, the CPU attention kernels' rate at the model's shapes): its prediction of each measured
+  H2D, dense GEMM, the device memory's read rate, the CPU expert kernels' rate at each case's tokens per call and,
+  as Floors.of_machine measures it, the share of it a co-executed step's CPU blocks get, the device's free memory,
+  the CPU attention kernels' rate at the model's shapes): its prediction of each measured
   case, and its pick over the same grid against the best measured. A run's throughput combines them as the model
   does: generated tokens / (n / P prefills + n x 256 / B steps), n = --requests.
 A truncated model's figures are also projected to full depth: the prediction for the policy the model picks at

@@ -87,9 +87,10 @@ CPU_SHARE_SLOT = 0
 # Expert steps the ring leaves queued on the devices while it waits for the one before them to free its blocks
 # (_Ring.release; expert_steps_queued). With 0 the ring waits for every step as it is dispatched. With 1, each step
 # is dispatched before the host waits for the previous one, so the device need not idle while the host frees a slot,
-# issues the next copy and dispatches: a streamed decode step of Qwen3-30B-A3B (8 layers, 2,048 slots, 1x H200)
-# ran ~152 executables, and took 180 ms with each waited for, 148 ms with 1 queued, 154 ms with 2 (session 33,
-# bench/offline.py --queued-expert-steps 0 1 2). Either way a slot's next copy is issued once its step has run.
+# issues the next copy and dispatches: a streamed decode step of Qwen3-30B-A3B (8 layers, ~152 executables) took
+# 180 ms at 2,048 slots with each waited for, 148 ms with 1 queued, 154 ms with 2 (1x H200, session 33,
+# bench/offline.py --queued-expert-steps 0 1 2); DeepSeek-V3's stream-loaded prefill ran no slower at 8K and 5%
+# faster at 32K with 1. Either way a slot's next copy is issued once its step has run.
 _queued_expert_steps = 1
 
 
