@@ -228,10 +228,11 @@ def case_fields(case: Policy, prefill: int | None = None) -> dict:
     return fields if prefill is None else fields | {"prefill": prefill}
 
 
-def prefill_seconds(model, batch: int, rng, repeats: int = 3, warmup: int = 2) -> tuple[float, str, int, int]:
+def prefill_seconds(model, batch: int, rng, deadline: float, repeats: int = 3, warmup: int = 2
+                    ) -> tuple[float, str, int, int]:  # fmt: skip
     """Median seconds of the engine's prefill of `batch` random 512-token prompts over the calls after `warmup` that
     compiled nothing, the path it took, how many calls after `warmup` were left out for compiling, and the programs
-    compiled while timed (0 but where MAX_WARMUP_CALLS ran out first). The stream-loaded path
+    compiled while timed (0 but where MAX_WARMUP_CALLS calls ran or the `deadline` passed first). The stream-loaded path
     has a program per expert-step capacity, and a new prompt's routing may need one the earlier prompts did not: a
     run of thousands of prompts compiles each once, where timing them measured compiles (Qwen3-30B-A3B, 8 layers,
     1x H200: 1.1-2.4 s a call in sessions 31-33 against ~90 ms of copies)."""
@@ -249,7 +250,7 @@ def prefill_seconds(model, batch: int, rng, repeats: int = 3, warmup: int = 2) -
             calls_run += 1
             if calls_run <= warmup:
                 continue
-            if compiled and calls_run <= MAX_WARMUP_CALLS:
+            if compiled and calls_run <= MAX_WARMUP_CALLS and time.perf_counter() < deadline:
                 left_out += 1
                 continue
             times.append(seconds)
@@ -350,7 +351,7 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
             print(f"prefill {batch}: the widened copies do not fit the device")
             continue
         model.hold_resident_experts(wide)
-        seconds, path, left_out, compiled = prefill_seconds(model, batch, rng)
+        seconds, path, left_out, compiled = prefill_seconds(model, batch, rng, deadline)
         policy = Policy(1, 1, batch, experts=where, widened=wide)
         predicted = predict(cfg, floors, work, policy, itemsize, ON_GPU).prefill_s
         prefill[batch, wide] = {"seconds": seconds, "predicted_s": predicted, "path": path,
