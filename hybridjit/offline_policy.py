@@ -137,15 +137,14 @@ class Floors:
         if model.placement.device.platform == "cpu":
             return cls()
         floors, rates = machine_floors.FloorCache().floors(model.placement.device), model.prefill_rates()
-        if not model.expert_layers:  # every routed expert on the device: no CPU rate to measure
-            return cls(host_read_gbps=floors.host_read_gbps, cpu_expert_tflops=rates.cpu_expert_tflops,
+        measured = cls(host_read_gbps=floors.host_read_gbps, cpu_expert_tflops=rates.cpu_expert_tflops,
                        pcie_gbps=rates.pcie_gbps, gpu_tflops=rates.gpu_tflops, gpu_hbm_gbps=floors.gpu_hbm_gbps)
+        if not model.expert_layers:  # every routed expert on the device: no CPU rate to measure
+            return measured
         by_tokens = tuple((t, model.cpu_expert_tflops(t)) for t in RATE_TOKENS)
         co_executed = model.cpu_expert_tflops(CO_EXECUTION_TOKENS, co_execution_threads(), copying=True)
-        return cls(host_read_gbps=floors.host_read_gbps, cpu_expert_tflops=rates.cpu_expert_tflops,
-                   pcie_gbps=rates.pcie_gbps, gpu_tflops=rates.gpu_tflops, gpu_hbm_gbps=floors.gpu_hbm_gbps,
-                   cpu_expert_tflops_by_tokens=by_tokens,
-                   co_execution_share=co_executed / dict(by_tokens)[CO_EXECUTION_TOKENS])
+        return dataclasses.replace(measured, cpu_expert_tflops_by_tokens=by_tokens,
+                                   co_execution_share=co_executed / dict(by_tokens)[CO_EXECUTION_TOKENS])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,9 +433,11 @@ def _searched_splits(kv_in_host: bool) -> range:
 
 # CPUs a co-executed streamed step leaves to the host's loop (its Python thread, XLA's dispatch and copy threads): the
 # CPU's share runs on the others. With every CPU in the pool it ran slower than streaming every block; with 4 left
-# it ran faster (Qwen3-30B-A3B FP8 8 layers, 1x H200 with 16 cores, session 32: 1,024 slots with 2 CPU blocks
-# 200.3 ms a step on 16 pool threads, 163.1 on 14, 128.7 on 12, against 144.5 streaming all; 2,048 slots with 1:
-# 262.0 / 194.4 / 166.9 against 175.6).
+# it ran faster (Qwen3-30B-A3B FP8 8 layers, 1x H200 with 16 cores, session 32, each expert step waited for: 1,024
+# slots with 2 CPU blocks 200.3 ms a step on 16 pool threads, 163.1 on 14, 128.7 on 12, against 144.5 streaming
+# all; 2,048 slots with 1: 262.0 / 194.4 / 166.9 against 175.6). Since one expert step is left queued, streaming
+# all is the faster there again (session 33: 1,024 slots 100.1 ms against 126.1 with 1 CPU block on 12 threads,
+# 126.9 on 8; 2,048 slots 153.1 against 163.0 / 196.6).
 HOST_LOOP_CPUS = 4
 
 
