@@ -73,8 +73,9 @@ class ExpertBlock:
         own link."""
         return next(iter(self.weights[0].devices()))
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
+        # Cached: the ring counts each block it copies, and an array's nbytes costs microseconds of Python.
         return sum(a.nbytes for a in self.arrays)
 
 

@@ -534,14 +534,17 @@ class _Ring:
         self.mesh, self._devices = mesh, list(mesh.devices.flat)
         self._abandon = abandon
         self._staging = staging or {}  # home device -> its device memory, for blocks copied on through it
-        self._shardings = [SingleDeviceSharding(d, memory_kind="device") for d in self._devices]
         self._stacked = NamedSharding(mesh, P(PREFILL_AXIS))
+        # On one device a block is copied straight onto the mesh: joining single-device copies costs Python time
+        # a copy, which a streamed decode step of small blocks (Qwen3's 72 MiB) spends on the host's critical path.
+        self._shardings = [self._stacked] if mesh.size == 1 else [SingleDeviceSharding(d, memory_kind="device")
+                                                                  for d in self._devices]  # fmt: skip
         self._while_copying = while_copying
         self._waiting = collections.deque(steps)  # not copied yet
         self._copied: collections.deque = collections.deque()  # (step, device arrays), copies maybe in flight
         self._free = depth
         self._releasing: collections.deque = collections.deque()  # (phase, arrays, done): see release
-        self._resident: list[tuple[jax.Array, ...]] = []
+        self._resident: list[tuple[tuple[jax.Array, ...], int]] = []  # (a step's device arrays, their bytes)
         self.peak_bytes = 0  # the most bytes of device buffers one device's ring ever held (measured: live buffers)
         self.peak_in_use = None  # a device's bytes in use right after each step's allocation, at most
         self.streamed_bytes = 0  # over all devices
@@ -555,14 +558,14 @@ class _Ring:
         while self._free and self._waiting:
             step = self._waiting.popleft()
             copies = [self._copy(block, s) for block, s in zip(step, self._shardings, strict=True)]
-            arrays = tuple(
+            arrays = copies[0] if len(copies) == 1 else tuple(
                 jax.make_array_from_single_device_arrays((len(parts) * parts[0].shape[0], *parts[0].shape[1:]),
                                                          self._stacked, list(parts))
                 for parts in zip(*copies, strict=True)
-            )
+            )  # fmt: skip
             self._free -= 1
             self._copied.append((step, arrays))
-            self._measure(arrays)
+            self._measure(arrays, sum(block.nbytes for block in step))
 
     def _copy(self, block: ExpertBlock, target: SingleDeviceSharding) -> tuple[jax.Array, ...]:
         """The block's copy on the target's device: from its pinned memory, or through its home device's memory
@@ -631,11 +634,13 @@ class _Ring:
         self.phase_seconds[phase] += time.perf_counter() - start
         return out
 
-    def _measure(self, arrays):
-        self._resident = [r for r in self._resident if not r[0].is_deleted()] + [arrays]
-        live = sum(a.nbytes for r in self._resident for a in r if not a.is_deleted())
+    def _measure(self, arrays, nbytes: int):
+        # The live steps' bytes from their blocks' (cached) sizes: an array's nbytes costs Python time, and this
+        # runs at every copy. A step counts until its arrays are deleted (unload deletes them all).
+        self._resident = [r for r in self._resident if not r[0][0].is_deleted()] + [(arrays, nbytes)]
+        live = sum(n for _, n in self._resident)
         self.peak_bytes = max(self.peak_bytes, live // len(self._devices))
-        self.streamed_bytes += sum(a.nbytes for a in arrays)
+        self.streamed_bytes += nbytes
         for device in self._devices:
             if (stats := device.memory_stats()) is not None:  # None on XLA:CPU
                 self.peak_in_use = max(self.peak_in_use or 0, stats["bytes_in_use"])
