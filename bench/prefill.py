@@ -150,7 +150,7 @@ def read_while_copying(devices, read_pattern: str, seconds: float = 0.5) -> dict
 
 def cpu_expert_tflops(model: engine.Model, tokens: int, repeats=3, **where) -> float:
     """The CPU expert kernels on the first MoE layer, `tokens` tokens routed uniformly at random (best of repeats);
-    `where`: machine_floors.cpu_expert_tflops's threads and copying_to."""
+    `where`: machine_floors.cpu_expert_tflops's threads, copying_to and weighted."""
     cfg = model.config
     moe = next(layer.mlp for layer in model.weights.layers if isinstance(layer.mlp, MoE))
     return machine_floors.cpu_expert_tflops(moe.expert_layer, cfg.hidden_size, cfg.moe_intermediate_size,

@@ -24,7 +24,7 @@ from hybridjit.models.common.moe import ExpertSchedule, MoE
 from hybridjit.models.common.resident_experts import ResidentExperts
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.ops.async_experts import raise_gpu_errors
-from hybridjit.pinned_experts import pinned_layer, size_host_memory_pool
+from hybridjit.pinned_experts import BLOCKS_PER_LAYER, pinned_layer, size_host_memory_pool
 from hybridjit.placement import Placement, compute_dtype, prefill_mesh
 from hybridjit.resolve import resolve_model
 from hybridjit.sampling import SamplingParams, integer, is_integer
@@ -110,24 +110,27 @@ class Model:
         return PrefillRates(floors.pcie_gbps, floors.gpu_tflops, self.cpu_expert_tflops())
 
     def cpu_expert_tflops(self, tokens: int = machine_floors.CPU_EXPERT_TOKENS, threads: int | None = None,
-                          copying: bool = False) -> float:  # fmt: skip
+                          co_executed: bool = False) -> float:  # fmt: skip
         """The CPU kernels' rate on this model's routed experts (their format and shapes) in a call of `tokens`
         tokens routed uniformly, on this machine (hybridjit.machine_floors: measured the first time, then cached).
         It falls steeply with the tokens per expert: the offline policy reads it at several batch sizes. On a pool
-        of `threads` (default: as configured), and, `copying`, while the link copies to the device back to back
-        (as beside a streamed step)."""
+        of `threads` (default: as configured), and, `co_executed`, as a co-executed streamed step's CPU share: one
+        block's experts weighted (pinned_experts.BLOCKS_PER_LAYER), while the link copies to the device back to
+        back. Few experts a call run below the whole layer's rate: on a 16-core Xeon one of Mixtral's 8 at 0.55 of
+        it, a 16-expert block of Qwen3's 128 at 0.84 (bench/RESULTS.md, session 34)."""
         layer, k = self.expert_layers[0], self.config.num_experts_per_tok
         key = f"{layer.format} experts {layer.hidden}x{layer.inter}, {k} of {layer.n_experts} a token"
         if tokens != machine_floors.CPU_EXPERT_TOKENS:  # the prefill-path choice's rate keeps its key
             key += f", {tokens} tokens a call"
         if threads is not None:
             key += f", {threads} threads"
-        if copying:
-            key += ", the link copying"
+        if co_executed:
+            key += ", one block's experts, the link copying"
         device = self.placement.device
+        block = -(-layer.n_experts // BLOCKS_PER_LAYER) if co_executed else None  # as pinned_experts blocks them
         return machine_floors.FloorCache().cpu_expert_tflops(device, key, lambda: machine_floors.cpu_expert_tflops(
             layer.id, layer.hidden, layer.inter, layer.n_experts, k, tokens, threads=threads,
-            copying_to=device if copying else None))  # fmt: skip
+            copying_to=device if co_executed else None, weighted=block))  # fmt: skip
 
     def prefill_weights(self, devices: tuple[jax.Device, ...] | None = None):
         """The weights stream-loaded prefill runs on over `devices` (default Placement.stream_devices). On the

@@ -211,21 +211,27 @@ def cpu_attention_gflops(cfg, dtype, slots: int = 64, context: int = 1024, repea
 
 def cpu_expert_tflops(layer_id: int, hidden: int, inter: int, experts: int, k: int,
                       tokens: int = CPU_EXPERT_TOKENS, repeats: int = 2, threads: int | None = None,
-                      copying_to: jax.Device | None = None) -> float:  # fmt: skip
+                      copying_to: jax.Device | None = None, weighted: int | None = None) -> float:  # fmt: skip
     """The CPU expert kernels' TFLOP/s on the registered expert layer `layer_id` (ExpertLayer.id), `tokens` tokens
     routed uniformly at random to k of its `experts`, best of `repeats` after one warm-up call: on a pool of
     `threads` (default: the pool as configured), and, with `copying_to`, while pinned host memory is copied to that
-    device back to back (a co-executed streamed decode step's CPU share: its link reads the host's memory too)."""
+    device back to back (a co-executed streamed decode step's CPU share: its link reads the host's memory too).
+    With `weighted`, only the pairs of the last that many experts have weight (the rest weigh zero, which the
+    kernels skip), as in a co-executed step's call for its CPU blocks; the rate counts those pairs' FLOPs."""
     cpu = jax.devices("cpu")[0]
     rng = np.random.default_rng(0)
     ids = np.argsort(rng.random((tokens, experts)), axis=1)[:, :k].astype(np.int32)
-    args = jax.device_put((rng.standard_normal((tokens, hidden)).astype(jnp.bfloat16), ids,
-                           np.full(ids.shape, 0.1, np.float32)), cpu)
+    weights = np.full(ids.shape, 0.1, np.float32)
+    if weighted is not None:
+        first = experts - weighted
+        mine = ids >= first
+        ids, weights = np.where(mine, ids, first).astype(np.int32), np.where(mine, weights, 0.0).astype(np.float32)
+    args = jax.device_put((rng.standard_normal((tokens, hidden)).astype(jnp.bfloat16), ids, weights), cpu)
     call = jax.jit(lambda x, ids, w: routed_experts(x, ids, w, layer=layer_id))
     # 256 MiB a copy: back to back all the same (~5 ms each), and little of a loaded model's device memory.
     with pool_of(threads), copying([copying_to], 1 << 28) if copying_to else contextlib.nullcontext():
         seconds = best_seconds(call, *args, repeats=1, rounds=repeats)
-    return 2 * 3 * hidden * inter * tokens * k / seconds / 1e12
+    return 2 * 3 * hidden * inter * int(np.count_nonzero(weights)) / seconds / 1e12
 
 
 class FloorCache:

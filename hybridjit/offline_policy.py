@@ -115,8 +115,9 @@ class Floors:
     # the CPU is asked for (choose_policy; offline.py always). None: not measured.
     cpu_attention_gflops: float | None = None
     # Of the pool's CPU expert rate, what a co-executed streamed step's CPU share gets: of_machine measures it as
-    # the rate at CO_EXECUTION_TOKENS on co_execution_threads() (the pool less HOST_LOOP_CPUS) while the link copies
-    # to the device back to back, over the rate alone. 1.0: not measured.
+    # the rate of a call at CO_EXECUTION_TOKENS with one block's experts weighted (as the step's call for one CPU
+    # block) on co_execution_threads() (the pool less HOST_LOOP_CPUS) while the link copies to the device back to
+    # back, over the whole layer's rate at those tokens alone. 1.0: not measured.
     co_execution_share: float = 1.0
 
     def prefill_rates(self) -> PrefillRates:
@@ -142,7 +143,7 @@ class Floors:
         if not model.expert_layers:  # every routed expert on the device: no CPU rate to measure
             return measured
         by_tokens = tuple((t, model.cpu_expert_tflops(t)) for t in RATE_TOKENS)
-        co_executed = model.cpu_expert_tflops(CO_EXECUTION_TOKENS, co_execution_threads(), copying=True)
+        co_executed = model.cpu_expert_tflops(CO_EXECUTION_TOKENS, co_execution_threads(), co_executed=True)
         return dataclasses.replace(measured, cpu_expert_tflops_by_tokens=by_tokens,
                                    co_execution_share=co_executed / dict(by_tokens)[CO_EXECUTION_TOKENS])
 

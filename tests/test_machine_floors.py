@@ -20,6 +20,7 @@ from hybridjit import cli, machine_floors
 from hybridjit.machine_floors import FloorCache, MachineFloors
 from hybridjit.ops import cpu_attention
 from hybridjit.ops.routed_experts import kernel_info
+from hybridjit.pinned_experts import BLOCKS_PER_LAYER
 from hybridjit.synthetic import geometry_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,13 +158,32 @@ def test_the_cpu_expert_rate_beside_the_links_copies_is_timed_on_the_pool_asked_
 
         monkeypatch.setenv("HYBRIDJIT_CACHE", str(tmp_path))
         asked = []
-        monkeypatch.setattr(machine_floors, "cpu_expert_tflops", lambda *layer, threads, copying_to: (
-            asked.append((layer[-1], threads, copying_to)) or 0.25))
-        assert model.cpu_expert_tflops(1024, 3, copying=True) == model.cpu_expert_tflops(1024, 3, copying=True) == 0.25
-        assert asked == [(1024, 3, model.placement.device)]
+        monkeypatch.setattr(machine_floors, "cpu_expert_tflops", lambda *layer, threads, copying_to, weighted: (
+            asked.append((layer[-1], threads, copying_to, weighted)) or 0.25))
+        assert (model.cpu_expert_tflops(1024, 3, co_executed=True) == model.cpu_expert_tflops(1024, 3, co_executed=True)
+                == 0.25)  # fmt: skip
+        assert asked == [(1024, 3, model.placement.device, -(-layer.n_experts // BLOCKS_PER_LAYER))]
     key = f"{layer.format} experts {layer.hidden}x{layer.inter}, {k} of {layer.n_experts} a token"
     cached = FloorCache(tmp_path).cpu_expert_rates(machine_floors.machine_key(model.placement.device))
-    assert cached == {f"{key}, 1024 tokens a call, 3 threads, the link copying": 0.25}
+    assert cached == {f"{key}, 1024 tokens a call, 3 threads, one block's experts, the link copying": 0.25}
+
+
+def test_a_co_executed_shares_rate_weighs_only_its_experts_pairs(monkeypatch):
+    """machine_floors.cpu_expert_tflops(weighted=n): the call has weight only on pairs routed to the last n experts
+    (the others weigh zero and point at a valid expert, as a co-executed step's call for its CPU blocks), and the
+    rate counts the FLOPs of those pairs alone."""
+    calls = []
+    monkeypatch.setattr(machine_floors, "best_seconds", lambda call, x, ids, w, **_: calls.append((ids, w)) or 1.0)
+    with hybridjit.load() as model:
+        layer, k = model.expert_layers[0], model.config.num_experts_per_tok
+        n = layer.n_experts // 4
+        rate = machine_floors.cpu_expert_tflops(layer.id, layer.hidden, layer.inter, layer.n_experts, k, tokens=256,
+                                                weighted=n)
+    ids, w = (np.asarray(a) for a in calls[0])
+    first = layer.n_experts - n
+    assert ids.shape == (256, k) and (ids[w > 0] >= first).all() and (ids[w == 0] == first).all()
+    assert rate * 1e12 == pytest.approx(2 * 3 * layer.hidden * layer.inter * np.count_nonzero(w))
+    assert 0 < np.count_nonzero(w) < ids.size
 
 
 @pytest.mark.parametrize("geometry", ["deepseek-v3", "qwen3-30b-a3b"])

@@ -314,13 +314,14 @@ def test_a_decode_steps_scores_span_the_widest_layers_positions():
 
 
 def test_on_a_gpu_machine_the_co_executed_share_is_the_rate_beside_the_links_copies_over_the_rate_alone(monkeypatch):
-    """Floors.of_machine measures co_execution_share: the CPU expert rate at CO_EXECUTION_TOKENS on
-    co_execution_threads() while the link copies, over the rate at those tokens alone on the whole pool."""
+    """Floors.of_machine measures co_execution_share: the CPU expert rate at CO_EXECUTION_TOKENS of a co-executed
+    share's call (one block's experts, on co_execution_threads(), while the link copies), over the rate at those
+    tokens alone on the whole pool."""
     asked = []
 
-    def rate(tokens=4096, threads=None, copying=False):
-        asked.append((tokens, threads, copying))
-        return 0.9 if copying else 3.0
+    def rate(tokens=4096, threads=None, co_executed=False):
+        asked.append((tokens, threads, co_executed))
+        return 0.9 if co_executed else 3.0
 
     model = types.SimpleNamespace(placement=types.SimpleNamespace(device=types.SimpleNamespace(platform="gpu")),
                                   expert_layers=[object()], cpu_expert_tflops=rate,
