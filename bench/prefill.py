@@ -258,6 +258,7 @@ def stream_case(model: engine.Model, full: ModelConfig, length: int, floors: dic
         "attention": type(stats.plan.attention).__name__,
         "ttft_ms": round(1e3 * ttft, 1), "moe_layer_ms": round(1e3 * steady, 1),
         "moe_layer_phases_ms": {p: round(1e3 * t, 1) for p, t in phases.items()},
+        "copy_issue_ms": round(1e3 * stats.copy_issue_s, 1),  # the whole prefill's, host time in no phase
         "front_tflops": round(front_flops / phases["attention+router+shared"] / 1e12, 1),
         "experts_tflops": round(part["routed"] / phases["experts"] / 1e12, 1),
         "attention_core_alone_ms": round(1e3 * core_s, 1),

@@ -550,11 +550,13 @@ class _Ring:
         self.streamed_bytes = 0  # over all devices
         self.staged_bytes = 0  # of those, copied over a link of a device outside the mesh (_staging)
         self.phase_seconds: collections.Counter = collections.Counter()  # wall time per phase since last cleared
+        self.copy_issue_seconds = 0.0  # host time spent issuing copies (load), outside every phase
 
     def load(self) -> None:
         """Issues the copies of the next steps into every free slot: each device's block from the pinned host copy
         to that device (an asynchronous DMA over its own link when the block was pinned through it), the copies
         then joined into arrays along the mesh axis without moving."""
+        start = time.perf_counter()
         while self._free and self._waiting:
             step = self._waiting.popleft()
             copies = [self._copy(block, s) for block, s in zip(step, self._shardings, strict=True)]
@@ -566,6 +568,7 @@ class _Ring:
             self._free -= 1
             self._copied.append((step, arrays))
             self._measure(arrays, sum(block.nbytes for block in step))
+        self.copy_issue_seconds += time.perf_counter() - start
 
     def _copy(self, block: ExpertBlock, target: SingleDeviceSharding) -> tuple[jax.Array, ...]:
         """The block's copy on the target's device: from its pinned memory, or through its home device's memory
@@ -663,6 +666,9 @@ class StreamStats:
     peak_device_bytes: int | None = None
     layer_done_s: list[float] = dataclasses.field(default_factory=list)
     layer_phase_s: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    # Host time issuing the blocks' copies, in no phase: with small blocks (Qwen3-30B-A3B's 72 MiB) it is a large part
+    # of a streamed step (bench/RESULTS.md, offline, session 34).
+    copy_issue_s: float = 0.0
     routed_pairs: int = 0  # token-expert pairs over all MoE layers (padding tokens included)
     expert_slots: int = 0  # the slots the expert GEMMs ran over them: pairs / slots is their occupancy
     block_passes: int = 0  # passes over expert blocks, over all MoE layers (one per block without skew)
@@ -807,6 +813,7 @@ def _stream_layers(model, devices, tokens, positions, live, last, cache, vram_bu
     stats.streamed_bytes, stats.staged_bytes, stats.peak_ring_bytes, stats.peak_device_bytes = (
         ring.streamed_bytes, ring.staged_bytes, ring.peak_bytes, ring.peak_in_use
     )
+    stats.copy_issue_s = ring.copy_issue_seconds
     if host is not None:
         return _on(model.placement.device, logits), host
     return jax.tree.map(partial(_on, model.placement.device), (logits, cache))

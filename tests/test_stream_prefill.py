@@ -224,7 +224,7 @@ def test_matches_plain_prefill_at_every_ring_depth(case, model, tokens, referenc
 
 def test_stats_account_each_layer_by_phase(model, tokens):
     """Every layer's phases are its executables' wall times: the right phases per layer kind, each positive, and
-    together no more than the layer took."""
+    together no more than the layer took; the copies' issue is timed apart."""
     _, _, stats = streamed(model, tokens, depth=2, attention_chunk=CHUNK)
     cfg = model.config
     assert len(stats.layer_phase_s) == len(stats.layer_done_s) == cfg.num_hidden_layers
@@ -235,6 +235,9 @@ def test_stats_account_each_layer_by_phase(model, tokens):
         assert set(phases) == kinds, i
         assert all(t > 0 for t in phases.values())
         assert sum(phases.values()) <= layer_s[i]
+    # Issuing the blocks' copies is host time in no phase: with the phases, within the whole.
+    assert 0 < stats.copy_issue_s
+    assert sum(map(sum, (p.values() for p in stats.layer_phase_s))) + stats.copy_issue_s <= stats.layer_done_s[-1]
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     assert stats.routed_pairs == moe_layers * tokens.size * cfg.num_experts_per_tok
     assert stats.routed_pairs <= stats.expert_slots
