@@ -71,13 +71,10 @@ from hybridjit.offline_policy import (
 from hybridjit.ops.routed_experts import pool_of
 from hybridjit.pinned_experts import BLOCKS_PER_LAYER
 from hybridjit.placement import Placement
+from hybridjit.prefill_path import choose_prefill_path
 from hybridjit.sampling import SamplingParams
 from hybridjit.serving.engine import DEVICE_ONLY_DECODE_STEPS, Engine, Prefilled, bucket
-from hybridjit.stream_prefill import (
-    choose_prefill_path,
-    expert_steps_queued,
-    free_device_memory,
-)
+from hybridjit.stream_prefill import expert_steps_queued, free_device_memory
 from prefill import PooledExperts, cpu_expert_tflops, gemm_tflops, h2d_gbps
 
 ON_GPU = jax.default_backend() == "gpu"

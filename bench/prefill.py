@@ -25,14 +25,14 @@ layers, give --layers an odd count so that the steady layers hold as many of eac
 Floors, measured by the same run: pinned host-to-device bandwidth (one 2 GiB copy, best of 5), a dense bf16
 GEMM (8192^3, best of 10 back-to-back), and the CPU expert kernels' rate (one routed-expert layer on a batch of
 --cpu-tokens tokens routed uniformly). The floor of a prompt is max(bytes streamed / H2D bandwidth, FLOPs /
-GEMM rate) at full depth, FLOPs as stream_prefill.prefill_flops counts them (causal attention: lower
+GEMM rate) at full depth, FLOPs as prefill_path.prefill_flops counts them (causal attention: lower
 triangle). Each stream case also reports where a steady MoE layer's time went (stream_prefill's phases), the
 expert GEMMs' slot occupancy, the attention core alone on random inputs shaped as each layer's attention hands
 them to it (the mean over the layers), and a second floor that grants the attention core the rate it reaches
 alone (everything else at the GEMM rate). The hybrid prefill (the engine's
 jitted prefill, routed experts on the CPU) is measured at --hybrid-tokens (it holds [t, t] attention scores,
 so only short prompts fit) and projected to full depth by its time per MoE layer; at other lengths it is
-modelled (stream_prefill.prefill_seconds with the measured rates). `--prompts random repeated` also runs one
+modelled (prefill_path.prefill_seconds with the measured rates). `--prompts random repeated` also runs one
 token repeated: every token then routes to the same experts, the skew under which an expert
 block runs in several passes (StreamStats.block_passes). `--queued-expert-steps 1 0` runs the stream cases once
 with each number of expert steps the ring leaves queued on the device. Ends with one JSON line.
@@ -56,7 +56,7 @@ from moe_cpu import GGUF_FORMATS
 import hybridjit_ffi as _ffi
 from bench_model import add_model_arguments, load_model
 from decode import load_gguf_geometry, write_gguf_geometry
-from hybridjit import engine, machine_floors
+from hybridjit import engine, machine_floors, prefill_path
 from hybridjit import stream_prefill as sp
 from hybridjit.machine_floors import best_seconds, concurrent_h2d_gbps, gemm_tflops, pinned_h2d_gbps
 from hybridjit.models.common.moe import MoE
@@ -244,7 +244,7 @@ def stream_case(model: engine.Model, full: ModelConfig, length: int, floors: dic
     link_gbps = floors["h2d_gbps_each_concurrent"] if shards > 1 else floors["h2d_gbps"]
     transfer_s = full_moe * layer_bytes / (shards * link_gbps * 1e9)
     gemm = floors["gemm_tflops"] * 1e12
-    compute_s = sum(sp.prefill_flops(full, 1, length).values()) / (shards * gemm)  # the machine's GEMM rate
+    compute_s = sum(prefill_path.prefill_flops(full, 1, length).values()) / (shards * gemm)  # the machine's GEMM rate
     floor = max(transfer_s, compute_s)
     # The same floor with the attention core at the rate it reaches alone, everything else at the GEMM rate:
     # how far the rest of the step is from its floor once the attention kernel's own speed is granted.
@@ -267,7 +267,7 @@ def stream_case(model: engine.Model, full: ModelConfig, length: int, floors: dic
         "projected_full_depth_tokens_per_s": round(length / projected, 1),
         "h2d_gbps": round(h2d, 2), "h2d_ratio": round(h2d / link_gbps, 3),
         "overall_h2d_gbps": round(stats.streamed_bytes / ttft / 1e9, 2),
-        "tflops": round(sum(sp.prefill_flops(cfg, 1, length).values()) / ttft / 1e12, 1),
+        "tflops": round(sum(prefill_path.prefill_flops(cfg, 1, length).values()) / ttft / 1e12, 1),
         "floor_full_depth_s": round(floor, 3), "ratio_to_floor": round(projected / floor, 3),
         "floor_with_measured_attention_s": round(kernel_floor, 3),
         "ratio_to_floor_with_measured_attention": round(projected / kernel_floor, 3),
@@ -339,7 +339,7 @@ def main(argv=None):
               "cpu_expert_tflops": round(cpu_expert_tflops(model, args.cpu_tokens), 3)}
     if args.devices > 1:
         floors.update(link_floors(model.placement.stream_devices))
-    rates = sp.PrefillRates(floors["h2d_gbps"], floors["gemm_tflops"], floors["cpu_expert_tflops"])
+    rates = prefill_path.PrefillRates(floors["h2d_gbps"], floors["gemm_tflops"], floors["cpu_expert_tflops"])
     storage = pinned_layer(next(la.mlp for la in model.weights.layers if isinstance(la.mlp, MoE)).expert_layer).storage
     print(f"prefill: {name}, experts {storage.fmt}, on {device.device_kind}; floors: pinned H2D "
           f"{floors['h2d_gbps']} GB/s, bf16 GEMM {floors['gemm_tflops']} TFLOP/s, CPU experts "
@@ -376,11 +376,11 @@ def main(argv=None):
     measured = {r["tokens"] for r in results if r["path"] == "hybrid"}
     for length in args.tokens:
         if length not in measured:
-            t = sp.prefill_seconds(full, 1, length, rates)["hybrid"]
+            t = prefill_path.prefill_seconds(full, 1, length, rates)["hybrid"]
             results.append({"path": "hybrid", "tokens": length, "measured": False,
                             "modelled_full_depth_ttft_s": round(t, 3)})
             print(f"{'hybrid':>6} {length:6d} (modelled from the measured rates) {t:10.2f} s")
-    crossover = sp.crossover_length(full, rates)
+    crossover = prefill_path.crossover_length(full, rates)
     print(f"crossover (modelled, measured rates): stream-loaded prefill from {crossover} tokens"
           + (f"; skipped for time: {', '.join(skipped)}" if skipped else ""))
     machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "device": device.device_kind,

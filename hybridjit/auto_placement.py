@@ -17,7 +17,7 @@ import numpy as np
 
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.pinned_experts import BLOCKS_PER_LAYER
-from hybridjit.stream_prefill import expert_bytes
+from hybridjit.prefill_path import expert_bytes
 
 GIB = 2**30
 UNBOUNDED = 2**62  # the free memory of a device that reports none
@@ -48,7 +48,7 @@ def resident_expert_bytes(cfg: ModelConfig, dtype) -> int:
 
 def stored_expert_bytes(cfg: ModelConfig) -> int:
     """Bytes of one routed expert as stored (what stream-loaded prefill copies to the device): the mean over the
-    checkpoint's experts (stream_prefill.expert_bytes)."""
+    checkpoint's experts (prefill_path.expert_bytes)."""
     moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     return -(-expert_bytes(cfg) // (moe * cfg.n_routed_experts)) if moe else 0
 

@@ -26,10 +26,10 @@ from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.ops.async_experts import raise_gpu_errors
 from hybridjit.pinned_experts import BLOCKS_PER_LAYER, pinned_layer, size_host_memory_pool
 from hybridjit.placement import Placement, compute_dtype, prefill_mesh
+from hybridjit.prefill_path import PrefillRates
 from hybridjit.resolve import resolve_model
 from hybridjit.sampling import SamplingParams, integer, is_integer
 from hybridjit.serving.engine import Engine, bucket
-from hybridjit.stream_prefill import PrefillRates
 from hybridjit.tokenizer import IncrementalDecoder, first_stop, no_tokenizer
 from hybridjit.weights import Progress, WeightLoader, routed_expert_bytes
 
@@ -76,7 +76,7 @@ class Model:
         # expert is on the device, where launching a step costs the host more than running it costs the GPU).
         self.decode_steps: int | None = None
         # Prompt tokens (batch x length) from which prefill streams the experts to the GPU instead of
-        # running them on the CPU; None: decided by the cost model (stream_prefill.choose_prefill_path).
+        # running them on the CPU; None: decided by the cost model (prefill_path.choose_prefill_path).
         self.stream_prefill_threshold: int | None = None
         self.expert_schedule = ExpertSchedule()  # Expert Deferral / Skipping: off (they change the model)
         self._prefill_weights = None  # prefill_weights' copy over several devices, made at its first call

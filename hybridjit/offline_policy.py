@@ -35,7 +35,7 @@ shapes (the family's cost module):
   run (`widened`, Model.hold_resident_experts): no dequantization a step, at twice their device bytes, which
   the KV cache's slots then do without;
 - prefill, per batch of prompts: the cheaper of the hybrid path (GPU, then CPU experts by the roofline above)
-  and, where the engine can stream, the stream-loaded one (stream_prefill.prefill_seconds); all on the GPU for a
+  and, where the engine can stream, the stream-loaded one (prefill_path.prefill_seconds); all on the GPU for a
   model whose experts are all resident.
 
 A run of n requests (mean prompt L, mean budget G) takes n / P prefills and n G / B decode steps at the mean
@@ -59,14 +59,9 @@ from hybridjit.models.common.resident_experts import gathered, grouped_capacity
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.ops.routed_experts import kernel_info, pool_of
 from hybridjit.pinned_experts import BLOCKS_PER_LAYER
+from hybridjit.prefill_path import PrefillRates, expert_bytes, prefill_seconds
 from hybridjit.serving.engine import bucket
-from hybridjit.stream_prefill import (
-    PrefillRates,
-    decode_scores_bytes,
-    expert_bytes,
-    free_device_memory,
-    prefill_seconds,
-)
+from hybridjit.stream_prefill import decode_scores_bytes, free_device_memory
 
 DUAL = "dual"  # micro_batches: the interactive engine's two overlapped micro-batches, each with its expert calls
 EXPERTS = ("cpu", "stream")  # where a decode step's routed experts run: the CPU kernels, or streamed to the GPU
@@ -582,7 +577,7 @@ def choose_policy(
     kv_in_host: bool | None = None, attention_on_cpu: bool | None = None,
 ) -> Policy:
     """The policy for running `jobs` (runner Jobs) on a loaded model, with the user's choices fixed."""
-    from hybridjit.stream_prefill import choose_prefill_path
+    from hybridjit.prefill_path import choose_prefill_path
 
     if model.resident_widened:  # what the device has free counts the copies as stored (as this run ends with them)
         raise ValueError("the resident copies are held dequantized (hold_resident_experts): hold them as stored "

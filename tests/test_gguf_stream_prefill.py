@@ -31,6 +31,7 @@ from test_stream_prefill import (
 )
 
 import hybridjit
+from hybridjit import prefill_path
 from hybridjit import stream_prefill as sp
 from hybridjit.models.common.expert_storage import ExpertStorage
 from hybridjit.synthetic_gguf import block_pool
@@ -90,10 +91,10 @@ def test_streamed_prefill_of_a_gguf_matches_the_plain_prefill(gguf_path):
         with load_exact(gguf_path, model.config.num_hidden_layers) as exact:
             tokens = np.random.default_rng(0).integers(2, model.config.vocab_size, (2, 24)).astype(np.int32)
             ref_logits, ref_cache = plain_prefill(exact, tokens)
-            assert sp.choose_prefill_path(model, 2, 24, threshold=1) == "stream"
+            assert prefill_path.choose_prefill_path(model, 2, 24, threshold=1) == "stream"
             stats = sp.StreamStats()
             logits, cache = sp.stream_prefill(model, tokens, LENGTHS, new_cache(model, 2), stats=stats,
                                               attention_chunk=CHUNK)
             assert rel_rms(logits, ref_logits) < FLOAT32_RTOL
             assert cache_error(cache, ref_cache) < FLOAT32_RTOL
-            assert stats.streamed_bytes == sum(layer.nbytes for layer in sp._pinned_layers(model.weights).values())
+            assert stats.streamed_bytes == sum(layer.nbytes for layer in sp.pinned_layers(model.weights).values())

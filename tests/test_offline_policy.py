@@ -30,7 +30,8 @@ from hybridjit.offline_policy import (
     stream_ring_bytes,
     widened_expert_bytes,
 )
-from hybridjit.stream_prefill import PrefillRates, decode_scores_bytes
+from hybridjit.prefill_path import PrefillRates
+from hybridjit.stream_prefill import decode_scores_bytes
 from hybridjit.synthetic import geometry_config
 
 V3 = geometry_config("deepseek-v3", weight_format="fp8")

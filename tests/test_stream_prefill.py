@@ -32,6 +32,7 @@ from checkpoint_factory import family_config, quantize_mxfp4, tiny_config, write
 from hybrid_placement import hybrid
 
 import hybridjit
+from hybridjit import prefill_path
 from hybridjit import stream_prefill as sp
 from hybridjit.checkpoint import Checkpoint
 from hybridjit.config import IntQuantConfig
@@ -534,7 +535,7 @@ def test_unpinned_model_is_refused(case, checkpoint, tokens):
     try:
         with pytest.raises(ValueError, match="pinned_experts=True"):
             streamed(plain, tokens)
-        assert sp.choose_prefill_path(plain, 1, 1 << 16, threshold=1) == "hybrid"
+        assert prefill_path.choose_prefill_path(plain, 1, 1 << 16, threshold=1) == "hybrid"
     finally:
         plain.close()
 
@@ -598,19 +599,20 @@ def test_pinned_mxfp4_layer_computes_as_the_unpinned_one():
 @pytest.mark.parametrize("geometry", ["deepseek-v3", "qwen3-235b-a22b", "gpt-oss-120b"])
 def test_path_choice_follows_the_cost_model(geometry):
     cfg = geometry_config(geometry, weight_format="fp8")
-    rates = sp.PrefillRates(pcie_gbps=50.0, gpu_tflops=500.0, cpu_expert_tflops=4.0)
-    cross = sp.crossover_length(cfg, rates)
+    rates = prefill_path.PrefillRates(pcie_gbps=50.0, gpu_tflops=500.0, cpu_expert_tflops=4.0)
+    cross = prefill_path.crossover_length(cfg, rates)
     for length in (cross - 1, cross):
-        t = sp.prefill_seconds(cfg, 1, length, rates)
+        t = prefill_path.prefill_seconds(cfg, 1, length, rates)
         assert (t["stream"] < t["hybrid"]) == (length >= cross)
     # Long prompts stream at the PCIe rate until the GPU's compute takes over.
-    assert sp.prefill_seconds(cfg, 1, 8192, rates)["stream"] == pytest.approx(sp.expert_bytes(cfg) / 50e9)
-    assert sp.crossover_length(cfg, dataclasses.replace(rates, cpu_expert_tflops=40.0)) > cross
+    stream_s = prefill_path.prefill_seconds(cfg, 1, 8192, rates)["stream"]
+    assert stream_s == pytest.approx(prefill_path.expert_bytes(cfg) / 50e9)
+    assert prefill_path.crossover_length(cfg, dataclasses.replace(rates, cpu_expert_tflops=40.0)) > cross
 
 
 def test_modelled_bytes_are_the_checkpoints(model, checkpoint):
     """The cost model's bytes of the routed experts, from the config alone, are those the checkpoint stores."""
-    assert sp.expert_bytes(model.config) == routed_expert_bytes(model.config, Checkpoint(checkpoint))
+    assert prefill_path.expert_bytes(model.config) == routed_expert_bytes(model.config, Checkpoint(checkpoint))
 
 
 def test_windows_shorten_the_modelled_attention():
@@ -625,10 +627,11 @@ def test_windows_shorten_the_modelled_attention():
 
 
 def test_path_choice_threshold_override(model):
-    assert sp.choose_prefill_path(model, 1, 100, threshold=64) == "stream"
-    assert sp.choose_prefill_path(model, 1, 32, threshold=64) == "hybrid"
+    assert prefill_path.choose_prefill_path(model, 1, 100, threshold=64) == "stream"
+    assert prefill_path.choose_prefill_path(model, 1, 32, threshold=64) == "hybrid"
     expected = "stream" if jax.default_backend() == "gpu" else "hybrid"  # no PCIe to save on a CPU
-    assert sp.choose_prefill_path(model, 1, 1 << 20, rates=sp.PrefillRates(cpu_expert_tflops=1e-3)) == expected
+    slow_cpu = prefill_path.PrefillRates(cpu_expert_tflops=1e-3)
+    assert prefill_path.choose_prefill_path(model, 1, 1 << 20, rates=slow_cpu) == expected
 
 
 def test_a_model_with_every_expert_resident_does_not_stream(case, checkpoint):
@@ -639,8 +642,9 @@ def test_a_model_with_every_expert_resident_does_not_stream(case, checkpoint):
     try:
         m.place_experts(Residency({layer: tuple(range(n)) for layer, n in bank_moe_layers(m.weights).items()}))
         assert not m.experts_on_host
-        assert sp.choose_prefill_path(m, 1, 1 << 20, rates=sp.PrefillRates(cpu_expert_tflops=1e-3)) == "hybrid"
-        assert sp.choose_prefill_path(m, 1, 100, threshold=64) == "stream"
+        slow_cpu = prefill_path.PrefillRates(cpu_expert_tflops=1e-3)
+        assert prefill_path.choose_prefill_path(m, 1, 1 << 20, rates=slow_cpu) == "hybrid"
+        assert prefill_path.choose_prefill_path(m, 1, 100, threshold=64) == "stream"
     finally:
         m.close()
 

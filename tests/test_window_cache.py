@@ -16,11 +16,11 @@ from test_scheduler import Collector
 import hybridjit
 from hybridjit.auto_placement import device_budget, kv_cache_bytes
 from hybridjit.models.common import gqa
+from hybridjit.prefill_path import choose_prefill_path
 from hybridjit.sampling import SamplingParams
 from hybridjit.serving import engine as serving_engine
 from hybridjit.serving.engine import Engine
 from hybridjit.serving.scheduler import Request, Scheduler
-from hybridjit.stream_prefill import choose_prefill_path
 from hybridjit.synthetic import geometry_config
 
 WINDOW = 4  # the tiny gpt-oss's sliding window

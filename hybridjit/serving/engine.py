@@ -27,8 +27,9 @@ from hybridjit.host_kv_cache import HostKVCache
 from hybridjit.models.common.moe import MoE
 from hybridjit.models.common.ring_cache import from_prompt, is_ring
 from hybridjit.models.registry import family_of
+from hybridjit.prefill_path import choose_prefill_path
 from hybridjit.sampling import SamplingParams, restricts, sample
-from hybridjit.stream_prefill import check_cpu_blocks, choose_prefill_path, stream_decode_step, stream_prefill
+from hybridjit.stream_prefill import check_cpu_blocks, stream_decode_step, stream_prefill
 
 MIN_BUCKET = 8
 # The fewest cache positions a decode call attends over (span_of).
@@ -368,7 +369,7 @@ class Engine:
 
     def prefill(self, seqs: list[list[int]], params: list[SamplingParams]) -> Prefilled:
         """Whole prompts from position 0, right-padded to a bucket: stream-loaded or hybrid prefill as
-        stream_prefill.choose_prefill_path decides for the model."""
+        prefill_path.choose_prefill_path decides for the model."""
         m = self.model
         lengths = np.array([len(s) for s in seqs], np.int32)
         if (longest := int(lengths.max())) > self.cache_len:

@@ -7,7 +7,7 @@ one is dispatched keeps the device busy while the host delivers tokens.
 
 How a prompt is prefilled (policy "slo", the seed's):
 - the longest prefix the prefix cache holds is copied in, not computed;
-- a prompt the cost model streams (stream_prefill.choose_prefill_path: long prompts on a GPU) runs
+- a prompt the cost model streams (prefill_path.choose_prefill_path: long prompts on a GPU) runs
   stream-loaded, with decode steps of the running requests while its expert blocks' copies are in flight: the
   GPU idles for most of each streamed layer below ~32K tokens, so decodes go on while the experts stream in;
 - with several prefill devices (Placement.stream_devices), a streamed prompt that arrives while requests decode
@@ -39,11 +39,12 @@ import jax
 import numpy as np
 
 from hybridjit.ops.async_experts import raise_gpu_errors
+from hybridjit.prefill_path import choose_prefill_path
 from hybridjit.sampling import SamplingParams
 from hybridjit.serving.engine import Engine, Prefilled, Step, bucket
 from hybridjit.serving.online_placement import OnlinePlacement
 from hybridjit.serving.prefix_cache import PrefixCache
-from hybridjit.stream_prefill import choose_prefill_path, stream_prefill, streaming_devices
+from hybridjit.stream_prefill import stream_prefill, streaming_devices
 
 log = logging.getLogger(__name__)
 
