@@ -533,9 +533,9 @@ HJ_AVX512_VNNI void FusedRows(const LayerWeights& layer, const Projection& p, in
                          picks, acc);
     }
     for (int t = 0; t < N; ++t) {
-      __m512 dots = acc.dots[t][0];
+      __m512 dots = _mm512_sub_ps(acc.dots[t][0], acc.mins[t]);
       for (int a = 1; a < FusedAcc<N>::kAcc; ++a) dots = _mm512_add_ps(dots, acc.dots[t][a]);
-      out[r * out_stride + t] = _mm512_reduce_add_ps(dots) - _mm512_reduce_add_ps(acc.mins[t]);
+      out[r * out_stride + t] = _mm512_reduce_add_ps(dots);
     }
   }
 }
