@@ -69,7 +69,7 @@ from hybridjit.offline_policy import (
     widened_expert_bytes,
 )
 from hybridjit.ops.routed_experts import pool_of
-from hybridjit.pinned_experts import BLOCKS_PER_LAYER
+from hybridjit.pinned_experts import default_block_experts
 from hybridjit.placement import Placement
 from hybridjit.prefill_path import choose_prefill_path
 from hybridjit.sampling import SamplingParams
@@ -101,7 +101,7 @@ def measured_floors(model, memory: dict, tokens: list[int]) -> Floors:
                "cpu_attention_gflops": cpu_attention_gflops(model.config, model.dtype)}  # fmt: skip
     if ON_GPU:
         co_executed = cpu_expert_tflops(model, CO_EXECUTION_TOKENS, threads=co_execution_threads(), copying_to=device,
-                                        weighted=-(-model.config.n_routed_experts // BLOCKS_PER_LAYER))
+                                        weighted=default_block_experts(model.config.n_routed_experts))
         figures |= {"pcie_gbps": h2d_gbps(device), "gpu_tflops": gemm_tflops(device),
                     "gpu_hbm_gbps": hbm_read_gbps(device), "device_free_bytes": free_device_memory(device),
                     "host_free_bytes": host_kv_budget(model),

@@ -24,7 +24,7 @@ from hybridjit.models.common.moe import ExpertSchedule, MoE
 from hybridjit.models.common.resident_experts import ResidentExperts
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.ops.async_experts import raise_gpu_errors
-from hybridjit.pinned_experts import BLOCKS_PER_LAYER, pinned_layer, size_host_memory_pool
+from hybridjit.pinned_experts import default_block_experts, pinned_layer, size_host_memory_pool
 from hybridjit.placement import Placement, compute_dtype, prefill_mesh
 from hybridjit.prefill_path import PrefillRates
 from hybridjit.resolve import resolve_model
@@ -115,7 +115,7 @@ class Model:
         tokens routed uniformly, on this machine (hybridjit.machine_floors: measured the first time, then cached).
         It falls steeply with the tokens per expert: the offline policy reads it at several batch sizes. On a pool
         of `threads` (default: as configured), and, `co_executed`, as a co-executed streamed step's CPU share: one
-        block's experts weighted (pinned_experts.BLOCKS_PER_LAYER), while the link copies to the device back to
+        block's experts weighted (pinned_experts.default_block_experts), while the link copies to the device back to
         back. Few experts a call run below the whole layer's rate: on a 16-core Xeon one of Mixtral's 8 at 0.55 of
         it, a 16-expert block of Qwen3's 128 at 0.84 (bench/RESULTS.md, session 34)."""
         layer, k = self.expert_layers[0], self.config.num_experts_per_tok
@@ -127,10 +127,10 @@ class Model:
         if co_executed:
             key += ", one block's experts, the link copying"
         device = self.placement.device
-        block = -(-layer.n_experts // BLOCKS_PER_LAYER) if co_executed else None  # as pinned_experts blocks them
         return machine_floors.FloorCache().cpu_expert_tflops(device, key, lambda: machine_floors.cpu_expert_tflops(
             layer.id, layer.hidden, layer.inter, layer.n_experts, k, tokens, threads=threads,
-            copying_to=device if co_executed else None, weighted=block))  # fmt: skip
+            copying_to=device if co_executed else None,
+            weighted=default_block_experts(layer.n_experts) if co_executed else None))  # fmt: skip
 
     def prefill_weights(self, devices: tuple[jax.Device, ...] | None = None):
         """The weights stream-loaded prefill runs on over `devices` (default Placement.stream_devices). On the

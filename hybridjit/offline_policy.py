@@ -59,7 +59,7 @@ from hybridjit.models.common.resident_experts import gathered, grouped_capacity
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.ops.routed_experts import kernel_info, pool_of
 from hybridjit.pinned_experts import BLOCKS_PER_LAYER
-from hybridjit.prefill_path import PrefillRates, expert_bytes, prefill_seconds
+from hybridjit.prefill_path import PrefillRates, choose_prefill_path, expert_bytes, prefill_seconds
 from hybridjit.serving.engine import bucket
 from hybridjit.stream_prefill import decode_scores_bytes, free_device_memory
 
@@ -577,8 +577,6 @@ def choose_policy(
     kv_in_host: bool | None = None, attention_on_cpu: bool | None = None,
 ) -> Policy:
     """The policy for running `jobs` (runner Jobs) on a loaded model, with the user's choices fixed."""
-    from hybridjit.prefill_path import choose_prefill_path
-
     if model.resident_widened:  # what the device has free counts the copies as stored (as this run ends with them)
         raise ValueError("the resident copies are held dequantized (hold_resident_experts): hold them as stored "
                          "before choosing a policy")  # fmt: skip

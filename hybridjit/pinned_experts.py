@@ -36,6 +36,11 @@ PINNED_HOST = "pinned_host"
 BLOCKS_PER_LAYER = 8
 
 
+def default_block_experts(n_experts: int) -> int:
+    """Experts a block holds by default in a layer of `n_experts`: the layer in BLOCKS_PER_LAYER blocks."""
+    return -(-n_experts // BLOCKS_PER_LAYER)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ExpertBlock:
     """Experts [start, start + size) of a layer in pinned host memory, per projection (gate, up, down) stacked
@@ -249,7 +254,7 @@ def register_pinned(
     if n % shares:
         raise ValueError(f"the {n} routed experts of a layer do not split evenly over the {shares} prefill devices")
     share = n // shares
-    per = min(share, experts_per_block or -(-n // BLOCKS_PER_LAYER))
+    per = min(share, experts_per_block or default_block_experts(n))
     scales = None if gate_scale is None else (gate_scale, up_scale, down_scale)
 
     def pin(group, start, sharding):

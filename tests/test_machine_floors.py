@@ -20,7 +20,7 @@ from hybridjit import cli, machine_floors
 from hybridjit.machine_floors import FloorCache, MachineFloors
 from hybridjit.ops import cpu_attention
 from hybridjit.ops.routed_experts import kernel_info
-from hybridjit.pinned_experts import BLOCKS_PER_LAYER
+from hybridjit.pinned_experts import default_block_experts
 from hybridjit.synthetic import geometry_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,7 +162,7 @@ def test_the_cpu_expert_rate_beside_the_links_copies_is_timed_on_the_pool_asked_
             asked.append((layer[-1], threads, copying_to, weighted)) or 0.25))
         assert (model.cpu_expert_tflops(1024, 3, co_executed=True) == model.cpu_expert_tflops(1024, 3, co_executed=True)
                 == 0.25)  # fmt: skip
-        assert asked == [(1024, 3, model.placement.device, -(-layer.n_experts // BLOCKS_PER_LAYER))]
+        assert asked == [(1024, 3, model.placement.device, default_block_experts(layer.n_experts))]
     key = f"{layer.format} experts {layer.hidden}x{layer.inter}, {k} of {layer.n_experts} a token"
     cached = FloorCache(tmp_path).cpu_expert_rates(machine_floors.machine_key(model.placement.device))
     assert cached == {f"{key}, 1024 tokens a call, 3 threads, one block's experts, the link copying": 0.25}
