@@ -543,7 +543,7 @@ class _Ring:
         self._free = depth
         self._releasing: collections.deque = collections.deque()  # (phase, arrays, done): see release
         self._resident: list[tuple[tuple[jax.Array, ...], int]] = []  # (a step's device arrays, their bytes)
-        self.peak_bytes = 0  # the most bytes of device buffers one device's ring ever held (measured: live buffers)
+        self.peak_bytes = 0  # the most bytes of device buffers one device's ring ever held (its undeleted steps')
         self.peak_in_use = None  # a device's bytes in use right after each step's allocation, at most
         self.streamed_bytes = 0  # over all devices
         self.staged_bytes = 0  # of those, copied over a link of a device outside the mesh (_staging)
@@ -553,7 +553,7 @@ class _Ring:
     def load(self) -> None:
         """Issues the copies of the next steps into every free slot: each device's block from the pinned host copy
         to that device (an asynchronous DMA over its own link when the block was pinned through it), the copies
-        then joined into arrays along the mesh axis without moving."""
+        then joined into arrays along the mesh axis without moving (on a one-device mesh, copied straight onto it)."""
         start = time.perf_counter()
         while self._free and self._waiting:
             step = self._waiting.popleft()
@@ -568,7 +568,7 @@ class _Ring:
             self._measure(arrays, sum(block.nbytes for block in step))
         self.copy_issue_seconds += time.perf_counter() - start
 
-    def _copy(self, block: ExpertBlock, target: SingleDeviceSharding) -> tuple[jax.Array, ...]:
+    def _copy(self, block: ExpertBlock, target: jax.sharding.Sharding) -> tuple[jax.Array, ...]:
         """The block's copy on the target's device: from its pinned memory, or through its home device's memory
         where that stages it (the staged copy is freed once the copy on from it has run)."""
         arrays = block.arrays
