@@ -1,8 +1,8 @@
 """Which prefill path a prompt takes, by a cost model fed with the machine's measured rates: stream-loaded
 (hybridjit.stream_prefill: every routed expert copied to the GPU as stored and computed there, the copies
 overlapping the GPU's work) or hybrid (the GPU's layers, then the routed experts on the CPU kernels, alternating
-layer by layer). Short prompts stay hybrid, long ones stream (OSDI '26 §3.1: the crossover is measured at
-744-1,340 tokens on DeepSeek-V3, bench/RESULTS.md)."""
+layer by layer). Short prompts stay hybrid, long ones stream (OSDI '26 §3.1; the cost model's crossover on 1x H200:
+1,340 tokens for DeepSeek-V3, 545-590 for Qwen3-235B-A22B and gpt-oss-120b, bench/RESULTS.md)."""
 
 import dataclasses
 import math
