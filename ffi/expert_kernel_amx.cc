@@ -123,44 +123,81 @@ size_t Int8PackedBytes(const LayerWeights&, int64_t tokens, int64_t cols) {
   return ScaleBytes(tokens) + PaddedTokens(tokens) / kTileRows * Blocks(cols, 64) * kTileBytes;
 }
 
-// Scatters one token's 4-byte groups (dwords) into column (t % 16) of its token block's tiles.
-HJ_AMX void ScatterToken(const uint32_t* dwords, int64_t ksteps, int64_t t, char* tiles) {
-  char* base = tiles + (t / kTileRows) * ksteps * kTileBytes + (t % kTileRows) * 4;
+// The B tiles of one token block from its tokens' rows of 4-byte groups (row i: ksteps * 16 dwords; rows from
+// `n` on read as zero): tile ks, row r holds dword ks * 16 + r of tokens 0..15, which is a 16 x 16 dword
+// transpose per tile. Transposing in registers stores each tile row as one whole cache line; writing a token's
+// dwords into its column instead touched a line per 4 bytes. One Mixtral expert of 256 tokens on the 16-core
+// Xeon: its 14,336-wide activations packed in 3.6 ms instead of 8.0 (one thread, while the others wait), the
+// call 28.7 ms instead of 35.1.
+HJ_AMX void BlockToTiles(const uint32_t* token_rows, int64_t n, int64_t ksteps, char* tiles) {
+  const int64_t row_dwords = ksteps * 16;
   for (int64_t ks = 0; ks < ksteps; ++ks) {
-    char* tile = base + ks * kTileBytes;
-    for (int64_t r = 0; r < kTileRows; ++r) std::memcpy(tile + r * 64, dwords + ks * kTileRows + r, 4);
+    __m512i v[16], t[16];
+    for (int64_t i = 0; i < kTileRows; ++i) {
+      v[i] = i < n ? _mm512_loadu_si512(token_rows + i * row_dwords + ks * 16) : _mm512_setzero_si512();
+    }
+    // Within each 128-bit lane: pairs of tokens, then quads; t[4q + j] lane L then holds dword 4L + j of
+    // tokens 4q .. 4q + 3.
+    for (int i = 0; i < 16; i += 2) {
+      t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+      t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int q = 0; q < 16; q += 4) {
+      v[q] = _mm512_unpacklo_epi64(t[q], t[q + 2]);
+      v[q + 1] = _mm512_unpackhi_epi64(t[q], t[q + 2]);
+      v[q + 2] = _mm512_unpacklo_epi64(t[q + 1], t[q + 3]);
+      v[q + 3] = _mm512_unpackhi_epi64(t[q + 1], t[q + 3]);
+    }
+    // A 4 x 4 transpose of 128-bit lanes across the quads: tile row 4L + j gathers lane L of v[j], v[4 + j],
+    // v[8 + j], v[12 + j].
+    char* tile = tiles + ks * kTileBytes;
+    for (int j = 0; j < 4; ++j) {
+      const __m512i x0 = _mm512_shuffle_i32x4(v[j], v[4 + j], 0x88), x1 = _mm512_shuffle_i32x4(v[j], v[4 + j], 0xdd);
+      const __m512i x2 = _mm512_shuffle_i32x4(v[8 + j], v[12 + j], 0x88);
+      const __m512i x3 = _mm512_shuffle_i32x4(v[8 + j], v[12 + j], 0xdd);
+      _mm512_storeu_si512(tile + (0 + j) * 64, _mm512_shuffle_i32x4(x0, x2, 0x88));
+      _mm512_storeu_si512(tile + (4 + j) * 64, _mm512_shuffle_i32x4(x1, x3, 0x88));
+      _mm512_storeu_si512(tile + (8 + j) * 64, _mm512_shuffle_i32x4(x0, x2, 0xdd));
+      _mm512_storeu_si512(tile + (12 + j) * 64, _mm512_shuffle_i32x4(x1, x3, 0xdd));
+    }
+  }
+}
+
+// Packs the B tiles of `padded_tokens` tokens, 16 at a time: row(t, dwords) writes token t's ksteps * 16 dwords;
+// tokens from `count` on are zero.
+template <class Row>
+void PackTokenBlocks(int64_t count, int64_t padded_tokens, int64_t ksteps, char* tiles, Row row) {
+  thread_local std::vector<uint32_t> block;
+  block.resize(kTileRows * ksteps * 16);
+  for (int64_t t0 = 0; t0 < padded_tokens; t0 += kTileRows) {
+    const int64_t n = std::clamp<int64_t>(count - t0, 0, kTileRows);
+    for (int64_t i = 0; i < n; ++i) row(t0 + i, block.data() + i * ksteps * 16);
+    BlockToTiles(block.data(), n, ksteps, tiles + t0 / kTileRows * ksteps * kTileBytes);
   }
 }
 
 HJ_AMX void Bf16Pack(const LayerWeights&, const ActivationRows& rows, int64_t cols, void* packed) {
   const int64_t ksteps = Blocks(cols, 32);
-  const int64_t padded_tokens = PaddedTokens(rows.count);
-  if (padded_tokens > rows.count) std::memset(packed, 0, padded_tokens / kTileRows * ksteps * kTileBytes);
-  thread_local std::vector<uint16_t> row;
-  row.resize(ksteps * 32);
-  for (int64_t t = 0; t < rows.count; ++t) {
-    RowToBf16(rows, t, cols, ksteps * 32, row.data());
-    ScatterToken(reinterpret_cast<const uint32_t*>(row.data()), ksteps, t, static_cast<char*>(packed));
-  }
+  PackTokenBlocks(rows.count, PaddedTokens(rows.count), ksteps, static_cast<char*>(packed),
+                  [&](int64_t t, uint32_t* dwords) {
+                    RowToBf16(rows, t, cols, ksteps * 32, reinterpret_cast<uint16_t*>(dwords));
+                  });
 }
 
 // One scale per token row (the layer has one group per row): as QuantizeInt8.
 HJ_AMX void Int8Pack(const LayerWeights&, const ActivationRows& rows, int64_t cols, void* packed) {
   const int64_t ksteps = Blocks(cols, 64);
-  const int64_t padded_tokens = PaddedTokens(rows.count);
   auto* scales = static_cast<float*>(packed);
-  char* tiles = static_cast<char*>(packed) + ScaleBytes(rows.count);
   std::memset(packed, 0, ScaleBytes(rows.count));
-  if (padded_tokens > rows.count) std::memset(tiles, 0, padded_tokens / kTileRows * ksteps * kTileBytes);
   thread_local std::vector<float> x;
-  thread_local std::vector<int8_t> q;
   x.resize(cols);
-  q.assign(ksteps * 64, 0);
-  for (int64_t t = 0; t < rows.count; ++t) {
-    RowToFloat(rows, t, cols, x.data());
-    scales[t] = QuantizeInt8(x.data(), cols, q.data());
-    ScatterToken(reinterpret_cast<const uint32_t*>(q.data()), ksteps, t, tiles);
-  }
+  PackTokenBlocks(rows.count, PaddedTokens(rows.count), ksteps, static_cast<char*>(packed) + ScaleBytes(rows.count),
+                  [&](int64_t t, uint32_t* dwords) {
+                    auto* q = reinterpret_cast<int8_t*>(dwords);
+                    RowToFloat(rows, t, cols, x.data());
+                    scales[t] = QuantizeInt8(x.data(), cols, q);
+                    std::memset(q + cols, 0, ksteps * 64 - cols);
+                  });
 }
 
 // ---- weight strips ---------------------------------------------------------------------------------------
@@ -565,39 +602,23 @@ HJ_AMX float QuantizeInt8Avx512(const float* x, int64_t n, int8_t* q) {
   return Int8Scale(amax);
 }
 
-// Token t's int8 row (64 bytes per k-step) into column t % 16 of its token block's B tiles: one scatter of
-// 16 dwords (the 16 tile rows) per k-step.
-HJ_AMX void ScatterTokenInt8(const int8_t* q, int64_t ksteps, int64_t t, char* tiles) {
-  char* base = tiles + (t / kTileRows) * ksteps * kTileBytes + (t % kTileRows) * 4;
-  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32(64));
-  for (int64_t ks = 0; ks < ksteps; ++ks) {
-    _mm512_i32scatter_epi32(base + ks * kTileBytes, rows, _mm512_loadu_si512(q + ks * 64), 1);
-  }
-}
-
 HJ_AMX void GroupPack(const LayerWeights& layer, const ActivationRows& rows, int64_t cols, void* packed) {
   const GroupLayout l(layer, rows.count, cols);
   auto* scales = static_cast<float*>(packed);
-  char* tiles = static_cast<char*>(packed) + l.scale_bytes;
   std::memset(packed, 0, l.scale_bytes);
-  if (l.padded_tokens > rows.count) {
-    std::memset(tiles + rows.count / kTileRows * l.ksteps * kTileBytes, 0,
-                (l.padded_tokens / kTileRows - rows.count / kTileRows) * l.ksteps * kTileBytes);
-  }
   thread_local std::vector<float> x;
-  thread_local std::vector<int8_t> q;
   x.resize(cols);
-  q.assign(l.ksteps * 64, 0);
-  for (int64_t t = 0; t < rows.count; ++t) {
-    RowToFloat(rows, t, cols, x.data());
-    for (int64_t g = 0; g < l.groups; ++g) {
-      const int64_t begin = g * layer.block_cols;
-      scales[g * l.padded_tokens + t] =
-          QuantizeInt8Avx512(x.data() + begin, std::min(layer.block_cols, cols - begin), q.data() + begin);
-    }
-    ScatterTokenInt8(q.data(), l.ksteps, t, tiles);
-  }
+  PackTokenBlocks(rows.count, l.padded_tokens, l.ksteps, static_cast<char*>(packed) + l.scale_bytes,
+                  [&](int64_t t, uint32_t* dwords) {
+                    auto* q = reinterpret_cast<int8_t*>(dwords);
+                    RowToFloat(rows, t, cols, x.data());
+                    for (int64_t g = 0; g < l.groups; ++g) {
+                      const int64_t begin = g * layer.block_cols;
+                      scales[g * l.padded_tokens + t] =
+                          QuantizeInt8Avx512(x.data() + begin, std::min(layer.block_cols, cols - begin), q + begin);
+                    }
+                    std::memset(q + cols, 0, l.ksteps * 64 - cols);
+                  });
 }
 
 // Rows [r0, r0 + 128) x k-steps [k0, k0 + n) of an int8 or int4 projection as int8 tiles (as Bf16Strip lays
