@@ -863,10 +863,11 @@ HJ_AMX void AmxGroupGemm(const LayerWeights& layer, const Projection* w, int n_p
   _tile_release();
 }
 
-constexpr GemmKernel kBf16Tiles{"amx_bf16", 32, Bf16PackedBytes, Bf16Pack, AmxGemm<false>};
+// The bfloat16-tile layouts are token blocks one after the other; the int8 ones lead with every token's scales.
+constexpr GemmKernel kBf16Tiles{"amx_bf16", 32, Bf16PackedBytes, Bf16Pack, AmxGemm<false>, true};
 constexpr GemmKernel kInt8Tiles{"amx_int8", 32, Int8PackedBytes, Int8Pack, AmxGemm<true>};
 constexpr GemmKernel kIntGroupTiles{"amx_int8g", 32, GroupPackedBytes, GroupPack, AmxGroupGemm<true>};
-constexpr GemmKernel kFp8GroupTiles{"amx_fp8g", 32, Bf16PackedBytes, Bf16Pack, AmxGroupGemm<false>};
+constexpr GemmKernel kFp8GroupTiles{"amx_fp8g", 32, Bf16PackedBytes, Bf16Pack, AmxGroupGemm<false>, true};
 
 }  // namespace
 

@@ -646,11 +646,12 @@ HJ_AVX512 void Mxfp4Gemm(const LayerWeights& layer, const Projection* w, int n_p
   }
 }
 
-constexpr GemmKernel kBf16{"avx512", 1, Bf16PackedBytes, Bf16Pack, Bf16Gemm<WeightFormat::kBf16>};
-constexpr GemmKernel kFp8{"avx512", 1, Bf16PackedBytes, Bf16Pack, Bf16Gemm<WeightFormat::kFp8E4M3Fn>};
-constexpr GemmKernel kInt8{"avx512", 1, IntPackedBytes, IntPack, IntGemm<false>};
-constexpr GemmKernel kInt4{"avx512", 1, IntPackedBytes, IntPack, IntGemm<true>};
-constexpr GemmKernel kMxfp4{"avx512", 1, Mxfp4PackedBytes, Mxfp4Pack, Mxfp4Gemm};
+// Every layout here packs token after token.
+constexpr GemmKernel kBf16{"avx512", 1, Bf16PackedBytes, Bf16Pack, Bf16Gemm<WeightFormat::kBf16>, true};
+constexpr GemmKernel kFp8{"avx512", 1, Bf16PackedBytes, Bf16Pack, Bf16Gemm<WeightFormat::kFp8E4M3Fn>, true};
+constexpr GemmKernel kInt8{"avx512", 1, IntPackedBytes, IntPack, IntGemm<false>, true};
+constexpr GemmKernel kInt4{"avx512", 1, IntPackedBytes, IntPack, IntGemm<true>, true};
+constexpr GemmKernel kMxfp4{"avx512", 1, Mxfp4PackedBytes, Mxfp4Pack, Mxfp4Gemm, true};
 
 }  // namespace
 

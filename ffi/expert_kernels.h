@@ -102,6 +102,9 @@ struct GemmKernel {
   // t < tokens. The projections share the packed activations (gate and up of one expert).
   void (*gemm)(const LayerWeights& layer, const Projection* w, int n_proj, int64_t row0, int64_t rows,
                const void* packed, int64_t tokens, float* const* out, int64_t out_stride);
+  // Whether a pack splits by tokens: pack() of tokens [t0, t1), t0 a multiple of `pad`, written packed_bytes(t0)
+  // bytes in, lays out the bytes a pack of all the tokens would there; so threads can share one expert's pack.
+  bool packs_in_token_ranges = false;
 };
 
 // The kernels of each family for a layer; null where the family has none for the layer's format (the

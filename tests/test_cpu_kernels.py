@@ -27,6 +27,7 @@ from hybridjit.ops.routed_experts import (
     configure_threads,
     kernel_info,
     layer_kernel,
+    pool_of,
     register_layer,
     routed_experts,
     routed_experts_host,
@@ -572,6 +573,22 @@ def test_skewed_prefill_load():
         weights = rng.uniform(0.1, 1.0, size=ids.shape).astype(np.float32)
         x = rng.standard_normal((tokens, 200)).astype(np.float32)
         check_layer(layer, dense, "bf16", None, x, ids, weights, tokens)
+
+
+@pytest.mark.parametrize("fmt, block", [("bf16", None), ("fp8", (128, 128)), ("int8", (1, 128))])
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
+def test_one_experts_pack_shared_by_threads(family, fmt, block):
+    """One expert with hundreds of tokens on a pool of 8: the kernels that pack in token ranges (AVX-512, AMX's
+    bfloat16 tiles) share its activations' pack among the threads, part by part (300 tokens: parts that do not
+    divide it, a last one shorter)."""
+    rng = np.random.default_rng(10)
+    layer, dense, _ = make_layer(rng, fmt, 3, 200, 136, block)
+    with layer, kernel_family(family), pool_of(8):
+        tokens = 300
+        ids = np.zeros((tokens, 1), np.int32)
+        weights = rng.uniform(0.1, 1.0, size=ids.shape).astype(np.float32)
+        x = rng.standard_normal((tokens, 200)).astype(np.float32)
+        check_layer(layer, dense, fmt, block, x, ids, weights, tokens)
 
 
 def test_concurrent_calls_from_many_threads():
