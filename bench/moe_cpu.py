@@ -33,7 +33,10 @@ Prefill cases of issue #27 (tokens over a number of experts, each format, kt-ker
 
     g++ -O2 -march=native bench/amx_tiles.cc -o /tmp/amx_tiles && /tmp/amx_tiles | tail -1 > /tmp/amx_tiles.json
     python bench/moe_cpu.py --formats bf16 fp8 int8 int4 --decode --prefill-cases 2048:32 2048:256 256:256 8192:256 \
-        --no-baselines --amx-ceilings /tmp/amx_tiles.json
+        --no-baselines --amx-ceilings /tmp/amx_tiles.json --time-limit 540
+
+(--time-limit: a run cut short still ends with the JSON line of the cases it measured; kt-kernel's FP8 takes ~3 s a
+call at these sizes.)
 
 kt-kernel (the peer, `pip install kt-kernel`, or bench/slim_peer_wheel.py's wheel) runs on the same shapes in this
 process when it is installed and the host has AMX (else a printed line says why not): its AMX MoE classes
@@ -49,6 +52,7 @@ import glob
 import importlib.util
 import json
 import mmap
+import signal
 import statistics
 import sys
 import time
@@ -639,6 +643,14 @@ def row(r) -> str:
     )
 
 
+class OutOfTime(Exception):
+    """--time-limit passed: the case running then is dropped, and the run ends with the cases measured."""
+
+
+def on_alarm(signum, frame):
+    raise OutOfTime
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--formats", nargs="+", choices=[*FORMATS, *GGUF_FORMATS], default=list(FORMATS))
@@ -673,6 +685,9 @@ def main():
     parser.add_argument("--cache-resident", action="store_true",
                         help="instead of the cases above: the decode kernels' rate with the weights in cache (pick a "
                              "small --hidden x --inter), against the read floor")
+    parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                        help="end the run after this long with the JSON line of the cases measured so far (marked "
+                             "cut; the case running then is dropped), instead of losing them all to an outer timeout")
     args = parser.parse_args()
     if args.quick:
         args.prefill, args.repeats = [], min(args.repeats, 6)
@@ -691,22 +706,37 @@ def main():
     print(floors_line(floors))
     results = []
     floor = ReadFloor(floors, floors["bytes_per_array"] // 2)
+    if args.time_limit:
+        signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, args.time_limit)
+    cut = False
+    try:
+        run_benches(args, rng, floors, floor, results)
+    except OutOfTime:
+        cut = True
+        print(f"time limit ({args.time_limit:g} s) reached: the JSON line holds the {len(results)} cases measured")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    shape = {"hidden": args.hidden, "inter": args.inter, "top_k": args.top_k, "command": " ".join(sys.argv)}
+    print(json.dumps({"bench": "moe_cpu", "machine": {**machine(), **shape}, "floors": floors, "results": results,
+                      **({"cut": True} if cut else {})}))
+
+
+def run_benches(args, rng, floors, floor: ReadFloor, results: list) -> None:
+    """Every bench the arguments ask for, in order, each appending its cases to `results`."""
     if args.cache_resident:
         bench_cache_resident(args, rng, floors, results)
-        args.baselines = args.crossover = False
-    else:
-        bench_hybridjit(args, rng, floor, results)
-        if args.peer:
-            bench_kt_kernel(args, rng, floor, results)
-        if args.ggml_peer:
-            bench_ggml_peer(args, rng, floor, results)
+        return
+    bench_hybridjit(args, rng, floor, results)
+    if args.peer:
+        bench_kt_kernel(args, rng, floor, results)
+    if args.ggml_peer:
+        bench_ggml_peer(args, rng, floor, results)
     if args.baselines:
         bench_numpy(args, rng, floor, results)
         bench_torch(args, rng, floor, results)
     if args.crossover:
         bench_crossover(args, rng, floor, results)
-    shape = {"hidden": args.hidden, "inter": args.inter, "top_k": args.top_k, "command": " ".join(sys.argv)}
-    print(json.dumps({"bench": "moe_cpu", "machine": {**machine(), **shape}, "floors": floors, "results": results}))
 
 
 if __name__ == "__main__":
