@@ -228,6 +228,28 @@ void ForTiles(int64_t row0, int64_t rows, int64_t block_rows, int64_t tokens, Ti
   }
 }
 
+// From kManyTokens tokens an expert's multiply is compute-bound, and a one-row tile loads each token's activations
+// once per multiply-add: tiles of R rows x TC tokens (kept inside scale row-blocks) reuse each activation load R times
+// and each weight load TC times. One tile of R rows x 1 token takes the last tokens, one row x 1 token the rows left
+// in a block. Chosen on the 2-core Zen 5 dev box (bench/RESULTS.md, session 35): bf16 4 x 6, 2.0x the one-row tiles
+// at DeepSeek-V3's shapes; fp8, whose block scales keep a second set of accumulators, 2 x 6, 1.4-1.6x.
+constexpr int64_t kManyTokens = 16;
+
+template <int R, int TC, typename TileFn>
+void ForManyTokenTiles(int64_t row0, int64_t rows, int64_t block_rows, int64_t tokens, TileFn tile) {
+  for (int64_t r = row0; r < row0 + rows;) {
+    const int64_t block_end = std::min(row0 + rows, (r / block_rows + 1) * block_rows);
+    for (; r + R <= block_end; r += R) {
+      int64_t t = 0;
+      for (; t + TC <= tokens; t += TC) tile(std::integral_constant<int, R>(), std::integral_constant<int, TC>(), r, t);
+      for (; t < tokens; ++t) tile(std::integral_constant<int, R>(), std::integral_constant<int, 1>(), r, t);
+    }
+    for (; r < block_end; ++r) {
+      for (int64_t t = 0; t < tokens; ++t) tile(std::integral_constant<int, 1>(), std::integral_constant<int, 1>(), r, t);
+    }
+  }
+}
+
 template <WeightFormat F>
 HJ_AVX512 void Bf16Gemm(const LayerWeights& layer, const Projection* w, int n_proj, int64_t row0, int64_t rows,
                         const void* packed, int64_t tokens, float* const* out, int64_t out_stride) {
@@ -235,10 +257,16 @@ HJ_AVX512 void Bf16Gemm(const LayerWeights& layer, const Projection* w, int n_pr
   const int64_t xs = Bf16TokenElements(layer, w[0].cols);
   const int64_t block_rows = F == WeightFormat::kFp8E4M3Fn ? layer.block_rows : w[0].rows;
   for (int p = 0; p < n_proj; ++p) {
-    ForTiles(row0, rows, block_rows, tokens, [&](auto R, auto TC, int64_t r, int64_t t) {
+    const auto tile = [&](auto R, auto TC, int64_t r, int64_t t) HJ_AVX512 {
       Bf16Tile<F, decltype(R)::value, decltype(TC)::value>(layer, w[p], r, x, xs, t, out[p] + (r - row0) * out_stride,
                                                            out_stride);
-    });
+    };
+    if (tokens >= kManyTokens) {
+      constexpr int kRows = F == WeightFormat::kBf16 ? 4 : 2;
+      ForManyTokenTiles<kRows, 6>(row0, rows, block_rows, tokens, tile);
+    } else {
+      ForTiles(row0, rows, block_rows, tokens, tile);
+    }
     if constexpr (F == WeightFormat::kFp8E4M3Fn) {
       const int64_t block = BlockCols(layer, w[p].cols), block_stride = RoundUp(block, kStep);
       const auto activation = [&](int64_t t, int64_t c) {
