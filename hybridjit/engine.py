@@ -116,8 +116,9 @@ class Model:
         It falls steeply with the tokens per expert: the offline policy reads it at several batch sizes. On a pool
         of `threads` (default: as configured), and, `co_executed`, as a co-executed streamed step's CPU share: one
         block's experts weighted (pinned_experts.default_block_experts), while the link copies to the device back to
-        back. Few experts a call run below the whole layer's rate: on a 16-core Xeon one of Mixtral's 8 at 0.55 of
-        it, a 16-expert block of Qwen3's 128 at 0.84 (bench/RESULTS.md, session 34)."""
+        back. Few experts a call run below the whole layer's rate: on a 16-core Xeon, 12 threads, one of Mixtral's 8
+        at 0.81 of it and a 16-expert block of Qwen3's 128 at 0.82 (bench/RESULTS.md, session 35; 0.55 and 0.84
+        before its AMX packs)."""
         layer, k = self.expert_layers[0], self.config.num_experts_per_tok
         key = f"{layer.format} experts {layer.hidden}x{layer.inter}, {k} of {layer.n_experts} a token"
         if tokens != machine_floors.CPU_EXPERT_TOKENS:  # the prefill-path choice's rate keeps its key
