@@ -1,16 +1,18 @@
 // Kernels for routed experts stored in GGUF block formats (gguf_blocks.h): Q8_0, Q4_K, Q5_K, Q6_K.
 //
-// The fused operator of seed 000 §3.5.2: activations are quantised on the fly to int8 per 32 elements (as every int8
-// kernel does, expert_kernels.h; per 256 for the few-token kernels below), each weight row is decoded once per call
-// into unsigned bytes plus float multipliers (gguf_blocks.h), and the products are integer dot products: in plain C++
-// here, with AVX-512 VNNI (vpdpbusd, unsigned weight bytes x signed activation bytes) in the avx512 family. A row's
-// decoded form (a few KiB) stays in L1 for all the tokens of the call. With the amx family, experts with enough tokens
-// (AmxMinTokens) run on AMX instead: expert_kernel_amx.cc splits the blocks with the same helpers
-// (gguf_blocks_avx512.h) into bfloat16 tiles.
+// The fused operator of seed 000 §3.5.2: activations are quantised on the fly to int8 (per 32 elements in plain C++,
+// as every int8 kernel does, expert_kernels.h; per 256 with a K-quant in the layer in the avx512 family, as llama.cpp's
+// Q8_K), and the products are integer dot products. The generic kernel decodes each weight row once per call into
+// unsigned bytes plus float multipliers (gguf_blocks.h), kept for all the tokens of the call. The avx512 family
+// splits each block into bytes in registers and multiplies them with up to four tokens' activations there (AVX-512
+// VNNI: vpdpbusd, unsigned weight bytes x signed activation bytes), four tokens at a time. With the amx family,
+// experts with enough tokens (AmxMinTokens) run on AMX instead: expert_kernel_amx.cc splits the blocks with the same
+// helpers (gguf_blocks_avx512.h) into bfloat16 tiles.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <vector>
 
 #include "expert_kernels.h"
@@ -129,104 +131,12 @@ void GgufGemmGeneric(const LayerWeights& layer, const Projection* w, int n_proj,
   }
 }
 
-// --- AVX-512 VNNI (with gguf_blocks_avx512.h's helpers) --------------------------------------------------
-
-HJ_AVX512_VNNI void DecodeQ4KBlock(const uint8_t* b, bool five, uint8_t* q, float* lane_scale, float* sub_min) {
-  const float d = LoadHalf(b), dmin = LoadHalf(b + 2);
-  for (int c = 0; c < 4; ++c) {
-    __m256i lo, hi;
-    Q4KChunk(b, five, c, &lo, &hi);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 64 * c), lo);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 64 * c + 32), hi);
-  }
-  uint8_t sm[16];
-  KScalesMins(b + 4, sm);
-  for (int j = 0; j < 8; ++j) {
-    _mm256_storeu_ps(lane_scale + 8 * j, _mm256_set1_ps(d * static_cast<float>(sm[j])));
-    sub_min[2 * j] = sub_min[2 * j + 1] = dmin * static_cast<float>(sm[8 + j]);
-  }
-}
-
-HJ_AVX512_VNNI void DecodeQ6KBlock(const uint8_t* b, uint8_t* q, float* lane_scale, float* sub_min) {
-  for (int half = 0; half < 2; ++half) {
-    __m256i v[4];
-    Q6KHalf(b, half, v);
-    for (int s = 0; s < 4; ++s) _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 128 * half + 32 * s), v[s]);
-  }
-  const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
-  const float d = LoadHalf(b + 208);
-  for (int s = 0; s < 16; ++s) {
-    const float scale = d * static_cast<float>(scales[s]);
-    _mm_storeu_ps(lane_scale + 4 * s, _mm_set1_ps(scale));
-    sub_min[s] = 32.0f * scale;
-  }
-}
-
-HJ_AVX512_VNNI void DecodeQ80Block(const uint8_t* b, uint8_t* q, float* lane_scale, float* sub_min) {
-  const float d = LoadHalf(b);
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_xor_si256(v, _mm256_set1_epi8(-128)));  // q + 128
-  _mm256_storeu_ps(lane_scale, _mm256_set1_ps(d));
-  sub_min[0] = sub_min[1] = 128.0f * d;
-}
-
-HJ_AVX512_VNNI void DecodeRowAvx512(const LayerWeights& layer, const Projection& p, int64_t row, DecodedRow& out) {
-  const WeightFormat format = layer.ProjectionFormat(p.which);
-  const int64_t n = GgufBlockElements(format), bytes = GgufBlockBytes(format);
-  const uint8_t* data = RowData(layer, p, row);
-  const int64_t ahead = WeightPrefetchBytes();
-  for (int64_t b = 0; b < p.cols / n; ++b) {
-    const uint8_t* block = data + b * bytes;
-    if (ahead > 0) {
-      for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(block + ahead + line), _MM_HINT_T0);
-    }
-    uint8_t* q = out.q.data() + b * n;
-    float* lane_scale = out.lane_scale.data() + b * n / 4;
-    float* sub_min = out.sub_min.data() + b * n / 16;
-    switch (format) {
-      case WeightFormat::kQ8_0:
-        DecodeQ80Block(block, q, lane_scale, sub_min);
-        break;
-      case WeightFormat::kQ4K:
-      case WeightFormat::kQ5K:
-        DecodeQ4KBlock(block, format == WeightFormat::kQ5K, q, lane_scale, sub_min);
-        break;
-      case WeightFormat::kQ6K:
-        DecodeQ6KBlock(block, q, lane_scale, sub_min);
-        break;
-      default:
-        break;
-    }
-  }
-}
-
-HJ_AVX512_VNNI float DotAvx512(const DecodedRow& w, const char* token, const TokenLayout& layout, int64_t cols) {
-  const auto* xq = reinterpret_cast<const int8_t*>(token);
-  const auto* lane_dx = reinterpret_cast<const float*>(token + layout.lane_dx);
-  const auto* sub_sum = reinterpret_cast<const float*>(token + layout.sub_sum);
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t c = 0; c < cols; c += 64) {
-    // cols is a multiple of 32: a last half chunk reads zeros past the row (masked loads).
-    const __mmask64 bytes = cols - c >= 64 ? ~__mmask64{0} : (__mmask64{1} << (cols - c)) - 1;
-    const __mmask16 lanes = cols - c >= 64 ? __mmask16(0xffff) : __mmask16(0x00ff);
-    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_maskz_loadu_epi8(bytes, w.q.data() + c),
-                                            _mm512_maskz_loadu_epi8(bytes, xq + c));
-    const __m512 scale = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, w.lane_scale.data() + c / 4),
-                                       _mm512_maskz_loadu_ps(lanes, lane_dx + c / 4));
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc);
-  }
-  __m512 mins = _mm512_setzero_ps();
-  for (int64_t s = 0; s < cols / 16; s += 16) {
-    const __mmask16 m = cols / 16 - s >= 16 ? __mmask16(0xffff) : __mmask16((1u << (cols / 16 - s)) - 1);
-    mins = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w.sub_min.data() + s), _mm512_maskz_loadu_ps(m, sub_sum + s), mins);
-  }
-  return _mm512_reduce_add_ps(acc) - _mm512_reduce_add_ps(mins);
-}
-
-// --- Few tokens: blocks decoded in registers ------------------------------------------------------------
-// A decoded row pays for itself over many tokens; with a few, writing it out and reading it back costs more than
-// the dot products. These split each super-block into bytes in registers and multiply them with every token's
-// activations there (the Q4_K x Q8_K / Q6_K x Q8_K dot products of seed 000 §3.5.2).
+// --- AVX-512 VNNI: blocks split in registers (with gguf_blocks_avx512.h's helpers) -------------------------
+// Each super-block is split into bytes in registers and multiplied there with the activations of up to four tokens
+// (the Q4_K x Q8_K / Q6_K x Q8_K dot products of seed 000 §3.5.2). Decoding each row once into memory for all the
+// tokens of a call and reading it back per token, as the generic kernel does, ran 1.9-2.7x slower at 16-256 tokens an
+// expert (2-core Zen 5, session 35): its per-32 float rescale and per-token reduction cost more than splitting the
+// blocks again for every four tokens.
 //
 // With a K-quant in the layer the activations are quantised per 256 elements, one scale per super-block as
 // llama.cpp's Q8_K, so that a super-block's sums stay integers to its end: per 64 weight bytes one vpdpbusd (its
@@ -540,38 +450,25 @@ HJ_AVX512_VNNI void FusedRows(const LayerWeights& layer, const Projection& p, in
   }
 }
 
-// The few-token kernels' activations in their own layout; more tokens' in TokenLayout, as the generic kernel's.
-size_t GgufPackedBytesAvx512(const LayerWeights& layer, int64_t tokens, int64_t cols) {
-  return tokens <= kGgufFusedMaxTokens ? tokens * FusedLayout(cols).bytes : GgufPackedBytes(layer, tokens, cols);
-}
+size_t GgufPackedBytesAvx512(const LayerWeights&, int64_t tokens, int64_t cols) { return tokens * FusedLayout(cols).bytes; }
 
 void GgufPackAvx512(const LayerWeights& layer, const ActivationRows& rows, int64_t cols, void* packed) {
-  if (rows.count <= kGgufFusedMaxTokens) {
-    GgufPackFused(rows, cols, FusedGroup(layer), packed);
-  } else {
-    GgufPack(layer, rows, cols, packed);
-  }
+  GgufPackFused(rows, cols, FusedGroup(layer), packed);
 }
 
+// Four tokens at a time over all the rows, then the one to three left: a task's rows (a few hundred KB) come back from
+// L2 for each four tokens, where rows outer, four tokens inner ran 1.1-1.4x slower from 64 tokens an expert.
 HJ_AVX512_VNNI void GgufGemmAvx512(const LayerWeights& layer, const Projection* w, int n_proj, int64_t row0,
                                    int64_t rows, const void* packed, int64_t tokens, float* const* out,
                                    int64_t out_stride) {
-  const int64_t cols = w[0].cols;
-  const TokenLayout layout(cols);
-  DecodedRow& row = RowBuffer(cols);
+  constexpr void (*kFused[])(const LayerWeights&, const Projection&, int64_t, int64_t, const void*, float*, int64_t) = {
+      FusedRows<1>, FusedRows<2>, FusedRows<3>, FusedRows<4>};
+  static_assert(std::size(kFused) == kGgufFusedMaxTokens);
+  const int64_t token_bytes = FusedLayout(w[0].cols).bytes;
   for (int p = 0; p < n_proj; ++p) {
-    if (tokens >= 1 && tokens <= kGgufFusedMaxTokens) {
-      constexpr void (*kFused[])(const LayerWeights&, const Projection&, int64_t, int64_t, const void*, float*,
-                                 int64_t) = {FusedRows<1>, FusedRows<2>, FusedRows<3>, FusedRows<4>};
-      kFused[tokens - 1](layer, w[p], row0, rows, packed, out[p], out_stride);
-      continue;
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      DecodeRowAvx512(layer, w[p], row0 + r, row);
-      for (int64_t t = 0; t < tokens; ++t) {
-        const char* token = static_cast<const char*>(packed) + t * layout.bytes;
-        out[p][r * out_stride + t] = DotAvx512(row, token, layout, cols);
-      }
+    for (int64_t t = 0; t < tokens; t += kGgufFusedMaxTokens) {
+      const int64_t n = std::min(kGgufFusedMaxTokens, tokens - t);
+      kFused[n - 1](layer, w[p], row0, rows, static_cast<const char*>(packed) + t * token_bytes, out[p] + t, out_stride);
     }
   }
 }

@@ -22,8 +22,8 @@
 
 namespace hybridjit {
 
-// Up to this many tokens an expert's GGUF blocks are multiplied split in registers (expert_kernel_gguf.cc); with more,
-// each row is decoded once for all of them, or the experts run on AMX (AmxMinTokens).
+// The most tokens the avx512 family's GGUF kernel multiplies at once with an expert's blocks split in registers
+// (expert_kernel_gguf.cc): more run four at a time, or on AMX (AmxMinTokens).
 constexpr int64_t kGgufFusedMaxTokens = 4;
 
 inline bool IsGgufFormat(WeightFormat f) {

@@ -41,8 +41,9 @@ int64_t AmxMinTokens(const LayerWeights& layer) {
     case WeightFormat::kFp8E4M3Fn:
       return 32;
     // GGUF blocks: up to 4 tokens the VNNI kernel multiplies blocks split in registers, ~2x ahead of AMX; from 5 it
-    // decodes whole rows instead and AMX is ahead (Q4_K 1.25x, Q8_0 1.5x at 5; Q6_K level at 5 and 6), 1.5-2x at 8
-    // (the 2-core dev Xeon, moe_cpu.py --crossover and 3-6 tokens per expert; to be re-measured on the 16 cores).
+    // decoded whole rows then and AMX was ahead (Q4_K 1.25x, Q8_0 1.5x at 5; Q6_K level at 5 and 6), 1.5-2x at 8
+    // (the 2-core dev Xeon, moe_cpu.py --crossover and 3-6 tokens per expert). Since session 35 it runs split blocks
+    // four tokens at a time at any count, 1.9-2.7x the row decoding on a Zen 5: re-measure this crossover on AMX.
     case WeightFormat::kQ8_0:
     case WeightFormat::kQ4K:
     case WeightFormat::kQ5K:
