@@ -232,7 +232,7 @@ void ForTiles(int64_t row0, int64_t rows, int64_t block_rows, int64_t tokens, Ti
 // once per multiply-add: tiles of R rows x TC tokens (kept inside scale row-blocks) reuse each activation load R times
 // and each weight load TC times. One tile of R rows x 1 token takes the last tokens, one row x 1 token the rows left
 // in a block. Chosen on the 2-core Zen 5 dev box (bench/RESULTS.md, session 35): bf16 4 x 6, 2.0x the one-row tiles
-// at DeepSeek-V3's shapes; fp8, whose block scales keep a second set of accumulators, 2 x 6, 1.4-1.6x.
+// at DeepSeek-V3's shapes; fp8, whose block scales keep a second set of accumulators, 2 x 6, 1.4-1.6x; mxfp4 2 x 4.
 constexpr int64_t kManyTokens = 16;
 
 template <int R, int TC, typename TileFn>
@@ -664,13 +664,21 @@ HJ_AVX512 void Mxfp4Gemm(const LayerWeights& layer, const Projection* w, int n_p
                          const void* packed, int64_t tokens, float* const* out, int64_t out_stride) {
   const Mxfp4Layout l = MakeMxfp4Layout(w[0].cols);
   const int64_t row_bytes = layer.RowBytes(w[0].cols);
-  const Mxfp4Prefetch four(row_bytes, 4), one(row_bytes, 1);  // ForTiles' tiles: 4 rows, or 1
+  // The tiles' rows: ForTiles' 4 or 1; from kManyTokens, 2 x 4 tokens (1.58x / 1.24x the one-row tiles at 128 / 16
+  // tokens an expert, gpt-oss-120b's shapes on the 2-core Zen 5 dev box, session 35), or 1.
+  const Mxfp4Prefetch four(row_bytes, 4), two(row_bytes, 2), one(row_bytes, 1);
   const char* x = static_cast<const char*>(packed);
   for (int p = 0; p < n_proj; ++p) {
-    ForTiles(row0, rows, w[p].rows, tokens, [&](auto R, auto TC, int64_t r, int64_t t) {
-      Mxfp4Tile<decltype(R)::value, decltype(TC)::value>(w[p], row_bytes, R == 4 ? four : one, r, x, l, t,
-                                                         out[p] + (r - row0) * out_stride, out_stride);
-    });
+    const auto tile = [&](auto R, auto TC, int64_t r, int64_t t) HJ_AVX512 {
+      constexpr int kRows = decltype(R)::value;
+      Mxfp4Tile<kRows, decltype(TC)::value>(w[p], row_bytes, kRows == 4 ? four : kRows == 2 ? two : one, r, x, l, t,
+                                            out[p] + (r - row0) * out_stride, out_stride);
+    };
+    if (tokens >= kManyTokens) {
+      ForManyTokenTiles<2, 4>(row0, rows, w[p].rows, tokens, tile);
+    } else {
+      ForTiles(row0, rows, w[p].rows, tokens, tile);
+    }
   }
 }
 
