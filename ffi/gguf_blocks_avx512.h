@@ -1,7 +1,7 @@
 // GGUF blocks (gguf_blocks.h) split in AVX-512 registers: each block's elements as bytes in natural order, and its
-// multipliers as float32 vectors. Shared by the GGUF kernels (expert_kernel_gguf.cc: rows decoded for the VNNI dot
-// products, blocks multiplied in registers for a few tokens) and the AMX kernels (expert_kernel_amx.cc: blocks
-// dequantised into bfloat16 tiles for prefill). DecodeGgufBlock is their scalar reference.
+// multipliers as float32 vectors. Shared by the GGUF kernels (expert_kernel_gguf.cc: blocks multiplied in registers
+// with four tokens at a time) and the AMX kernels (expert_kernel_amx.cc: blocks dequantised into bfloat16 tiles for
+// prefill). DecodeGgufBlock is their scalar reference.
 #pragma once
 
 #include <immintrin.h>

@@ -186,7 +186,7 @@ enum class TaskKind { kPack, kZero, kGateUp, kPackAct, kDown, kConvert };
 
 struct Task {
   TaskKind kind;
-  int64_t plan;  // index into plans (pack, gate/up, down)
+  int64_t plan;  // index into plans (pack, gate/up, the activations' pack, down)
   int64_t begin, end;  // rows (gate/up, down), tokens (the activations' pack) or elements (zero, convert)
   int64_t slice;  // down: the row slice, whose turn counter orders the additions
 };
