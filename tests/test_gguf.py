@@ -158,7 +158,7 @@ def check_gguf_layer(types, hidden, inter, tokens, seed, int8_tolerance=2e-5, n_
         ((Q.Q4_K, Q.Q6_K), 256, 256),  # Q4_K_M's mix: down in Q6_K
     ],
 )
-@pytest.mark.parametrize("tokens", [1, 5, 40])  # the VNNI kernel: 1-4 tokens an expert in one pass; more, four at a time
+@pytest.mark.parametrize("tokens", [1, 5, 40])  # VNNI: 1-4 tokens an expert in one pass; more, four at a time
 def test_kernels_match_float64_on_gguf_dequantisation(cpu_kernel, amx_min_tokens, types, hidden, inter, tokens):
     with kernel_family(cpu_kernel, amx_min_tokens):
         kernels = check_gguf_layer(types, hidden, inter, tokens, hash(types) % 2**32)
