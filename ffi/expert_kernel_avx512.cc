@@ -250,6 +250,16 @@ void ForManyTokenTiles(int64_t row0, int64_t rows, int64_t block_rows, int64_t t
   }
 }
 
+// ForTiles' decode tiles below kManyTokens tokens, ForManyTokenTiles' R x TC from there.
+template <int R, int TC, typename TileFn>
+void ForTilesByTokens(int64_t row0, int64_t rows, int64_t block_rows, int64_t tokens, TileFn tile) {
+  if (tokens >= kManyTokens) {
+    ForManyTokenTiles<R, TC>(row0, rows, block_rows, tokens, tile);
+  } else {
+    ForTiles(row0, rows, block_rows, tokens, tile);
+  }
+}
+
 template <WeightFormat F>
 HJ_AVX512 void Bf16Gemm(const LayerWeights& layer, const Projection* w, int n_proj, int64_t row0, int64_t rows,
                         const void* packed, int64_t tokens, float* const* out, int64_t out_stride) {
@@ -261,12 +271,7 @@ HJ_AVX512 void Bf16Gemm(const LayerWeights& layer, const Projection* w, int n_pr
       Bf16Tile<F, decltype(R)::value, decltype(TC)::value>(layer, w[p], r, x, xs, t, out[p] + (r - row0) * out_stride,
                                                            out_stride);
     };
-    if (tokens >= kManyTokens) {
-      constexpr int kRows = F == WeightFormat::kBf16 ? 4 : 2;
-      ForManyTokenTiles<kRows, 6>(row0, rows, block_rows, tokens, tile);
-    } else {
-      ForTiles(row0, rows, block_rows, tokens, tile);
-    }
+    ForTilesByTokens<F == WeightFormat::kBf16 ? 4 : 2, 6>(row0, rows, block_rows, tokens, tile);
     if constexpr (F == WeightFormat::kFp8E4M3Fn) {
       const int64_t block = BlockCols(layer, w[p].cols), block_stride = RoundUp(block, kStep);
       const auto activation = [&](int64_t t, int64_t c) {
@@ -674,11 +679,7 @@ HJ_AVX512 void Mxfp4Gemm(const LayerWeights& layer, const Projection* w, int n_p
       Mxfp4Tile<kRows, decltype(TC)::value>(w[p], row_bytes, kRows == 4 ? four : kRows == 2 ? two : one, r, x, l, t,
                                             out[p] + (r - row0) * out_stride, out_stride);
     };
-    if (tokens >= kManyTokens) {
-      ForManyTokenTiles<2, 4>(row0, rows, w[p].rows, tokens, tile);
-    } else {
-      ForTiles(row0, rows, w[p].rows, tokens, tile);
-    }
+    ForTilesByTokens<2, 4>(row0, rows, w[p].rows, tokens, tile);
   }
 }
 
