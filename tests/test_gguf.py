@@ -57,8 +57,8 @@ def rel_rms(a, b) -> float:
 # --- kernels ------------------------------------------------------------------------------------------------
 
 
-def activation_group(types, kernel: str, tokens: int) -> int:
-    """The activations' quantisation group of an expert run by `kernel` on `tokens` tokens (FusedGroup): the avx512
+def activation_group(types, kernel: str) -> int:
+    """The activations' quantisation group of an expert run by `kernel` (FusedGroup): the avx512
     family splits the blocks in registers and, with a K-quant in the layer, quantises per 256 (as llama.cpp's Q8_K);
     the others per 32."""
     return 256 if kernel == "avx512" and set(types) != {Q.Q8_0} else 32
@@ -140,7 +140,7 @@ def check_gguf_layer(types, hidden, inter, tokens, seed, int8_tolerance=2e-5, n_
     # values (up to ~5e-4 each), as tests/test_cpu_kernels.py's bf16 tolerance. A wrong scale, min or offset is
     # order 1.
     tolerance = 1e-3 if amx else int8_tolerance
-    groups = {e: activation_group(types, k, int(counts[e])) for e, k in kernels.items()}
+    groups = {e: activation_group(types, k) for e, k in kernels.items()}
     error = rel_rms(y, reference_moe(gate, up, down, types, x, ids, weights, amx, groups))
     assert error < tolerance, f"{sorted(set(kernels.values()))}: relative RMS error {error:.3g} >= {tolerance:.3g}"
     return kernels
