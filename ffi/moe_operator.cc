@@ -13,7 +13,6 @@
 #include <vector>
 
 #include "expert_kernels.h"
-#include "gguf_blocks.h"
 #include "numeric_formats.h"
 #include "thread_pool.h"
 
@@ -40,16 +39,20 @@ int64_t AmxMinTokens(const LayerWeights& layer) {
       return 8;
     case WeightFormat::kFp8E4M3Fn:
       return 32;
-    // GGUF blocks: up to 4 tokens the VNNI kernel multiplies blocks split in registers, ~2x ahead of AMX; from 5 it
-    // decoded whole rows then and AMX was ahead (Q4_K 1.25x, Q8_0 1.5x at 5; Q6_K level at 5 and 6), 1.5-2x at 8
-    // (the 2-core dev Xeon, moe_cpu.py --crossover and 3-6 tokens per expert). Since session 35 it runs split blocks
-    // four tokens at a time at any count, 1.9-2.7x the row decoding on a Zen 5: re-measure this crossover on AMX.
+    // GGUF blocks: the VNNI kernel multiplies blocks split in registers four tokens at a time; AMX decodes them to
+    // bfloat16 tiles. 16-core Sapphire-class Xeon, moe_cpu.py --crossover (session 36), AVX-512 / AMX ms at 8 and 16
+    // tokens per expert: Q4_K 5.8 / 8.1 and 11.2 / 7.8, Q6_K 5.6 / 8.6 and 10.4 / 8.7, Q8_0 6.7 / 8.2 and 12.4 / 8.1;
+    // the lines cross at 11.3, 13.4 and 10.5.
     case WeightFormat::kQ8_0:
     case WeightFormat::kQ4K:
     case WeightFormat::kQ5K:
     case WeightFormat::kQ6K:
-      return kGgufFusedMaxTokens + 1;
-    default:  // grouped int8/int4, mxfp4
+      return 12;
+    // mxfp4 (gpt-oss shapes, 2880 x 2880): AVX-512's 2 x 4 tiles 6.9 ms at 16 tokens per expert, 13.3 at 32; AMX
+    // flat at 7.7 from 8 to 32 (same run): the lines cross at 18.
+    case WeightFormat::kMxfp4:
+      return 18;
+    default:
       return 64;
   }
 }

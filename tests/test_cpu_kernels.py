@@ -455,6 +455,7 @@ def test_amx_takes_over_from_avx512_by_tokens_per_expert():
         (fmt, block): make_layer(rng, fmt, 2, 256, 128, block)[0]
         for fmt, block in [("bf16", None), ("fp8", (128, 128)), ("int8", (1, 128)), ("int8", (1, 256))]
     }
+    layers["mxfp4", (1, 32)] = make_gpt_oss_layer(rng, "mxfp4", 2, 256, 128, False, False, ("silu",))[0]
     try:
         with kernel_family("amx", amx_min_tokens=16):  # one threshold for every layer
             assert [layer_kernel(layers["int8", (1, 128)], t) for t in (1, 15, 16, 512)] == [
@@ -470,6 +471,7 @@ def test_amx_takes_over_from_avx512_by_tokens_per_expert():
                 (("fp8", (128, 128)), 10, "amx_fp8g"),
                 (("int8", (1, 128)), 16, "amx_int8g"),
                 (("int8", (1, 256)), 16, "amx_int8"),
+                (("mxfp4", (1, 32)), 18, "amx_bf16"),
             ]:
                 assert layer_kernel(layers[key], threshold - 1) == "avx512"
                 assert layer_kernel(layers[key], threshold) == kernel

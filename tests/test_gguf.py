@@ -183,9 +183,9 @@ def test_gguf_kernels_at_blocking_sizes(cpu_kernel, amx_min_tokens, types, hidde
 
 
 @pytest.mark.skipif("amx" not in KERNELS, reason="this host has no AMX; the switch runs on the AMX machine")
-def test_gguf_experts_move_to_amx_past_the_few_token_kernel():
-    """With the measured crossover, 1-4 tokens per expert stay on the VNNI kernel that splits blocks in registers,
-    and AMX takes over from 5, where that kernel would decode whole rows (ffi/moe_operator.cc)."""
+def test_gguf_experts_move_to_amx_at_the_measured_crossover():
+    """With the measured crossover, up to 11 tokens per expert stay on the VNNI kernel that splits blocks in registers
+    four tokens at a time, and AMX takes over from 12 (ffi/moe_operator.cc)."""
     rng = np.random.default_rng(3)
     for types in [(Q.Q8_0, Q.Q8_0), (Q.Q4_K, Q.Q6_K), (Q.Q5_K, Q.Q5_K)]:
         blocks = [random_blocks(types[i], 256, 256, rng) for i in (0, 0, 1)]
@@ -193,7 +193,8 @@ def test_gguf_experts_move_to_amx_past_the_few_token_kernel():
             *([b] for b in blocks), gguf_type=types[0].name, down_type=types[1].name, hidden=256, inter=256
         ) as layer:
             with kernel_family("amx", amx_min_tokens=0):
-                assert [layer_kernel(layer, t) for t in (1, 4, 5, 512)] == ["avx512", "avx512", "amx_bf16", "amx_bf16"]
+                kernels = [layer_kernel(layer, t) for t in (1, 4, 11, 12, 512)]
+                assert kernels == ["avx512", "avx512", "avx512", "amx_bf16", "amx_bf16"]
 
 
 def test_kernel_rejects_rows_that_are_not_whole_blocks():
