@@ -154,8 +154,10 @@ def cmd_batch(args) -> int:
 def _weight_format(cfg: ModelConfig, ckpt) -> str:
     by_projection = collections.defaultdict(set)  # a GGUF file's routed experts, in the types stored
     for name, info in ckpt.tensors.items():
-        if ".experts." in name and hasattr(info, "stored"):
-            by_projection[name.rsplit(".", 2)[-2]].add(info.stored)
+        if ".experts." not in name or not hasattr(info, "stored") or name.endswith(("_scales", "_bias")):
+            continue
+        last = name.rsplit(".", 2)  # per expert "...experts.E.gate_proj.weight"; gpt-oss "...experts.down_proj_blocks"
+        by_projection[last[-1].removesuffix("_blocks") if last[-1].endswith("_blocks") else last[-2]].add(info.stored)
     if by_projection:
         return "GGUF, routed experts as stored: " + ", ".join(
             f"{projection} {'/'.join(sorted(types))}" for projection, types in sorted(by_projection.items())

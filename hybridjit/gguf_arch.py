@@ -5,10 +5,15 @@ each Hugging Face tensor name of a family's checkpoint map as the GGUF tensor ll
 The config goes through the same `config_from_hf` as a config.json, so every family check applies. Facts of
 llama.cpp's conversions that matter here:
 - `deepseek2` is DeepSeek V2, V3, R1 and Kimi-K2; `llama` with experts is Mixtral; `qwen3moe`, `glm4moe`,
-  `minimax-m2` are the others.
+  `minimax-m2`, `gpt-oss` are the others.
 - GLM-4.5's block_count counts its MTP (nextn) layers, which come after the decoder layers; its
   post_attention_layernorm is `blk.L.post_attention_norm` (glm4moe's tensor list has no ffn_norm).
 - The routed experts of a layer are one stacked tensor per projection (`blk.L.ffn_gate_exps.weight` ...).
+- gpt-oss: the converter splits the released gate_up_proj (gate and up rows interleaved) into ffn_gate_exps and
+  ffn_up_exps, weights and biases alike, and writes the MXFP4 blocks in ggml's layout (gguf_checkpoint rebuilds the
+  released tensors); its sinks are `blk.L.attn_sinks.weight`, its router `blk.L.ffn_gate_inp` with a bias. The
+  file has no swiglu limit (llama.cpp uses 7.0, the released one) and no layer types: llama.cpp's gpt-oss windows
+  every even layer (sliding first, as released).
 - DeepSeek's YaRN keeps one mscale (`yarn_log_multiplier` = 0.1 * mscale_all_dim): llama.cpp reads
   mscale = mscale_all_dim, which every released DeepSeek config has.
 """
@@ -40,8 +45,12 @@ _LAYER_TENSORS = {
 }
 # Where an architecture's tensor list in llama.cpp (gguf-py constants.py MODEL_TENSORS) lacks the usual tensor, its
 # converter maps the Hugging Face name elsewhere: GLM-4.5's post_attention_layernorm (the norm before its MLP) is
-# ATTN_POST_NORM, "blk.L.post_attention_norm", as glm4moe has no FFN_NORM.
-_ARCH_LAYER_TENSORS = {"glm4moe": {"post_attention_layernorm": "post_attention_norm"}}
+# ATTN_POST_NORM, "blk.L.post_attention_norm", as glm4moe has no FFN_NORM (gpt-oss likewise); gpt-oss's sinks
+# (no .weight in the release) are ATTN_SINKS, the converter adding the suffix.
+_ARCH_LAYER_TENSORS = {
+    "glm4moe": {"post_attention_layernorm": "post_attention_norm"},
+    "gpt-oss": {"post_attention_layernorm": "post_attention_norm", "self_attn.sinks": "attn_sinks"},
+}
 # Inside a MoE block ("mlp" or Mixtral's and MiniMax's "block_sparse_moe").
 _MOE_TENSORS = {
     "gate.weight": "ffn_gate_inp.weight",
@@ -50,6 +59,8 @@ _MOE_TENSORS = {
     "shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
     "shared_experts.up_proj.weight": "ffn_up_shexp.weight",
     "shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    "router.weight": "ffn_gate_inp.weight",  # gpt-oss
+    "router.bias": "ffn_gate_inp.bias",
 }
 _EXPERT_PROJECTIONS = {
     "gate_proj": "gate",
@@ -64,7 +75,7 @@ _GLOBAL_TENSORS = {
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+?)(?:\.(weight|bias))?$")
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 _MOE = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(.+)$")
 
@@ -79,9 +90,10 @@ def gguf_name(hf_name: str, architecture: str = "") -> tuple[str, int | None] | 
         return (f"blk.{m[1]}.ffn_{projection}_exps.weight", int(m[2])) if projection else None
     if (m := _MOE.match(hf_name)) and m[2] in _MOE_TENSORS:
         return f"blk.{m[1]}.{_MOE_TENSORS[m[2]]}", None
-    if (m := _LAYER.match(hf_name)) and m[2] in _LAYER_TENSORS:
-        base = _ARCH_LAYER_TENSORS.get(architecture, {}).get(m[2], _LAYER_TENSORS[m[2]])
-        return f"blk.{m[1]}.{base}.{m[3]}", None
+    if m := _LAYER.match(hf_name):
+        base = _ARCH_LAYER_TENSORS.get(architecture, {}).get(m[2], _LAYER_TENSORS.get(m[2]))
+        if base is not None:
+            return f"blk.{m[1]}.{base}.{m[3] or 'weight'}", None
     return None
 
 
@@ -264,12 +276,28 @@ def _minimax_m2(g: GGUFFile) -> dict:
     }
 
 
+def _gpt_oss(g: GGUFFile) -> dict:
+    layers = _layer_count(g)
+    return {
+        **_decoder(g, "gpt_oss"),
+        "num_local_experts": int(g.key("{arch}.expert_count")),
+        "num_experts_per_tok": int(g.key("{arch}.expert_used_count")),
+        "intermediate_size": _expert_size(g),
+        "head_dim": int(g.key("{arch}.attention.key_length")),
+        "sliding_window": int(g.key("{arch}.attention.sliding_window")),
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        "swiglu_limit": float(_scalar(g.key("{arch}.swiglu_clamp_exp", 7.0))),
+        **_yarn(g, truncate=False),
+    }
+
+
 ARCHITECTURES: dict[str, Callable[[GGUFFile], dict]] = {
     "deepseek2": _deepseek2,
     "qwen3moe": _qwen3moe,
     "llama": _llama,
     "glm4moe": _glm4moe,
     "minimax-m2": _minimax_m2,
+    "gpt-oss": _gpt_oss,
 }
 
 

@@ -8,6 +8,12 @@ path and BF16 costs the same bytes: 3 mantissa bits fewer, well under the comput
 Every other tensor is dequantised to float32 (gguf.quants.dequantize) when the loader takes it, with
 llama.cpp's conversion undone where it changed the tensor: Llama-arch (Mixtral) Q/K rows are permuted
 back for rotate-half RoPE, and DeepSeek's kv_b is rebuilt from k_b/v_b where the file splits it.
+
+gpt-oss's experts are the exception to "views": the family's map names the released fused tensors (gate_up_proj
+with gate and up rows interleaved, MXFP4 `_blocks` / `_scales` / `_bias`), which llama.cpp's converter split into
+ffn_gate_exps and ffn_up_exps and wrote as ggml MXFP4 blocks (scale inside, other nibble order). Reading one
+rebuilds it (quant.mxfp4_from_ggml): a copy the size of the stored blocks, so that the release's own kernels and
+loader run it, bit for bit the weights of the file.
 """
 
 import dataclasses
@@ -24,12 +30,15 @@ from hybridjit.gguf_file import GGUFError, GGUFFile, GGUFTensor
 from hybridjit.models.common.checkpoint_map import TensorSpec
 from hybridjit.models.registry import ModelConfig, config_from_hf, family_of
 from hybridjit.ops.gguf_experts import GGUF_EXPERT_FORMATS
+from hybridjit.quant import mxfp4_from_ggml
 
 Q = gguf.GGMLQuantizationType
 # Stored type of a routed expert -> the dtype the checkpoint presents (the block formats by their GGUF name).
 _EXPERT_DTYPES = {Q.F32: "F32", Q.BF16: "BF16", Q.F16: "BF16", **{Q[name]: name for name in GGUF_EXPERT_FORMATS}}
 _NUMPY = {Q.F32: np.dtype(np.float32), Q.F16: np.dtype(np.float16), Q.BF16: np.dtype(ml_dtypes.bfloat16)}
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
+# gpt-oss's fused experts (models/common/checkpoint_map.FusedMxfp4Experts) by Hugging Face name.
+_FUSED_MXFP4 = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)_(blocks|scales|bias)$")
 
 
 def supported_expert_types() -> str:
@@ -91,6 +100,8 @@ class GGUFCheckpoint:
         return kv_b != name and kv_b in self.file.tensors
 
     def _info(self, name: str, spec: TensorSpec, used: set[str]) -> GGUFTensorInfo | None:
+        if m := _FUSED_MXFP4.match(name):
+            return self._fused_mxfp4(name, int(m[1]), m[2], m[3], used)
         source = gguf_name(name, self.file.architecture)
         if source is None:
             return None
@@ -127,6 +138,42 @@ class GGUFCheckpoint:
 
         stored = f"{k_b.type.name}+{v_b.type.name}"
         return GGUFTensorInfo(name, k_b.file, "F32", (heads * (nope + v), rank), k_b.nbytes + v_b.nbytes, stored, read)
+
+    def _fused_mxfp4(self, name: str, layer: int, projection: str, part: str, used: set[str]):
+        """A released gpt-oss expert tensor rebuilt from the file's: down_proj from ffn_down_exps, gate_up_proj from
+        ffn_gate_exps and ffn_up_exps with their rows interleaved (gate even, up odd); `_blocks` and `_scales` from
+        the MXFP4 weights, `_bias` from the biases. None where the file lacks one of them."""
+        sources = ("down",) if projection == "down_proj" else ("gate", "up")
+        suffix = "bias" if part == "bias" else "weight"
+        names = [f"blk.{layer}.ffn_{s}_exps.{suffix}" for s in sources]
+        if any(n not in self.file.tensors for n in names):
+            return None
+        used.update(names)
+        parts = [self.file.tensors[n] for n in names]
+        if part != "bias" and parts[0].type != Q.MXFP4:
+            raise GGUFError(
+                f"{parts[0].file}: tensor {parts[0].name}: gpt-oss routed experts stored as {parts[0].type.name}; "
+                "supported: MXFP4 (as llama.cpp converts the release)"
+            )
+
+        def read():
+            if part == "bias":
+                arrays = [_float(t).astype(np.float32) for t in parts]
+            else:
+                arrays = [mxfp4_from_ggml(t.data.reshape(*t.shape[:-1], t.row_bytes))[part == "scales"] for t in parts]
+            if len(arrays) == 1:
+                return arrays[0]
+            out = np.empty((arrays[0].shape[0], 2 * arrays[0].shape[1], *arrays[0].shape[2:]), arrays[0].dtype)
+            out[:, 0::2], out[:, 1::2] = arrays
+            return out
+
+        # [E, rows (both projections' for gate_up)], and for the weights their 32-element groups (of 16 bytes)
+        shape = (parts[0].shape[0], parts[0].shape[1] * len(parts))
+        if part != "bias":
+            shape += (parts[0].shape[-1] // 32,) + ((16,) if part == "blocks" else ())
+        stored = "+".join(dict.fromkeys(t.type.name for t in parts))  # gate_up's two parts: one type
+        dtype = "F32" if part == "bias" else "U8"
+        return GGUFTensorInfo(name, parts[0].file, dtype, shape, sum(t.nbytes for t in parts), stored, read)
 
     def _expert(self, name: str, t: GGUFTensor, expert: int) -> GGUFTensorInfo:
         if t.type not in _EXPERT_DTYPES:

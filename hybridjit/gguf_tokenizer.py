@@ -21,6 +21,12 @@ _QWEN2 = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
     r"\s+(?!\S)|\s+"
 )
+# o200k (gpt-oss, MiniMax-M2): letter runs split by case, a contraction their suffix, a "/" after punctuation kept
+_O200K = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _DEEPSEEK_V3 = (
     r"\p{N}{1,3}",
     r"[一-龥\u3040-ゟ゠-ヿ]+",
@@ -34,6 +40,9 @@ PRE_TOKENIZER_REGEXES = {
     "qwen2": (_QWEN2,),
     "deepseek-v3": _DEEPSEEK_V3,
     "kimi-k2": (_LLAMA3,),
+    "glm4": (_LLAMA3,),  # llama.cpp's CHATGLM4 split is Llama 3's
+    "gpt-4o": (_O200K,),
+    "minimax-m2": (_O200K,),
 }
 _SPECIAL_TYPES = (3, 4)  # llama.cpp's token types CONTROL and USER_DEFINED
 

@@ -5,7 +5,10 @@ routed experts, numpy shapes (ggml's reversed), Llama-arch Q/K rows permuted for
 split into k_b (transposed per head) and v_b (split: MLA's one KV head), GLM's MTP layer (its own tensors as
 blk.L.nextn.*, the rest named as any layer's) and its MLP norm (post_attention_norm), the metadata keys of each
 architecture, and K-quant blocks from a simple quantiser of its own (checked against gguf.quants.dequantize by the
-tests).
+tests). gpt-oss as the converter's GptOssModel writes it: the released fused gate_up_proj split into gate (even
+rows) and up (odd rows), weights and biases; MXFP4 blocks repacked into ggml's block (the e8m0 byte first, then
+element j in the low nibble of byte j and element j + 16 in its high one); sinks as attn_sinks.weight, the router
+as ffn_gate_inp with its bias, the MLP norm as post_attention_norm; sliding_window in the metadata.
 """
 
 import re
@@ -16,7 +19,7 @@ import numpy as np
 
 Q = gguf.GGMLQuantizationType
 ARCH = {"deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "qwen3_moe": "qwen3moe", "mixtral": "llama",
-        "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2"}  # fmt: skip
+        "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2", "gpt_oss": "gpt-oss"}  # fmt: skip
 _PER_LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -39,6 +42,10 @@ _PER_LAYER = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.router.weight": "ffn_gate_inp.weight",
+    "mlp.router.bias": "ffn_gate_inp.bias",
+    "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.sinks": "attn_sinks.weight",
     "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
     "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
     "block_sparse_moe.e_score_correction_bias": "exp_probs_b.bias",
@@ -48,12 +55,16 @@ _PER_LAYER = {
 }
 # Where an architecture's tensor list (gguf-py's MODEL_TENSORS) lacks the usual tensor, the converter's map sends the
 # name elsewhere: glm4moe has no FFN_NORM, so GLM-4.5's post_attention_layernorm is ATTN_POST_NORM.
-_ARCH_PER_LAYER = {"glm4moe": {"post_attention_layernorm.weight": "post_attention_norm.weight"}}
+_ARCH_PER_LAYER = {
+    "glm4moe": {"post_attention_layernorm.weight": "post_attention_norm.weight"},
+    "gpt-oss": {"post_attention_layernorm.weight": "post_attention_norm.weight"},
+}
 # The MTP layer's own tensors (NEXTN_*); its decoder-layer tensors keep the per-layer names.
 _NEXTN = {"eh_proj.weight", "enorm.weight", "hnorm.weight", "embed_tokens.weight", "shared_head.head.weight",
           "shared_head.norm.weight"}  # fmt: skip
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 _PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(?:_(blocks|scales|bias))?$")
 
 
 # --- K-quant and Q8_0 blocks --------------------------------------------------------------------------------
@@ -167,6 +178,15 @@ def _metadata(w: gguf.GGUFWriter, arch: str, cfg: dict, kv_b_split: bool) -> Non
         w.add_uint32(f"{a}.attention.value_length", head_dim)
         rotary = {"glm4moe": int(head_dim * cfg.get("partial_rotary_factor", 1)), "minimax-m2": cfg.get("rotary_dim")}
         w.add_uint32(f"{a}.rope.dimension_count", rotary.get(arch) or head_dim)
+    if arch == "gpt-oss":
+        w.add_uint32(f"{a}.expert_feed_forward_length", cfg["intermediate_size"])
+        w.add_uint32(f"{a}.attention.sliding_window", cfg["sliding_window"])
+        yarn = cfg["rope_scaling"]
+        w.add_string(f"{a}.rope.scaling.type", "yarn")
+        w.add_float32(f"{a}.rope.scaling.factor", yarn["factor"])
+        w.add_uint32(f"{a}.rope.scaling.original_context_length", yarn["original_max_position_embeddings"])
+        if cfg["swiglu_limit"] != 7.0:  # llama.cpp assumes the released 7; another goes in gguf-py's per-layer key
+            w.add_array(f"{a}.swiglu_clamp_exp", [float(cfg["swiglu_limit"])] * cfg["num_hidden_layers"])
     if nextn:
         w.add_uint32(f"{a}.nextn_predict_layers", nextn)
     if cfg.get("bos_token_id") is not None:
@@ -186,6 +206,9 @@ def gguf_tensors(cfg: dict, tensors: dict[str, np.ndarray], kv_b: str = "kv_b") 
     out, experts = {}, {}
     per_layer = {**_PER_LAYER, **_ARCH_PER_LAYER.get(ARCH[cfg["model_type"]], {})}
     for name, t in tensors.items():
+        if m := _FUSED.match(name):
+            out.update(_gpt_oss_experts(int(m[1]), m[2], m[3], t))
+            continue
         t = t.astype(np.float32)
         if m := _EXPERT.match(name):
             experts.setdefault((int(m[1]), _PROJ[m[3]]), {})[int(m[2])] = t
@@ -214,6 +237,30 @@ def gguf_tensors(cfg: dict, tensors: dict[str, np.ndarray], kv_b: str = "kv_b") 
     return out
 
 
+def _ggml_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Released MXFP4 (`_blocks` [..., groups, 16], element 2j in the low nibble of byte j; `_scales` [..., groups])
+    -> ggml's blocks [..., groups * 17]: the scale byte, then qs[j] = element j | element j + 16 << 4."""
+    codes = np.empty((*blocks.shape[:-1], 32), np.uint8)
+    codes[..., 0::2], codes[..., 1::2] = blocks & 0xF, blocks >> 4
+    qs = codes[..., :16] | (codes[..., 16:] << 4)
+    return np.concatenate([scales[..., None], qs], axis=-1).reshape(*scales.shape[:-1], -1)
+
+
+def _gpt_oss_experts(layer: int, projection: str, part: str, t: np.ndarray) -> dict[str, np.ndarray]:
+    """One released fused tensor as the converter writes it: gate_up_proj split into its even (gate) and odd (up)
+    rows; blocks as MXFP4 (uint8, under the weight's name), scales folded into them, biases float32; a float
+    weight [E, out, in] (part None, the converter's path for an unquantised release) float32."""
+    names = ["gate", "up"] if projection == "gate_up_proj" else ["down"]
+    split = [t[:, 0::2], t[:, 1::2]] if len(names) == 2 else [t]
+    if part == "scales":  # folded into the blocks: written with them
+        return {}
+    if part == "bias":
+        return {f"blk.{layer}.ffn_{n}_exps.bias": s.astype(np.float32) for n, s in zip(names, split, strict=True)}
+    if part is None:
+        split = [s.astype(np.float32) for s in split]
+    return {f"blk.{layer}.ffn_{n}_exps.weight": s for n, s in zip(names, split, strict=True)}
+
+
 def write_gguf(
     path: Path,
     cfg: dict,
@@ -234,6 +281,14 @@ def write_gguf(
     for key, value in (tokenizer or {}).items():
         w.add_key_value(key, value[0], value[1], sub_type=value[2] if len(value) > 2 else None)
     for name, t in gguf_tensors(cfg, tensors, kv_b).items():
+        if t.dtype == np.uint8:  # gpt-oss's MXFP4 blocks, their scales from the released tensor beside them
+            m = re.match(r"blk\.(\d+)\.ffn_(gate|up|down)_exps", name)
+            fused = "down_proj" if m[2] == "down" else "gate_up_proj"
+            scales = tensors[f"model.layers.{m[1]}.mlp.experts.{fused}_scales"]
+            if fused == "gate_up_proj":
+                scales = scales[:, 0::2] if m[2] == "gate" else scales[:, 1::2]
+            w.add_tensor(name, _ggml_mxfp4(t, scales), raw_dtype=Q.MXFP4)
+            continue
         if name.endswith("_exps.weight"):
             qtype = expert_types[1] if "ffn_down" in name else expert_types[0]
         else:

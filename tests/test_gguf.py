@@ -22,10 +22,11 @@ import hybridjit
 from hybridjit.checkpoint import CheckpointError
 from hybridjit.gguf_checkpoint import GGUFCheckpoint
 from hybridjit.gguf_file import GGUFFile
-from hybridjit.gguf_tokenizer import gguf_tokenizer
+from hybridjit.gguf_tokenizer import _pre_tokenizer, gguf_tokenizer
 from hybridjit.ops.gguf_experts import register_gguf_layer
 from hybridjit.ops.routed_experts import kernel_info, layer_kernel, routed_experts_host, set_cpu_kernel
 from hybridjit.placement import Placement
+from hybridjit.quant import dequantize_mxfp4
 from hybridjit.resolve import default_model_dir
 from hybridjit.serving.chat import ChatTemplate
 from hybridjit.tokenizer import Tokenizer
@@ -396,3 +397,56 @@ def test_split_set_with_a_missing_part(tmp_path, small_gguf):
     shutil.move(second, tmp_path / "elsewhere.gguf")
     with pytest.raises(CheckpointError, match=r"split set of \d files lacks m-00002-of-0000\d\.gguf"):
         GGUFCheckpoint(first)
+
+
+# --- gpt-oss: MXFP4 experts as llama.cpp's converter writes them ------------------------------------------------
+
+
+def gpt_oss_gguf(tmp_path, expert_types=(Q.F32, Q.F32)):
+    """The gpt-oss case's checkpoint and the same as GGUF: its MXFP4 blocks as stored, the rest float32."""
+    src = build_case("gpt_oss_mxfp4", tmp_path / "hf")
+    cfg = json.loads((src / "config.json").read_text())
+    raw = read_tensors(src)
+    tensors = {n: t if t.dtype == np.uint8 else t.astype(np.float32) for n, t in raw.items()}
+    return src, raw, write_gguf(tmp_path / "m.gguf", cfg, tensors, expert_types=expert_types)
+
+
+def test_gpt_oss_gguf_rebuilds_the_released_experts_and_matches_safetensors(tmp_path):
+    """ggml's MXFP4 blocks (gguf's own dequantisation is the reference of their layout) rebuilt into the release's
+    fused gate_up / down tensors, bit for bit; then the whole model's logits equal the safetensors checkpoint's."""
+    src, raw, path = gpt_oss_gguf(tmp_path)
+    ckpt = GGUFCheckpoint(path)
+    assert ckpt.config.model_type == "gpt_oss" and ckpt.config.layer_types == (
+        "sliding_attention", "full_attention", "sliding_attention"
+    )  # fmt: skip
+    assert ckpt.config.sliding_window == 4 and ckpt.config.rope.yarn_factor == 32.0
+    for layer in range(ckpt.config.num_hidden_layers):
+        for fused, parts in (("gate_up_proj", ("gate", "up")), ("down_proj", ("down",))):
+            name = f"model.layers.{layer}.mlp.experts.{fused}"
+            for part in ("blocks", "scales", "bias"):
+                np.testing.assert_array_equal(
+                    ckpt.get(f"{name}_{part}"), raw[f"{name}_{part}"].astype(ckpt.get(f"{name}_{part}").dtype)
+                )
+            stored = [GGUFFile(path).tensors[f"blk.{layer}.ffn_{p}_exps.weight"] for p in parts]
+            by_gguf = [gguf.quants.dequantize(t.data.reshape(*t.shape[:-1], t.row_bytes), Q.MXFP4) for t in stored]
+            ours = dequantize_mxfp4(ckpt.get(f"{name}_blocks"), ckpt.get(f"{name}_scales"))
+            for i, reference in enumerate(by_gguf):
+                np.testing.assert_array_equal(ours[:, i :: len(by_gguf)], reference)
+    assert rel_rms(logits(path), logits(src)) <= 1e-5
+
+
+def test_gpt_oss_gguf_experts_other_than_mxfp4(tmp_path):
+    src = build_case("gpt_oss_mxfp4", tmp_path / "hf")
+    cfg = json.loads((src / "config.json").read_text())
+    tensors = {n: t.astype(np.float32) for n, t in checkpoint_as_float32(src).items()}
+    path = write_gguf(tmp_path / "m.gguf", cfg, tensors)
+    with pytest.raises(CheckpointError, match=r"gpt-oss routed experts stored as F32; supported: MXFP4"):
+        GGUFCheckpoint(path)
+
+
+def test_o200k_pre_tokenizer_of_gpt_oss_and_minimax_gguf():
+    """llama.cpp's "gpt-4o" / "minimax-m2" split (o200k's): letter runs end where case turns, a contraction stays
+    on its word, digits go by three, a "/" that follows punctuation or a newline stays with what follows."""
+    for pre in ("gpt-4o", "minimax-m2"):
+        split = [p for p, _ in _pre_tokenizer(pre).pre_tokenize_str("HelloWorld don't 12345 a/b")]
+        assert split == ["Hello", "World", "Ġdon't", "Ġ", "123", "45", "Ġa", "/b"]
