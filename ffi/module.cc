@@ -22,6 +22,7 @@
 #include "expert_kernels.h"
 #include "membench.h"
 #include "moe_operator.h"
+#include "mxfp4_layout.h"
 #include "routed_experts_handler.h"
 #include "thread_pool.h"
 #include "weight_bank.h"
@@ -254,6 +255,22 @@ void CheckLayout(const char* name, const Array& a, const std::vector<int64_t>& s
   }
 }
 
+// ---- ggml MXFP4 blocks in the release's layout (mxfp4_layout.h) ----
+
+void Mxfp4FromGgmlArrays(const HostArray& src, HostOutput& blocks, HostOutput& scales) {
+  const auto u8 = nb::dtype<uint8_t>();
+  if (src.dtype() != u8 || blocks.dtype() != u8 || scales.dtype() != u8) {
+    throw nb::type_error("src, blocks and scales must be uint8");
+  }
+  if (src.ndim() != 2 || src.shape(1) != 17) throw std::invalid_argument("src must be [n, 17] (ggml MXFP4 blocks)");
+  const int64_t n = static_cast<int64_t>(src.shape(0));
+  CheckLayout("src", src, {n, 17});
+  CheckLayout("blocks", blocks, {n, 16});
+  CheckLayout("scales", scales, {n});
+  Mxfp4FromGgml(static_cast<const uint8_t*>(src.data()), n, static_cast<uint8_t*>(blocks.data()),
+                static_cast<uint8_t*>(scales.data()));
+}
+
 bool IsFloat32(const nb::dlpack::dtype& t) { return t == nb::dtype<float>(); }
 
 // numpy hands ml_dtypes.bfloat16 arrays to no C extension (DLPack and the buffer protocol lack the type), so
@@ -412,6 +429,9 @@ NB_MODULE(hybridjit_ffi, m) {
         "Decode absorbed MLA over a host latent cache into out [batch, heads, rank] (float32): q_latent, q_rope "
         "float32 [batch, heads, rank | rope_dim]; latent, k_rope [batch, max_len, rank | rope_dim] float32 or "
         "bfloat16 (as uint16 bits); lengths int32 [batch]. Every array C-contiguous.");
+  m.def("mxfp4_from_ggml", &Mxfp4FromGgmlArrays, nb::arg("src"), nb::arg("blocks"), nb::arg("scales"),
+        "ggml's MXFP4 blocks src uint8 [n, 17] into the gpt-oss release's layout: blocks uint8 [n, 16] (element 2j "
+        "in the low nibble of byte j) and scales uint8 [n]. Every array C-contiguous.");
   m.def("routed_experts_cpu", [] { return nb::capsule(reinterpret_cast<void*>(&HybridjitRoutedExpertsCpu)); },
         "FFI handler capsule for platform 'cpu'.");
   m.def("routed_experts_submit_cpu",

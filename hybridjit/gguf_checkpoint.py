@@ -12,8 +12,8 @@ back for rotate-half RoPE, and DeepSeek's kv_b is rebuilt from k_b/v_b where the
 gpt-oss's experts are the exception to "views": the family's map names the released fused tensors (gate_up_proj
 with gate and up rows interleaved, MXFP4 `_blocks` / `_scales` / `_bias`), which llama.cpp's converter split into
 ffn_gate_exps and ffn_up_exps and wrote as ggml MXFP4 blocks (scale inside, other nibble order). Reading one
-rebuilds it (quant.mxfp4_from_ggml): a copy the size of the stored blocks, so that the release's own kernels and
-loader run it, bit for bit the weights of the file.
+rebuilds it (ops.gguf_experts.mxfp4_from_ggml): a copy the size of the stored blocks, so that the release's own
+kernels and loader run it, bit for bit the weights of the file.
 """
 
 import dataclasses
@@ -29,8 +29,7 @@ from hybridjit.gguf_arch import gguf_name, hf_config
 from hybridjit.gguf_file import GGUFError, GGUFFile, GGUFTensor
 from hybridjit.models.common.checkpoint_map import TensorSpec
 from hybridjit.models.registry import ModelConfig, config_from_hf, family_of
-from hybridjit.ops.gguf_experts import GGUF_EXPERT_FORMATS
-from hybridjit.quant import mxfp4_from_ggml
+from hybridjit.ops.gguf_experts import GGUF_EXPERT_FORMATS, mxfp4_from_ggml
 
 Q = gguf.GGMLQuantizationType
 # Stored type of a routed expert -> the dtype the checkpoint presents (the block formats by their GGUF name).

@@ -64,18 +64,6 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return values.reshape(*scales.shape[:-1], -1)
 
 
-def mxfp4_from_ggml(stored: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """ggml's MXFP4 blocks as the release stores them: uint8 [..., groups * 17] (a block: the e8m0 byte, then 16
-    bytes whose low nibbles hold elements 0-15 and high nibbles 16-31) -> (`_blocks` [..., groups, 16], element 2j
-    in the low nibble of byte j; `_scales` [..., groups]). Both mean e2m1 * 2^(s - 127)."""
-    if stored.shape[-1] % 17:
-        raise ValueError(f"MXFP4 rows of {stored.shape[-1]} bytes: not whole 17-byte blocks")
-    blocks = stored.reshape(*stored.shape[:-1], -1, 17)
-    qs = blocks[..., 1:]
-    elements = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # [..., groups, 32] in order
-    return elements[..., 0::2] | (elements[..., 1::2] << 4), np.ascontiguousarray(blocks[..., 0])
-
-
 def dequantize_int_groups(stored: np.ndarray, scale: np.ndarray, int_quant, shape) -> np.ndarray:
     """int8 or int4 (two per byte) [out, ceil(in / 2)] with a float32 scale per row and group of `group_size` input
     columns -> float32 `shape` [out, in]: the inverse of hybridjit.convert.quantize_int_groups."""

@@ -23,7 +23,7 @@ from hybridjit.checkpoint import CheckpointError
 from hybridjit.gguf_checkpoint import GGUFCheckpoint
 from hybridjit.gguf_file import GGUFFile
 from hybridjit.gguf_tokenizer import _pre_tokenizer, gguf_tokenizer
-from hybridjit.ops.gguf_experts import register_gguf_layer
+from hybridjit.ops.gguf_experts import mxfp4_from_ggml, register_gguf_layer
 from hybridjit.ops.routed_experts import kernel_info, layer_kernel, routed_experts_host, set_cpu_kernel
 from hybridjit.placement import Placement
 from hybridjit.quant import dequantize_mxfp4
@@ -409,6 +409,17 @@ def gpt_oss_gguf(tmp_path, expert_types=(Q.F32, Q.F32)):
     raw = read_tensors(src)
     tensors = {n: t if t.dtype == np.uint8 else t.astype(np.float32) for n, t in raw.items()}
     return src, raw, write_gguf(tmp_path / "m.gguf", cfg, tensors, expert_types=expert_types)
+
+
+def test_ggml_mxfp4_blocks_in_the_release_layout():
+    """ggml's MXFP4 blocks, random nibble bytes and scales, over more blocks than one task of the pool takes: gguf's
+    own dequantisation of them is the release layout's."""
+    rng = np.random.default_rng(11)
+    stored = np.frombuffer(rng.bytes(3 * 50_000 * 17), np.uint8).reshape(3, 50_000 * 17).copy()
+    stored.reshape(-1, 17)[:, 0] = rng.integers(0, 251, stored.size // 17)  # from 251, 6 * 2^(s - 127) overflows
+    blocks, scales = mxfp4_from_ggml(stored)
+    assert blocks.shape == (3, 50_000, 16) and scales.shape == (3, 50_000)
+    np.testing.assert_array_equal(dequantize_mxfp4(blocks, scales), gguf.quants.dequantize(stored, Q.MXFP4))
 
 
 def test_gpt_oss_gguf_rebuilds_the_released_experts_and_matches_safetensors(tmp_path):
