@@ -35,7 +35,10 @@ from checkpoint_factory import (
 from gguf_factory import ARCH, write_gguf
 
 import hybridjit
+from hybridjit.gguf_file import GGUFFile
+from hybridjit.gguf_tokenizer import gguf_tokenizer
 from hybridjit.ops.routed_experts import kernel_info, set_cpu_kernel
+from hybridjit.resolve import default_model_dir
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (CI does not build it)")
 
@@ -280,3 +283,58 @@ def test_gpt_oss_mxfp4(tmp_path):
     theirs_f32 = llama_cpp_logits(f32, PROMPT)
     assert rel_rms(hybridjit_logits(mxfp4, PROMPT), theirs_f32) <= F32_BOUND
     assert rel_rms(llama_cpp_logits(mxfp4, PROMPT), theirs_f32) < 6e-2
+
+
+# --- tokenizers -------------------------------------------------------------------------------------------------
+
+
+def llama_cpp_tokens(path, text: str) -> list[int]:
+    """llama.cpp's tokens of `text` (no BOS, special tokens as text), from the file's vocabulary alone."""
+    llama_cpp.llama_backend_init()
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    assert model, f"llama.cpp could not load {path}"
+    try:
+        vocab = llama_cpp.llama_model_get_vocab(model)
+        data = text.encode()
+        out = (llama_cpp.llama_token * (len(data) + 8))()
+        n = llama_cpp.llama_tokenize(vocab, data, len(data), out, len(out), False, False)
+        assert n >= 0
+        return list(out[:n])
+    finally:
+        llama_cpp.llama_model_free(model)
+
+
+PRE_TOKENIZER_TEXTS = [
+    "HelloWorld don't 12345 a/b\n/x HTTPServer's",
+    "  leading spaces\n\n\ttabs  and   runs \r\n end",
+    "ÀBc café NAÏVE naïve 'S 'LL it'S I'M",
+    "中文123和数字4567，日本語カタカナ",
+    "emoji 🙂🙃 ok!!! ...?? (x)/[y]",
+]
+
+
+@pytest.mark.parametrize("pre", ["gpt-4o", "minimax-m2", "glm4", "qwen2", "llama-bpe", "deepseek-v3", "kimi-k2", "gpt-2"])
+def test_pre_tokenizers(tmp_path, pre):
+    """A GGUF's byte-level BPE split by tokenizer.ggml.pre (hybridjit/gguf_tokenizer.py): the same tokens as
+    llama.cpp's tokenizer on texts that cross each regex's cases (letter case runs, contractions, digits, CJK, spaces
+    and newlines, punctuation). The vocabulary and merges are the embedded model's."""
+    src = default_model_dir()
+    cfg = json.loads((src / "config.json").read_text())
+    hf = json.loads((src / "tokenizer.json").read_text())
+    vocab = sorted(hf["model"]["vocab"].items(), key=lambda kv: kv[1])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in hf["model"]["merges"]]
+    S, A, I32 = gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32
+    tokenizer = {
+        "tokenizer.ggml.model": ("gpt2", S),
+        "tokenizer.ggml.pre": (pre, S),
+        "tokenizer.ggml.tokens": ([t for t, _ in vocab], A, S),
+        "tokenizer.ggml.token_type": ([1] * len(vocab), A, I32),
+        "tokenizer.ggml.merges": (merges, A, S),
+        "tokenizer.ggml.add_bos_token": (False, gguf.GGUFValueType.BOOL),
+    }
+    path = write_gguf(tmp_path / "t.gguf", cfg, checkpoint_as_float32(src), tokenizer=tokenizer)
+    ours = gguf_tokenizer(GGUFFile(path))
+    for text in PRE_TOKENIZER_TEXTS:
+        assert ours.encode(text) == llama_cpp_tokens(path, text), text
