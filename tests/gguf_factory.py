@@ -11,6 +11,7 @@ element j in the low nibble of byte j and element j + 16 in its high one); sinks
 as ffn_gate_inp with its bias, the MLP norm as post_attention_norm; sliding_window in the metadata.
 """
 
+import io
 import re
 from pathlib import Path
 
@@ -302,4 +303,50 @@ def write_gguf(
     if split_max_tensors:
         parts = sorted(path.parent.glob(f"{path.stem}-*-of-*.gguf"))
         return parts[0]
+    return path
+
+
+def sentencepiece_metadata(sp) -> dict:
+    """A SentencePiece model's vocabulary as llama.cpp's converter writes a "llama" tokenizer: each piece with its
+    score and type (1 normal, 2 unknown, 3 control, 5 unused, 6 byte), the special ids, a BOS before each text."""
+    n = sp.get_piece_size()
+    kinds = [(sp.is_unknown, 2), (sp.is_control, 3), (sp.is_unused, 5), (sp.is_byte, 6)]
+    types = [next((t for test, t in kinds if test(i)), 1) for i in range(n)]
+    S, A, U32 = gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32
+    return {
+        "tokenizer.ggml.model": ("llama", S),
+        "tokenizer.ggml.tokens": ([sp.id_to_piece(i) for i in range(n)], A, S),
+        "tokenizer.ggml.scores": ([sp.get_score(i) for i in range(n)], A, gguf.GGUFValueType.FLOAT32),
+        "tokenizer.ggml.token_type": (types, A, gguf.GGUFValueType.INT32),
+        "tokenizer.ggml.bos_token_id": (sp.bos_id(), U32),
+        "tokenizer.ggml.eos_token_id": (sp.eos_id(), U32),
+        "tokenizer.ggml.unknown_token_id": (sp.unk_id(), U32),
+        "tokenizer.ggml.add_bos_token": (True, gguf.GGUFValueType.BOOL),
+    }
+
+
+def sentencepiece_model(corpus: str, vocab_size: int = 1000):
+    """A SentencePiece BPE model trained on `corpus` as Llama's and Mixtral's were (byte fallback, digits split, a
+    dummy prefix, whitespace kept, no normalisation)."""
+    import sentencepiece as spm  # test-only
+
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus.splitlines()), model_writer=proto, vocab_size=vocab_size, model_type="bpe",
+        byte_fallback=True, split_digits=True, add_dummy_prefix=True, allow_whitespace_only_pieces=True,
+        remove_extra_whitespaces=False, normalization_rule_name="identity", character_coverage=0.9995, minloglevel=2,
+    )  # fmt: skip
+    return spm.SentencePieceProcessor(model_proto=proto.getvalue())
+
+
+def write_tokenizer_gguf(path: Path, arch: str, metadata: dict, vocab_size: int) -> Path:
+    """A GGUF of `arch` holding a tokenizer (write_gguf's `tokenizer` form) and an embedding of its size only."""
+    w = gguf.GGUFWriter(path, arch)
+    for key, value in metadata.items():
+        w.add_key_value(key, value[0], value[1], sub_type=value[2] if len(value) > 2 else None)
+    w.add_tensor("token_embd.weight", np.zeros((vocab_size, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     return path

@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 from functools import partial
+from pathlib import Path
 
 import gguf
 import jax
@@ -14,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from checkpoint_factory import build_case, checkpoint_as_float32, read_tensors, tiny_config, write_checkpoint
-from gguf_factory import quantize, write_gguf
+from gguf_factory import quantize, sentencepiece_metadata, sentencepiece_model, write_gguf, write_tokenizer_gguf
 from kernel_choice import kernel_family
 from safetensors.numpy import save_file
 
@@ -461,3 +462,36 @@ def test_o200k_pre_tokenizer_of_gpt_oss_and_minimax_gguf():
     for pre in ("gpt-4o", "minimax-m2"):
         split = [p for p, _ in _pre_tokenizer(pre).pre_tokenize_str("HelloWorld don't 12345 a/b")]
         assert split == ["Hello", "World", "Ġdon't", "Ġ", "123", "45", "Ġa", "/b"]
+
+
+# --- SentencePiece ("llama") tokenizers: Mixtral's -------------------------------------------------------------
+
+
+SENTENCEPIECE_TEXTS = [
+    "Hello world",
+    "  two  spaces\n\nnew\tline ",
+    "numbers 12345 and 3.14",
+    "ünïcödé 中文 🙂 (bytes of pieces it never saw)",
+]
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_gguf(tmp_path_factory):
+    """A SentencePiece model trained as Llama's and Mixtral's are, and a GGUF holding its vocabulary as llama.cpp's
+    converter writes it: (model, file)."""
+    pytest.importorskip("sentencepiece")
+    sp = sentencepiece_model((Path(__file__).parent.parent / "README.md").read_text())
+    path = tmp_path_factory.mktemp("spm") / "t.gguf"
+    return sp, write_tokenizer_gguf(path, "llama", sentencepiece_metadata(sp), sp.get_piece_size())
+
+
+def test_sentencepiece_gguf_tokenizer_matches_sentencepiece(sentencepiece_gguf):
+    """A "llama" GGUF tokenizer gives sentencepiece's own tokens (BOS first) and text back, on texts with runs of
+    spaces, newlines, tabs, digits and characters only byte fallback covers; and on a 2,000-character passage."""
+    sp, path = sentencepiece_gguf
+    ours = gguf_tokenizer(GGUFFile(path))
+    passage = (Path(__file__).parent.parent / "README.md").read_text()[:2000]
+    for text in [*SENTENCEPIECE_TEXTS, passage]:
+        ids = ours.encode(text)
+        assert ids == [sp.bos_id(), *sp.encode(text)], text
+        assert ours.decode(ids) == sp.decode(ids) == text

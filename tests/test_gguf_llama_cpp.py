@@ -18,6 +18,7 @@ How llama.cpp is run, and why:
 """
 
 import json
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -32,7 +33,7 @@ from checkpoint_factory import (
     write_checkpoint,
     write_family_checkpoint,
 )
-from gguf_factory import ARCH, write_gguf
+from gguf_factory import ARCH, sentencepiece_metadata, sentencepiece_model, write_gguf, write_tokenizer_gguf
 
 import hybridjit
 from hybridjit.gguf_file import GGUFFile
@@ -315,7 +316,9 @@ PRE_TOKENIZER_TEXTS = [
 ]
 
 
-@pytest.mark.parametrize("pre", ["gpt-4o", "minimax-m2", "glm4", "qwen2", "llama-bpe", "deepseek-v3", "kimi-k2", "gpt-2"])
+@pytest.mark.parametrize(
+    "pre", ["gpt-4o", "minimax-m2", "glm4", "qwen2", "llama-bpe", "deepseek-v3", "kimi-k2", "gpt-2"]
+)
 def test_pre_tokenizers(tmp_path, pre):
     """A GGUF's byte-level BPE split by tokenizer.ggml.pre (hybridjit/gguf_tokenizer.py): the same tokens as
     llama.cpp's tokenizer on texts that cross each regex's cases (letter case runs, contractions, digits, CJK, spaces
@@ -338,3 +341,14 @@ def test_pre_tokenizers(tmp_path, pre):
     ours = gguf_tokenizer(GGUFFile(path))
     for text in PRE_TOKENIZER_TEXTS:
         assert ours.encode(text) == llama_cpp_tokens(path, text), text
+
+
+def test_sentencepiece_tokenizer(tmp_path):
+    """A "llama" (SentencePiece BPE, Mixtral's) GGUF tokenizer: llama.cpp's tokens, BOS aside, on texts with runs
+    of spaces, newlines, digits and byte-fallback characters."""
+    pytest.importorskip("sentencepiece")
+    sp = sentencepiece_model((Path(__file__).parent.parent / "README.md").read_text())
+    path = write_tokenizer_gguf(tmp_path / "t.gguf", "llama", sentencepiece_metadata(sp), sp.get_piece_size())
+    ours = gguf_tokenizer(GGUFFile(path))
+    for text in [*PRE_TOKENIZER_TEXTS, "Hello world", "  two  spaces\n\nnew\tline ", "ünïcödé 🙂"]:
+        assert ours.encode(text)[1:] == llama_cpp_tokens(path, text), text
