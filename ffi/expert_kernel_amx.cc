@@ -349,6 +349,30 @@ HJ_AMX void Q6KRow(const uint8_t* b, int64_t n_ksteps, char* dst) {
   }
 }
 
+// Q2_K (Q3_K with kThree): k-step 4h + j holds sub-blocks 8h + 2j and the next, q * scale - min each (one FMA: one
+// rounding where gguf's dequantisation of Q2_K rounds twice; Q3_K's scale * (q - 4) is exact either way).
+template <bool kThree>
+HJ_AMX void Q2KRow(const uint8_t* b, int64_t n_ksteps, char* dst) {
+  for (int64_t ks = 0; ks < n_ksteps; ks += 8, b += kThree ? 110 : 84) {
+    alignas(64) float scale[16], min[16];
+    __m512 s, m;
+    Q2KMultipliers(b, kThree, &s, &m);
+    _mm512_store_ps(scale, s);
+    _mm512_store_ps(min, m);
+    for (int h = 0; h < 2; ++h) {
+      for (int j = 0; j < 4; ++j) {
+        const __m256i q = Q2KQuarter(b, kThree, h, j);
+        const int sub = 8 * h + 2 * j;
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)));
+        const __m512 w_lo = _mm512_fmsub_ps(lo, _mm512_set1_ps(scale[sub]), _mm512_set1_ps(min[sub]));
+        const __m512 w_hi = _mm512_fmsub_ps(hi, _mm512_set1_ps(scale[sub + 1]), _mm512_set1_ps(min[sub + 1]));
+        _mm512_storeu_si512(dst + (ks + 4 * h + j) * kTileBytes, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
+      }
+    }
+  }
+}
+
 HJ_AMX void Q80Row(const uint8_t* b, int64_t n_ksteps, char* dst) {
   for (int64_t ks = 0; ks < n_ksteps; ++ks, b += 34) {
     const __m512 d = _mm512_set1_ps(HalfAt(b));
@@ -391,6 +415,12 @@ HJ_AMX void GgufStrip(const LayerWeights& layer, const Projection& w, int64_t r0
           break;
         case WeightFormat::kQ5K:
           KQuantRow<true>(blocks, n_ksteps, dst);
+          break;
+        case WeightFormat::kQ2K:
+          Q2KRow<false>(blocks, n_ksteps, dst);
+          break;
+        case WeightFormat::kQ3K:
+          Q2KRow<true>(blocks, n_ksteps, dst);
           break;
         default:  // Q6_K
           Q6KRow(blocks, n_ksteps, dst);

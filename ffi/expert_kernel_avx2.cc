@@ -571,6 +571,8 @@ const GemmKernel* Avx2Kernel(const LayerWeights& layer) {
     case WeightFormat::kQ4K:
     case WeightFormat::kQ5K:
     case WeightFormat::kQ6K:
+    case WeightFormat::kQ2K:
+    case WeightFormat::kQ3K:
       return nullptr;  // no AVX2 GGUF kernel yet: the generic one serves
   }
   return nullptr;

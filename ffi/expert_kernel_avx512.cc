@@ -710,6 +710,8 @@ const GemmKernel* Avx512Kernel(const LayerWeights& layer) {
     case WeightFormat::kQ4K:
     case WeightFormat::kQ5K:
     case WeightFormat::kQ6K:
+    case WeightFormat::kQ2K:
+    case WeightFormat::kQ3K:
       return GgufAvx512Kernel(layer);
   }
   return nullptr;

@@ -1,4 +1,4 @@
-// Kernels for routed experts stored in GGUF block formats (gguf_blocks.h): Q8_0, Q4_K, Q5_K, Q6_K.
+// Kernels for routed experts stored in GGUF block formats (gguf_blocks.h): Q8_0, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K.
 //
 // The fused operator of seed 000 §3.5.2: activations are quantised on the fly to int8 (per 32 elements in plain C++,
 // as every int8 kernel does, expert_kernels.h; per 256 with a K-quant in the layer in the avx512 family, as llama.cpp's
@@ -209,8 +209,8 @@ void GgufPackFused(const ActivationRows& rows, int64_t cols, int64_t group, void
 // Permutes of a format's sub-block scales, made once per call. The 32-groups of each of a block's four 64-byte q
 // vectors per int32 lane (Q8_0's float multipliers); and where each int16 of the packs of q vectors 0, 1 and 2, 3
 // (FusedSums) finds its sub-block's scale: vector k's 128-bit lane L holds 32-group L / 2 * 2 + k / 2 * 4 + k % 2
-// (Q4_K), 16-group {0, 1, 4, 5}[L] + k / 2 * 8 + k % 2 * 2 (Q6_K), and the pack puts vector 2m's four words of lane L
-// before vector 2m + 1's.
+// (Q4_K), 16-group {0, 1, 4, 5}[L] + k / 2 * 8 + k % 2 * 2 (Q6_K, Q2_K, Q3_K: sub-blocks of 16), and the pack puts
+// vector 2m's four words of lane L before vector 2m + 1's.
 struct FusedPicks {
   __m512i lanes[4], scales[2];
 };
@@ -225,7 +225,8 @@ HJ_AVX512_VNNI inline FusedPicks MakeFusedPicks(WeightFormat format) {
   for (int m = 0; m < 2; ++m) {
     for (int i = 0; i < 32; ++i) {
       const int lane = i / 8, k = 2 * m + i % 8 / 4;
-      words[m][i] = static_cast<int16_t>(format == WeightFormat::kQ6K
+      const bool by16 = format == WeightFormat::kQ6K || format == WeightFormat::kQ2K || format == WeightFormat::kQ3K;
+      words[m][i] = static_cast<int16_t>(by16
                                              ? (lane % 2 + lane / 2 * 4) + k / 2 * 8 + k % 2 * 2
                                              : lane / 2 * 2 + k / 2 * 4 + k % 2);
     }
@@ -362,6 +363,61 @@ HJ_AVX512_VNNI inline void Q6KFused(const uint8_t* b, const char* const tok[N], 
   }
 }
 
+// Q2_K (Q3_K with kThree): vector 2h + s holds elements 128h + 32s + l in its lower 256 bits (bits 2s of q byte
+// 32h + l) and 128h + 64 + 32s + l in its upper ones (bits 2s + 4), each 32 bytes of q broadcast to both halves and
+// the upper one shifted by 4; Q3_K's third bit of element 128h + 32j + l is bit 4h + j of byte l, added at bit 2.
+// Sub-blocks of 16 as Q6_K's: Q2_K's min term dmin x the sum of min m x the token's s16[m], apart as Q4_K's; Q3_K's
+// q - 4 as 4 x the sum of scale s x s16[s] subtracted from the integer sums, as Q6_K's q - 32.
+template <int N, bool kThree>
+HJ_AVX512_VNNI inline void Q2KFused(const uint8_t* b, const char* const tok[N], int64_t block, const FusedPicks& picks,
+                                    FusedAcc<N>& acc) {
+  const __m512i low2 = _mm512_set1_epi8(3), bit2 = _mm512_set1_epi8(4);
+  const auto half256 = [](const uint8_t* p) HJ_AVX512_VNNI {
+    return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  };
+  const uint8_t* qs = kThree ? b + 32 : b + 16;
+  __m512i wq[4];
+  for (int h = 0; h < 2; ++h) {
+    const __m512i v = half256(qs + 32 * h);
+    const __m512i both = _mm512_mask_srli_epi16(v, 0xffff0000, v, 4);
+    for (int s = 0; s < 2; ++s) wq[2 * h + s] = _mm512_and_si512(_mm512_srli_epi16(both, 2 * s), low2);
+  }
+  __m256i sc16;  // the sub-blocks' integer scales (Q3_K: 6-bit - 32)
+  __m256i m16;   // Q2_K's mins
+  if constexpr (kThree) {
+    const __m512i hm = half256(b);
+    const __m512i both = _mm512_mask_srli_epi16(hm, 0xffff0000, hm, 2);  // upper: bit j + 2 down to j
+    for (int h = 0; h < 2; ++h) {
+      for (int s = 0; s < 2; ++s) {
+        const __m512i bit = _mm512_slli_epi16(_mm512_srli_epi16(both, 4 * h + s), 2);
+        wq[2 * h + s] = _mm512_ternarylogic_epi32(wq[2 * h + s], bit, bit2, 0xf8);  // a | (b & c)
+      }
+    }
+    sc16 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(Q3KScalesVector(b)), _mm256_set1_epi16(32));
+  } else {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low4));
+    m16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
+  }
+  const __m512i scales[2] = {_mm512_permutexvar_epi16(picks.scales[0], _mm512_zextsi256_si512(sc16)),
+                             _mm512_permutexvar_epi16(picks.scales[1], _mm512_zextsi256_si512(sc16))};
+  const float d = HalfAt(kThree ? b + 108 : b + 80), dmin = kThree ? 0.0f : HalfAt(b + 82);
+  for (int t = 0; t < N; ++t) {
+    const char* x = tok[t] + block;
+    const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + FusedLayout::kS16));
+    __m512i sums = FusedSums(wq, scales, x);
+    const float dx = TokenScale(x);
+    if constexpr (kThree) {
+      sums = _mm512_sub_epi32(sums, _mm512_zextsi256_si512(_mm256_slli_epi32(_mm256_madd_epi16(sc16, s16), 2)));
+    } else {
+      const __m256 mins = _mm256_cvtepi32_ps(_mm256_madd_epi16(m16, s16));
+      acc.mins[t] = _mm512_fmadd_ps(_mm512_zextps256_ps512(mins), _mm512_set1_ps(dmin * dx), acc.mins[t]);
+    }
+    acc.dots[t][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(d * dx), acc.dots[t][0]);
+  }
+}
+
 // Eight Q8_0 blocks (the first `blocks` of them that the row holds), q + 128 unsigned: block j is 32-group j.
 template <int N, bool kWhole>
 HJ_AVX512_VNNI inline void Q80Fused(const uint8_t* b, int blocks, const char* const tok[N], int64_t block,
@@ -432,6 +488,12 @@ HJ_AVX512_VNNI void FusedRows(const LayerWeights& layer, const Projection& p, in
           break;
         case WeightFormat::kQ5K:
           Q4KFused<N, true>(data, tok, block, picks, acc);
+          break;
+        case WeightFormat::kQ2K:
+          Q2KFused<N, false>(data, tok, block, picks, acc);
+          break;
+        case WeightFormat::kQ3K:
+          Q2KFused<N, true>(data, tok, block, picks, acc);
           break;
         default:
           Q4KFused<N, false>(data, tok, block, picks, acc);

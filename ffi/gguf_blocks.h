@@ -8,6 +8,10 @@
 //   Q5_K  176 bytes: as Q4_K with a fifth bit per element in 32 bytes qh
 //   Q6_K  210 bytes: 128 bytes low 4 bits, 64 bytes high 2 bits, int8 scales for 16 sub-blocks of 16,
 //         fp16 d: w = d * sc * (q - 32)
+//   Q2_K   84 bytes: 16 bytes of a 4-bit scale (low nibble) and min (high) per sub-block of 16, 64 bytes of
+//         2-bit q (element 128h + 32j + l at bits 2j of byte 32h + l), fp16 d, fp16 dmin: w = d * sc * q - dmin * m
+//   Q3_K  110 bytes: 32 bytes of third bits (element 128h + 32j + l at bit 4h + j of byte l), 64 bytes of low 2
+//         bits (as Q2_K's q), 12 bytes of 6-bit scales for 16 sub-blocks of 16, fp16 d: w = d * (sc - 32) * (q - 4)
 //
 // Decoded form (DecodedRow): every format's element as w = lane_scale * q - sub_min, q an unsigned byte in
 // natural element order, lane_scale one float per 4 elements (one int32 lane of a u8 x s8 dot product),
@@ -27,7 +31,17 @@ namespace hybridjit {
 constexpr int64_t kGgufFusedMaxTokens = 4;
 
 inline bool IsGgufFormat(WeightFormat f) {
-  return f == WeightFormat::kQ8_0 || f == WeightFormat::kQ4K || f == WeightFormat::kQ5K || f == WeightFormat::kQ6K;
+  switch (f) {
+    case WeightFormat::kQ8_0:
+    case WeightFormat::kQ4K:
+    case WeightFormat::kQ5K:
+    case WeightFormat::kQ6K:
+    case WeightFormat::kQ2K:
+    case WeightFormat::kQ3K:
+      return true;
+    default:
+      return false;
+  }
 }
 
 // Elements and bytes of one block.
@@ -42,6 +56,10 @@ inline int64_t GgufBlockBytes(WeightFormat f) {
       return 176;
     case WeightFormat::kQ6K:
       return 210;
+    case WeightFormat::kQ2K:
+      return 84;
+    case WeightFormat::kQ3K:
+      return 110;
     default:
       return 0;
   }
@@ -93,6 +111,21 @@ inline void KScalesMins(const uint8_t* s, uint8_t out[16]) {
   std::memcpy(out, r, 16);
 }
 
+// Q3_K's 6-bit scales of its 16 sub-blocks from the 12 packed bytes s (the scale is the value - 32), as ggml's
+// dequantize_row_q3_K unpacks them: the low 4 bits of scales 0-3 in the low nibbles of s[0..3], 4-7 in those of
+// s[4..7], 8-11 and 12-15 in the high nibbles of s[0..3] and s[4..7]; the top 2 bits of scale 4k + i in bits 2k of
+// s[8 + i].
+inline void Q3KScales(const uint8_t* s, uint8_t out[16]) {
+  uint32_t a[3], r[4];
+  std::memcpy(a, s, 12);
+  constexpr uint32_t kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
+  r[0] = (a[0] & kLow4) | ((a[2] & kLow2) << 4);
+  r[1] = (a[1] & kLow4) | (((a[2] >> 2) & kLow2) << 4);
+  r[2] = ((a[0] >> 4) & kLow4) | (((a[2] >> 4) & kLow2) << 4);
+  r[3] = ((a[1] >> 4) & kLow4) | (((a[2] >> 6) & kLow2) << 4);
+  std::memcpy(out, r, 16);
+}
+
 // One block decoded: q[n], lane_scale[n / 4], sub_min[n / 16] for the block's n elements.
 inline void DecodeGgufBlock(WeightFormat f, const uint8_t* b, uint8_t* q, float* lane_scale, float* sub_min) {
   switch (f) {
@@ -139,6 +172,35 @@ inline void DecodeGgufBlock(WeightFormat f, const uint8_t* b, uint8_t* q, float*
         const float scale = d * static_cast<float>(scales[s]);
         for (int l = 0; l < 4; ++l) lane_scale[s * 4 + l] = scale;
         sub_min[s] = 32.0f * scale;
+      }
+      return;
+    }
+    case WeightFormat::kQ2K:
+    case WeightFormat::kQ3K: {
+      const bool three = f == WeightFormat::kQ3K;
+      const uint8_t* qs = three ? b + 32 : b + 16;
+      for (int i = 0; i < 256; ++i) {  // element 128 h + 32 j + l
+        const int h = i / 128, j = i % 128 / 32, l = i % 32;
+        int v = (qs[32 * h + l] >> (2 * j)) & 3;
+        if (three) v |= ((b[l] >> (4 * h + j)) & 1) << 2;
+        q[i] = static_cast<uint8_t>(v);
+      }
+      if (three) {
+        const float d = LoadHalf(b + 108);
+        uint8_t sc[16];
+        Q3KScales(b + 96, sc);
+        for (int s = 0; s < 16; ++s) {
+          const float scale = d * static_cast<float>(static_cast<int>(sc[s]) - 32);
+          for (int l = 0; l < 4; ++l) lane_scale[s * 4 + l] = scale;
+          sub_min[s] = 4.0f * scale;
+        }
+      } else {
+        const float d = LoadHalf(b + 80), dmin = LoadHalf(b + 82);
+        for (int s = 0; s < 16; ++s) {
+          const float scale = d * static_cast<float>(b[s] & 0xf);
+          for (int l = 0; l < 4; ++l) lane_scale[s * 4 + l] = scale;
+          sub_min[s] = dmin * static_cast<float>(b[s] >> 4);
+        }
       }
       return;
     }

@@ -47,6 +47,8 @@ int64_t AmxMinTokens(const LayerWeights& layer) {
     case WeightFormat::kQ4K:
     case WeightFormat::kQ5K:
     case WeightFormat::kQ6K:
+    case WeightFormat::kQ2K:  // Q2_K and Q3_K: the same kernels' structure, their crossover not measured
+    case WeightFormat::kQ3K:
       return 12;
     // mxfp4 (gpt-oss shapes, 2880 x 2880): AVX-512's 2 x 4 tiles 6.9 ms at 16 tokens per expert, 13.3 at 32; AMX
     // flat at 7.7 from 8 to 32 (same run): the lines cross at 18.

@@ -39,6 +39,10 @@ const char* WeightFormatName(WeightFormat format) {
       return "q5_k";
     case WeightFormat::kQ6K:
       return "q6_k";
+    case WeightFormat::kQ2K:
+      return "q2_k";
+    case WeightFormat::kQ3K:
+      return "q3_k";
   }
   return "unknown";
 }
@@ -159,6 +163,8 @@ int64_t LayerWeights::RowBytes(int64_t cols, Matrix which) const {
     case WeightFormat::kQ4K:
     case WeightFormat::kQ5K:
     case WeightFormat::kQ6K:
+    case WeightFormat::kQ2K:
+    case WeightFormat::kQ3K:
       return cols / GgufBlockElements(format) * GgufBlockBytes(format);
   }
   return 0;

@@ -2,7 +2,7 @@
 Hugging Face names, so that `check_checkpoint` and `WeightLoader` load it as they load safetensors.
 
 Routed experts are views into the mapped file: expert e of a stacked `blk.L.ffn_*_exps.weight` is its e-th
-slice, in the stored type (F32 and BF16 as numpy arrays, the block formats Q8_0, Q4_K, Q5_K, Q6_K as uint8
+slice, in the stored type (F32 and BF16 as numpy arrays, the block formats Q8_0, Q2_K-Q6_K as uint8
 [rows, row bytes]); F16 experts are the one exception, converted once to BF16 (the CPU kernels have no F16
 path and BF16 costs the same bytes: 3 mantissa bits fewer, well under the compute dtype's rounding).
 Every other tensor is dequantised to float32 (gguf.quants.dequantize) when the loader takes it, with

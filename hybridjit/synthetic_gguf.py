@@ -45,10 +45,11 @@ ARCHITECTURES = {"deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "kimi_k
 _POOL_BYTES = 1 << 26  # random blocks per (type, fan-in): a 64 MiB pool, made in well under a second
 _RMS_SAMPLE = 4096  # blocks dequantised to measure a pool's rms
 # Byte offsets of a block's fp16 d and, in the K-quants with mins, dmin (ggml-common.h's block_q8_0, block_q*_K).
-_SCALE_AT = {"Q8_0": (0, None), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None)}
-# The mean code of Q4_K (0..15) and Q5_K (0..31): dmin = that * d centres each sub-block's values on 0 where its
-# scale and min are drawn alike, as a trained matrix's are.
-_MEAN_CODE = {"Q4_K": 7.5, "Q5_K": 15.5}
+_SCALE_AT = {"Q8_0": (0, None), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None), "Q2_K": (80, 82),
+             "Q3_K": (108, None)}  # fmt: skip
+# The mean code of Q4_K (0..15), Q5_K (0..31) and Q2_K (0..3): dmin = that * d centres each sub-block's values on 0
+# where its scale and min are drawn alike, as a trained matrix's are. (Q3_K's signed scales and q - 4 need none.)
+_MEAN_CODE = {"Q4_K": 7.5, "Q5_K": 15.5, "Q2_K": 1.5}
 
 
 def block_pool(gguf_type: str, fan_in: int, rng: np.random.Generator, n_bytes: int = _POOL_BYTES) -> np.ndarray:
@@ -59,16 +60,20 @@ def block_pool(gguf_type: str, fan_in: int, rng: np.random.Generator, n_bytes: i
         raise ValueError(f"gguf_type {gguf_type!r} is not a GGUF expert format ({', '.join(GGUF_EXPERT_FORMATS)})")
     size = gguf.GGML_QUANT_SIZES[Q[gguf_type]][1]
     blocks = np.frombuffer(rng.bytes(n_bytes // size * size), np.uint8).reshape(-1, size).copy()
-    if gguf_type in _MEAN_CODE:
+    if gguf_type == "Q2_K":  # each sub-block's 4-bit scale in 8..15 and its min the same (dmin centres it)
+        scales = blocks[:, :16] & 0x0F | 0x08
+        blocks[:, :16] = scales | (scales << 4)
+    elif gguf_type in _MEAN_CODE:
         # The 12 bytes after d and dmin pack 6-bit scales and mins of 8 sub-blocks (ggml's get_scale_min_k4): their
         # first 8 hold bits 0-5 of the first four of each and, in bits 6-7, bits 4-5 of the last four, so 0xA0 sets
         # bit 5 of all sixteen: each in 32..63.
         blocks[:, 4:12] |= 0xA0
     elif gguf_type == "Q6_K":
         blocks[:, 192:208] = blocks[:, 192:208] & 0x3F | 0x40  # the int8 scales of 16 sub-blocks, in 64..127
-    else:  # Q8_0: llama.cpp's quantiser rounds to -127..127
+    elif gguf_type == "Q8_0":  # llama.cpp's quantiser rounds to -127..127
         codes = blocks[:, 2:].view(np.int8)
         codes[codes == -128] = -127
+    # Q3_K: random 6-bit scales (-32..31) and codes as they come
     unit = rng.uniform(0.75, 1.25, len(blocks))  # d varies from block to block, as the weights' range does
     _set_scales(blocks, gguf_type, unit)
     rms = float(np.sqrt(np.mean(gguf.quants.dequantize(blocks[:_RMS_SAMPLE], Q[gguf_type]) ** 2)))

@@ -111,12 +111,51 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     return blocks.reshape(w.shape[0], -1)
 
 
+def _crumbs(q: np.ndarray) -> np.ndarray:
+    """2-bit q [n, 256] -> [n, 64] bytes: element 128h + 32j + l at bits 2j of byte 32h + l."""
+    q = q.reshape(-1, 2, 4, 32)
+    return (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(-1, 64)
+
+
+def quantize_q2_k(w: np.ndarray) -> np.ndarray:
+    """float [rows, cols % 256 == 0] -> Q2_K bytes [rows, cols / 256 * 84]: per 16, w ~ d*sc*q - dmin*m."""
+    x = w.astype(np.float32).reshape(-1, 16, 16)
+    lo = np.minimum(x.min(-1), 0)
+    scale, mins = (x.max(-1) - lo) / 3, -lo
+    d, dmin = (scale.max(-1) / 15).astype(np.float16), (mins.max(-1) / 15).astype(np.float16)
+    df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.where(df > 0, np.rint(scale / np.where(df > 0, df, 1)), 0).clip(0, 15).astype(np.uint8)
+    m = np.where(dminf > 0, np.rint(mins / np.where(dminf > 0, dminf, 1)), 0).clip(0, 15).astype(np.uint8)
+    step = (df * sc)[..., None]
+    q = np.where(step > 0, np.rint((x + (dminf * m)[..., None]) / np.where(step > 0, step, 1)), 0).clip(0, 3)
+    blocks = np.concatenate([sc | (m << 4), _crumbs(q.astype(np.uint8)), _f16_bytes(d), _f16_bytes(dmin)], axis=1)
+    return blocks.reshape(w.shape[0], -1)
+
+
+def quantize_q3_k(w: np.ndarray) -> np.ndarray:
+    """float [rows, cols % 256 == 0] -> Q3_K bytes [rows, cols / 256 * 110]: per 16, w ~ d*(sc - 32)*(q - 4)."""
+    x = w.astype(np.float32).reshape(-1, 16, 16)
+    scale = np.abs(x).max(-1) / 4
+    d = (scale.max(-1) / 31).astype(np.float16)
+    df = d.astype(np.float32)[:, None]
+    sc = np.where(df > 0, np.rint(scale / np.where(df > 0, df, 1)), 0).clip(-32, 31).astype(np.int32)
+    step = (df * sc)[..., None]
+    q = (np.where(step != 0, np.rint(x / np.where(step != 0, step, 1)), 0).clip(-4, 3) + 4).astype(np.uint8)
+    q = q.reshape(-1, 256)
+    hmask = ((q >> 2).reshape(-1, 8, 32) << np.arange(8, dtype=np.uint8)[:, None]).sum(1).astype(np.uint8)
+    v = (sc + 32).astype(np.uint8)  # 6 bits: low 4 of scales 0-7 / 8-15 in the low / high nibbles of bytes 0-7,
+    top = v >> 4  # the top 2 of scale 4k + i at bits 2k of byte 8 + i
+    packed = np.concatenate([(v[:, :8] & 15) | ((v[:, 8:] & 15) << 4),
+                             (top.reshape(-1, 4, 4) << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(1)], axis=1)
+    blocks = np.concatenate([hmask, _crumbs(q & 3), packed.astype(np.uint8), _f16_bytes(d)], axis=1)
+    return blocks.reshape(w.shape[0], -1)
+
+
 def quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
-    """A matrix as `qtype` bytes (F32, BF16 and Q8_0 from the gguf package, Q4_K and Q6_K from above)."""
-    if qtype == Q.Q4_K:
-        return quantize_q4_k(w)
-    if qtype == Q.Q6_K:
-        return quantize_q6_k(w)
+    """A matrix as `qtype` bytes (F32, BF16 and Q8_0 from the gguf package, the K-quants from above)."""
+    own = {Q.Q4_K: quantize_q4_k, Q.Q6_K: quantize_q6_k, Q.Q2_K: quantize_q2_k, Q.Q3_K: quantize_q3_k}
+    if qtype in own:
+        return own[qtype](w)
     return gguf.quants.quantize(w.astype(np.float32), qtype)
 
 

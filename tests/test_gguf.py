@@ -80,11 +80,11 @@ def bf16_rounded(x: np.ndarray) -> np.ndarray:
 
 
 def random_blocks(qtype: Q, rows: int, cols: int, rng) -> np.ndarray:
-    """Blocks of random bytes with finite, small fp16 scales: every code and sign (negative Q6_K scales, Q4_K
-    mins) appears; a few blocks get zero scales."""
+    """Blocks of random bytes with finite, small fp16 scales: every code and sign (negative Q6_K and Q3_K scales,
+    Q4_K and Q2_K mins) appears; a few blocks get zero scales."""
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     b = rng.integers(0, 256, size=(rows, cols // block, nbytes), dtype=np.uint8)
-    scale_at = {Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}[qtype]
+    scale_at = {Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.Q2_K: [80, 82], Q.Q3_K: [108]}[qtype]
     for at in scale_at:
         d = (rng.random((rows, cols // block)) * (0.0005 if qtype == Q.Q6_K else 0.02)).astype(np.float16)
         d[0, 0] = 0  # a zero scale
@@ -158,6 +158,10 @@ def check_gguf_layer(types, hidden, inter, tokens, seed, int8_tolerance=2e-5, n_
         ((Q.Q5_K, Q.Q5_K), 256, 512),
         ((Q.Q6_K, Q.Q6_K), 512, 256),
         ((Q.Q4_K, Q.Q6_K), 256, 256),  # Q4_K_M's mix: down in Q6_K
+        ((Q.Q2_K, Q.Q2_K), 512, 256),
+        ((Q.Q3_K, Q.Q3_K), 256, 512),
+        ((Q.Q2_K, Q.Q3_K), 256, 256),  # Q2_K's and Q3_K_S's mixes: down a size up
+        ((Q.Q3_K, Q.Q4_K), 512, 256),
     ],
 )
 @pytest.mark.parametrize("tokens", [1, 5, 40])  # VNNI: 1-4 tokens an expert in one pass; more, four at a time
@@ -174,7 +178,12 @@ def test_kernels_match_float64_on_gguf_dequantisation(cpu_kernel, amx_min_tokens
 @pytest.mark.parametrize("cpu_kernel, amx_min_tokens", [c for c in FAMILY_CHOICES if c.id in ("avx512", "amx")])
 @pytest.mark.parametrize(
     "types, hidden, inter",
-    [((Q.Q8_0, Q.Q8_0), 1120, 352), ((Q.Q4_K, Q.Q6_K), 768, 512), ((Q.Q5_K, Q.Q5_K), 256, 768)],
+    [
+        ((Q.Q8_0, Q.Q8_0), 1120, 352),
+        ((Q.Q4_K, Q.Q6_K), 768, 512),
+        ((Q.Q5_K, Q.Q5_K), 256, 768),
+        ((Q.Q2_K, Q.Q3_K), 768, 512),
+    ],  # fmt: skip
 )
 def test_gguf_kernels_at_blocking_sizes(cpu_kernel, amx_min_tokens, types, hidden, inter):
     with kernel_family(cpu_kernel, amx_min_tokens):
@@ -206,10 +215,11 @@ def test_kernel_rejects_rows_that_are_not_whole_blocks():
 
 
 def test_own_k_quantiser_agrees_with_gguf_dequantize():
-    """The test writer's Q4_K/Q6_K blocks decode (by the gguf package) to within their format's step."""
+    """The test writer's K-quant blocks decode (by the gguf package) to within their format's step (normal weights:
+    Q2_K measured 0.33, Q3_K 0.18)."""
     w = np.random.default_rng(5).standard_normal((8, 512)).astype(np.float32)
     w[0, :32] = 0  # a zero sub-block
-    for qtype, bound in ((Q.Q4_K, 0.1), (Q.Q6_K, 0.03)):
+    for qtype, bound in ((Q.Q4_K, 0.1), (Q.Q6_K, 0.03), (Q.Q2_K, 0.4), (Q.Q3_K, 0.25)):
         assert rel_rms(gguf.quants.dequantize(quantize(w, qtype), qtype), w) < bound
 
 
@@ -255,24 +265,25 @@ def test_bf16_experts_stay_in_place_and_split_files_load(tmp_path):
 @pytest.mark.parametrize(
     "arithmetic", ["int8", pytest.param("bf16", marks=pytest.mark.skipif("amx" not in KERNELS, reason="no AMX"))]
 )
-def test_quantised_gguf_within_its_quantisation(tmp_path, arithmetic):
-    """Q4_K gate/up and Q6_K down (Q4_K_M's experts), Q8_0 attention: the logits of the same weights dequantised
-    (by the gguf package) into safetensors, up to the kernels' rounding of what they multiply: int8 activations per
-    256 elements on the avx512 family, per 32 in plain C++ (compounded over 3 MoE layers: 1.6-2.4e-2 a token; 1.1e-2
-    when all were per 32), or on AMX bfloat16 weights and activations (3.9e-3); bound 3e-2 a token. One token may
-    tip: a routing decision of this tiny random model sits near its edge, and with every expert's activations per
-    256 the last token's logits move by 0.51 (as by 0.45 with the arithmetic mixed, AMX from 5 tokens per expert and
-    the VNNI kernel below). One arithmetic for every expert."""
+@pytest.mark.parametrize("types", [(Q.Q4_K, Q.Q6_K), (Q.Q2_K, Q.Q3_K)], ids=["q4_k_m", "q2_k"])
+def test_quantised_gguf_within_its_quantisation(tmp_path, arithmetic, types):
+    """Q4_K gate/up and Q6_K down (Q4_K_M's experts; or Q2_K's Q2_K and Q3_K), Q8_0 attention: the logits of the same
+    weights dequantised (by the gguf package) into safetensors, up to the kernels' rounding of what they multiply:
+    int8 activations per 256 elements on the avx512 family, per 32 in plain C++ (compounded over 3 MoE layers:
+    1.6-2.4e-2 a token; 1.1e-2 when all were per 32), or on AMX bfloat16 weights and activations (3.9e-3); bound
+    3e-2 a token. One token may tip: a routing decision of this tiny random model sits near its edge, and with every
+    expert's activations per 256 the last token's logits move by 0.51 (as by 0.45 with the arithmetic mixed, AMX
+    from 5 tokens per expert and the VNNI kernel below). One arithmetic for every expert."""
     family, min_tokens = ("amx", 1) if arithmetic == "bf16" else (kernel_info()["kernel"], 2**40)
     with kernel_family(family, amx_min_tokens=min_tokens):
-        check_quantised_gguf(tmp_path)
+        check_quantised_gguf(tmp_path, types)
 
 
-def check_quantised_gguf(tmp_path):
+def check_quantised_gguf(tmp_path, types):
     cfg = tiny_config("v3", hidden_size=256, moe_intermediate_size=256)
     src = write_checkpoint(tmp_path / "hf", cfg, seed=7, weight_format="f32")
     tensors = checkpoint_as_float32(src)
-    path = write_gguf(tmp_path / "m.gguf", cfg, tensors, expert_types=(Q.Q4_K, Q.Q6_K))
+    path = write_gguf(tmp_path / "m.gguf", cfg, tensors, expert_types=types)
     ckpt = GGUFCheckpoint(path)
     dequantised = {
         name: ckpt.get(name)

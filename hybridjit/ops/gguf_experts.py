@@ -1,4 +1,4 @@
-"""Routed experts in GGUF block formats (Q8_0, Q4_K, Q5_K, Q6_K), registered zero-copy with the C++ bank.
+"""Routed experts in GGUF block formats (Q8_0, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K), registered zero-copy with the C++ bank.
 
 The weights are the blocks as llama.cpp stores them (np.memmap slices of a .gguf file): each matrix a
 C-contiguous uint8 array [rows, row bytes], a row being cols / block elements blocks (ffi/gguf_blocks.h).
@@ -15,7 +15,7 @@ import hybridjit_ffi as _ffi
 from hybridjit.ops.routed_experts import ExpertLayer, _check_matrix
 
 # GGUF type name -> the bank's format name.
-GGUF_EXPERT_FORMATS = {"Q8_0": "q8_0", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
+GGUF_EXPERT_FORMATS = {"Q8_0": "q8_0", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "Q2_K": "q2_k", "Q3_K": "q3_k"}
 
 
 def row_bytes(gguf_type: str, cols: int) -> int:

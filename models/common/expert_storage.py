@@ -3,7 +3,7 @@ Experts on the device: what stream-loaded prefill does with each block of expert
 
 Formats: float32 and bfloat16 as they are; FP8 with float32 block scales; int8 and int4 (two values a byte, low
 nibble first, stored as q + 8) with a float32 scale per row and group of input columns; MXFP4 (e2m1 codes two a
-byte in int4's nibble order, one e8m0 scale byte per 32 elements of a row); GGUF blocks (q8_0, q4_k, q5_k, q6_k:
+byte in int4's nibble order, one e8m0 scale byte per 32 elements of a row); GGUF blocks (q8_0, q2_k-q6_k:
 scales inside the blocks, models/common/gguf_blocks.py), down maybe in another type than gate and up ("q4_k/q6_k",
 llama.cpp's Q4_K_M). Every other scaled format becomes values times per-block scales (dequantize_blocks): an int or
 MXFP4 scale group is a (1, G) block. gpt-oss's gate and up

@@ -14,20 +14,28 @@ matrix is uint8 [..., rows, row bytes]. The CPU kernels read the same bytes (ffi
   Q6_K 210 bytes per 256: 128 bytes of low 4 bits, 64 of high 2
                           bits, 16 int8 scales of 16 elements,
                           float16 d                                   w = d * sc * (q - 32)
+  Q2_K  84 bytes per 256: 16 bytes of a 4-bit scale and min (low,
+                          high nibble) per 16 elements, 64 bytes of
+                          2-bit q (bits 2j of byte 32h + l: element
+                          128h + 32j + l), float16 d, dmin            w = d * sc * q - dmin * m
+  Q3_K 110 bytes per 256: 32 bytes of third bits (bit 4h + j of byte
+                          l), 64 bytes of low 2 bits as Q2_K's, 12
+                          bytes of 6-bit scales per 16, float16 d     w = d * (sc - 32) * (q - 4)
 """
 
 import jax
 import jax.numpy as jnp
 
 # Format (the bank's name) -> (elements, bytes) of one block.
-BLOCKS = {"q8_0": (32, 34), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}
+BLOCKS = {"q8_0": (32, 34), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210), "q2_k": (256, 84),
+          "q3_k": (256, 110)}  # fmt: skip
 
 
 def dequantize(w: jax.Array, fmt: str, dtype) -> jax.Array:
     """uint8 [..., rows, row bytes] of `fmt` blocks -> dtype [..., rows, cols]."""
     elements, nbytes = BLOCKS[fmt]
     blocks = w.reshape(*w.shape[:-1], w.shape[-1] // nbytes, nbytes)
-    values = {"q8_0": _q8_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}[fmt](blocks)
+    values = {"q8_0": _q8_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k, "q2_k": _q2_k, "q3_k": _q3_k}[fmt](blocks)
     return values.reshape(*w.shape[:-1], -1).astype(dtype)
 
 
@@ -83,3 +91,32 @@ def _q6_k(b):
     scales = scales.reshape(*b.shape[:-1], 2, 4, 2, 1)  # per 16 elements: half, quarter, which 16
     d = _float16(b, 208)[..., None, None, None]
     return (d * scales * q.reshape(*q.shape[:-1], 2, 16)).reshape(*b.shape[:-1], 256)
+
+
+def _crumbs(qs):
+    """64 bytes of 2-bit q -> [..., 16, 16] in element order: element 128h + 32j + l is bits 2j of byte 32h + l."""
+    qs = qs.reshape(*qs.shape[:-1], 2, 1, 32)
+    q = (qs >> (2 * jnp.arange(4, dtype=jnp.uint8))[:, None]) & 3  # [..., 2, 4, 32]
+    return q.reshape(*q.shape[:-3], 16, 16)
+
+
+def _q2_k(b):
+    sc = b[..., :16, None]
+    q = _crumbs(b[..., 16:80]).astype(jnp.float32)
+    scale, mins = (sc & 0xF).astype(jnp.float32), (sc >> 4).astype(jnp.float32)
+    w = _float16(b, 80)[..., None] * scale * q - _float16(b, 82)[..., None] * mins
+    return w.reshape(*b.shape[:-1], 256)
+
+
+def _q3_k(b):
+    # Third bits: bit 4h + j of byte l for element 128h + 32j + l; the 6-bit scales as ggml unpacks them: low 4 bits
+    # of 0-3 / 4-7 in the low nibbles of bytes 0-3 / 4-7, of 8-11 / 12-15 in their high nibbles, top 2 bits of
+    # scale 4k + i in bits 2k of byte 8 + i.
+    third = (b[..., None, :32] >> jnp.arange(8, dtype=jnp.uint8)[:, None]) & 1  # [..., 8, 32]: bit 4h + j
+    q = _crumbs(b[..., 32:96]) | (third.reshape(*b.shape[:-1], 16, 16) << 2)
+    s = b[..., 96:108]
+    low = jnp.concatenate([s[..., 0:8] & 0xF, s[..., 0:8] >> 4], axis=-1)  # scales 0-7, then 8-15
+    top = (s[..., None, 8:12] >> (2 * jnp.arange(4, dtype=jnp.uint8))[:, None]) & 3  # [..., 4, 4]: scale 4k + i
+    scales = (low | (top.reshape(*b.shape[:-1], 16) << 4)).astype(jnp.float32) - 32
+    w = _float16(b, 108)[..., None] * scales[..., None] * (q.astype(jnp.float32) - 4)
+    return w.reshape(*b.shape[:-1], 256)
