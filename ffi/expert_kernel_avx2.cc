@@ -567,15 +567,9 @@ const GemmKernel* Avx2Kernel(const LayerWeights& layer) {
       return &kInt4;
     case WeightFormat::kMxfp4:
       return &kMxfp4;
-    case WeightFormat::kQ8_0:
-    case WeightFormat::kQ4K:
-    case WeightFormat::kQ5K:
-    case WeightFormat::kQ6K:
-    case WeightFormat::kQ2K:
-    case WeightFormat::kQ3K:
-      return nullptr;  // no AVX2 GGUF kernel yet: the generic one serves
+    default:  // the GGUF block formats: no AVX2 kernel yet, the generic one serves
+      return nullptr;
   }
-  return nullptr;
 }
 
 }  // namespace hybridjit

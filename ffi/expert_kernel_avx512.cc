@@ -28,6 +28,7 @@
 #include "expert_kernels.h"
 #include "fp8_shift_expansion.h"
 #include "fp8_special.h"
+#include "gguf_blocks.h"
 #include "numeric_formats.h"
 #include "weight_prefetch.h"
 
@@ -693,6 +694,7 @@ constexpr GemmKernel kMxfp4{"avx512", 1, Mxfp4PackedBytes, Mxfp4Pack, Mxfp4Gemm,
 }  // namespace
 
 const GemmKernel* Avx512Kernel(const LayerWeights& layer) {
+  if (IsGgufFormat(layer.format)) return GgufAvx512Kernel(layer);
   switch (layer.format) {
     case WeightFormat::kF32:
       return nullptr;  // the AVX2 FMA kernel: float32 weights gain nothing from bfloat16 dot products
@@ -706,15 +708,9 @@ const GemmKernel* Avx512Kernel(const LayerWeights& layer) {
       return &kInt4;
     case WeightFormat::kMxfp4:
       return &kMxfp4;
-    case WeightFormat::kQ8_0:
-    case WeightFormat::kQ4K:
-    case WeightFormat::kQ5K:
-    case WeightFormat::kQ6K:
-    case WeightFormat::kQ2K:
-    case WeightFormat::kQ3K:
-      return GgufAvx512Kernel(layer);
+    default:  // the GGUF block formats, above
+      return nullptr;
   }
-  return nullptr;
 }
 
 }  // namespace hybridjit

@@ -148,6 +148,7 @@ void PrepareExperts(LayerWeights& layer) {
 
 int64_t LayerWeights::RowBytes(int64_t cols, Matrix which) const {
   const WeightFormat format = ProjectionFormat(which);
+  if (IsGgufFormat(format)) return cols / GgufBlockElements(format) * GgufBlockBytes(format);
   switch (format) {
     case WeightFormat::kF32:
       return cols * 4;
@@ -159,15 +160,9 @@ int64_t LayerWeights::RowBytes(int64_t cols, Matrix which) const {
     case WeightFormat::kInt4:
     case WeightFormat::kMxfp4:
       return (cols + 1) / 2;
-    case WeightFormat::kQ8_0:
-    case WeightFormat::kQ4K:
-    case WeightFormat::kQ5K:
-    case WeightFormat::kQ6K:
-    case WeightFormat::kQ2K:
-    case WeightFormat::kQ3K:
-      return cols / GgufBlockElements(format) * GgufBlockBytes(format);
+    default:  // the GGUF block formats, above
+      return 0;
   }
-  return 0;
 }
 
 WeightBank& WeightBank::Global() {

@@ -75,18 +75,38 @@ def _f16_bytes(v: np.ndarray) -> np.ndarray:
     return v.astype(np.float16).view(np.uint8).reshape(*v.shape, 2)
 
 
+def _with_mins(w: np.ndarray, group: int, q_max: int, sc_max: int):
+    """A K-quant with mins, per `group` elements of each 256: w ~ d*sc*q - dmin*m, q in 0..q_max, sc and m in
+    0..sc_max. Returns d, dmin (float16 [n]), sc, m (uint8 [n, 256 / group]) and q (uint8 [n, 256 / group, group])."""
+    x = w.astype(np.float32).reshape(-1, 256 // group, group)
+    lo = np.minimum(x.min(-1), 0)
+    scale, mins = (x.max(-1) - lo) / q_max, -lo
+    d, dmin = (scale.max(-1) / sc_max).astype(np.float16), (mins.max(-1) / sc_max).astype(np.float16)
+    df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.where(df > 0, np.rint(scale / np.where(df > 0, df, 1)), 0).clip(0, sc_max).astype(np.uint8)
+    m = np.where(dminf > 0, np.rint(mins / np.where(dminf > 0, dminf, 1)), 0).clip(0, sc_max).astype(np.uint8)
+    step = (df * sc)[..., None]
+    q = np.where(step > 0, np.rint((x + (dminf * m)[..., None]) / np.where(step > 0, step, 1)), 0).clip(0, q_max)
+    return d, dmin, sc, m, q.astype(np.uint8)
+
+
+def _signed(w: np.ndarray, q_min: int, q_max: int, sc_min: int, sc_max: int):
+    """A K-quant without mins, per 16 elements of each 256: w ~ d*sc*q, q in q_min..q_max (a group's largest
+    magnitude at q = max(q_max, -q_min - 1), so that it fits with either sign), sc in sc_min..sc_max. Returns d
+    (float16 [n]), sc (int [n, 16]) and q (int [n, 16, 16])."""
+    x = w.astype(np.float32).reshape(-1, 16, 16)
+    scale = np.abs(x).max(-1) / max(-q_min - 1, q_max)
+    d = (scale.max(-1) / sc_max).astype(np.float16)
+    df = d.astype(np.float32)[:, None]
+    sc = np.where(df > 0, np.rint(scale / np.where(df > 0, df, 1)), 0).clip(sc_min, sc_max).astype(np.int32)
+    step = (df * sc)[..., None]
+    return d, sc, np.where(step != 0, np.rint(x / np.where(step != 0, step, 1)), 0).clip(q_min, q_max).astype(np.int32)
+
+
 def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     """float [rows, cols % 256 == 0] -> Q4_K bytes [rows, cols / 256 * 144]: per 32, w ~ d*sc*q - dmin*m."""
-    x = w.astype(np.float32).reshape(-1, 8, 32)
-    lo = np.minimum(x.min(-1), 0)
-    scale, mins = (x.max(-1) - lo) / 15, -lo
-    d, dmin = (scale.max(-1) / 63).astype(np.float16), (mins.max(-1) / 63).astype(np.float16)
-    df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
-    sc = np.where(df > 0, np.rint(scale / np.where(df > 0, df, 1)), 0).clip(0, 63).astype(np.uint8)
-    m = np.where(dminf > 0, np.rint(mins / np.where(dminf > 0, dminf, 1)), 0).clip(0, 63).astype(np.uint8)
-    step = (df * sc)[..., None]
-    q = np.where(step > 0, np.rint((x + (dminf * m)[..., None]) / np.where(step > 0, step, 1)), 0).clip(0, 15)
-    q = q.astype(np.uint8).reshape(-1, 4, 2, 32)
+    d, dmin, sc, m, q = _with_mins(w, 32, 15, 63)
+    q = q.reshape(-1, 4, 2, 32)
     qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
     high_bits = (sc[:, :4] | ((sc[:, 4:] >> 4) << 6), m[:, :4] | ((m[:, 4:] >> 4) << 6))
     scales = np.concatenate([*high_bits, (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)], axis=1)
@@ -96,18 +116,13 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
 
 def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     """float [rows, cols % 256 == 0] -> Q6_K bytes [rows, cols / 256 * 210]: per 16, w ~ d*sc*(q - 32)."""
-    x = w.astype(np.float32).reshape(-1, 16, 16)
-    scale = np.abs(x).max(-1) / 31
-    d = (scale.max(-1) / 127).astype(np.float16)
-    df = d.astype(np.float32)[:, None]
-    sc = np.where(df > 0, np.rint(scale / np.where(df > 0, df, 1)), 0).clip(-128, 127).astype(np.int8)
-    step = (df * sc)[..., None]
-    q = (np.where(step != 0, np.rint(x / np.where(step != 0, step, 1)), 0).clip(-32, 31) + 32).astype(np.uint8)
-    q = q.reshape(-1, 2, 128)  # two halves of 128
+    d, sc, q = _signed(w, -32, 31, -128, 127)
+    q = (q + 32).astype(np.uint8).reshape(-1, 2, 128)  # two halves of 128
     ql = (q[:, :, :64] & 15) | ((q[:, :, 64:] & 15) << 4)  # element j and j + 64 share a byte
     hi = (q >> 4).reshape(-1, 2, 4, 32)
     qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
-    blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), _f16_bytes(d)], axis=1)
+    scales = sc.astype(np.int8).view(np.uint8)
+    blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), scales, _f16_bytes(d)], axis=1)
     return blocks.reshape(w.shape[0], -1)
 
 
@@ -119,34 +134,25 @@ def _crumbs(q: np.ndarray) -> np.ndarray:
 
 def quantize_q2_k(w: np.ndarray) -> np.ndarray:
     """float [rows, cols % 256 == 0] -> Q2_K bytes [rows, cols / 256 * 84]: per 16, w ~ d*sc*q - dmin*m."""
-    x = w.astype(np.float32).reshape(-1, 16, 16)
-    lo = np.minimum(x.min(-1), 0)
-    scale, mins = (x.max(-1) - lo) / 3, -lo
-    d, dmin = (scale.max(-1) / 15).astype(np.float16), (mins.max(-1) / 15).astype(np.float16)
-    df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
-    sc = np.where(df > 0, np.rint(scale / np.where(df > 0, df, 1)), 0).clip(0, 15).astype(np.uint8)
-    m = np.where(dminf > 0, np.rint(mins / np.where(dminf > 0, dminf, 1)), 0).clip(0, 15).astype(np.uint8)
-    step = (df * sc)[..., None]
-    q = np.where(step > 0, np.rint((x + (dminf * m)[..., None]) / np.where(step > 0, step, 1)), 0).clip(0, 3)
-    blocks = np.concatenate([sc | (m << 4), _crumbs(q.astype(np.uint8)), _f16_bytes(d), _f16_bytes(dmin)], axis=1)
+    d, dmin, sc, m, q = _with_mins(w, 16, 3, 15)
+    blocks = np.concatenate([sc | (m << 4), _crumbs(q), _f16_bytes(d), _f16_bytes(dmin)], axis=1)
     return blocks.reshape(w.shape[0], -1)
 
 
 def quantize_q3_k(w: np.ndarray) -> np.ndarray:
     """float [rows, cols % 256 == 0] -> Q3_K bytes [rows, cols / 256 * 110]: per 16, w ~ d*(sc - 32)*(q - 4)."""
-    x = w.astype(np.float32).reshape(-1, 16, 16)
-    scale = np.abs(x).max(-1) / 4
-    d = (scale.max(-1) / 31).astype(np.float16)
-    df = d.astype(np.float32)[:, None]
-    sc = np.where(df > 0, np.rint(scale / np.where(df > 0, df, 1)), 0).clip(-32, 31).astype(np.int32)
-    step = (df * sc)[..., None]
-    q = (np.where(step != 0, np.rint(x / np.where(step != 0, step, 1)), 0).clip(-4, 3) + 4).astype(np.uint8)
-    q = q.reshape(-1, 256)
+    d, sc, q = _signed(w, -4, 3, -32, 31)
+    q = (q + 4).astype(np.uint8).reshape(-1, 256)
     hmask = ((q >> 2).reshape(-1, 8, 32) << np.arange(8, dtype=np.uint8)[:, None]).sum(1).astype(np.uint8)
     v = (sc + 32).astype(np.uint8)  # 6 bits: low 4 of scales 0-7 / 8-15 in the low / high nibbles of bytes 0-7,
     top = v >> 4  # the top 2 of scale 4k + i at bits 2k of byte 8 + i
-    packed = np.concatenate([(v[:, :8] & 15) | ((v[:, 8:] & 15) << 4),
-                             (top.reshape(-1, 4, 4) << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(1)], axis=1)
+    packed = np.concatenate(
+        [
+            (v[:, :8] & 15) | ((v[:, 8:] & 15) << 4),
+            (top.reshape(-1, 4, 4) << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(1),
+        ],
+        axis=1,
+    )
     blocks = np.concatenate([hmask, _crumbs(q & 3), packed.astype(np.uint8), _f16_bytes(d)], axis=1)
     return blocks.reshape(w.shape[0], -1)
 

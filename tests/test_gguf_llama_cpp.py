@@ -225,7 +225,7 @@ def test_deepseek2_v2_yarn_mscale_and_group_ranking(tmp_path):
     "expert_types, other_type, bound",
     [
         ((Q.Q4_K, Q.Q6_K), Q.F32, 3e-2),  # Q4_K_M's experts: measured 8.7e-3
-        ((Q.Q2_K, Q.Q3_K), Q.F32, 3e-2),  # Q2_K's experts: measured 1.0e-2 (the quantisation itself: 0.21)
+        ((Q.Q2_K, Q.Q3_K), Q.F32, 3e-2),  # Q2_K's experts: measured 1.1e-2 (the quantisation itself: 0.23)
         ((Q.Q8_0, Q.Q8_0), Q.F32, 1.5e-2),  # measured 2.9e-3
         ((Q.Q8_0, Q.Q8_0), Q.Q8_0, 6e-2),  # a Q8_0 file: measured 2.5e-2
     ],
