@@ -156,13 +156,13 @@ class GGUFCheckpoint:
             )
 
         def read():
-            stored = [t.data.reshape(*t.shape[:-1], t.row_bytes) for t in parts]
+            rows = [t.data.reshape(*t.shape[:-1], t.row_bytes) for t in parts]  # [E, rows, 17-byte blocks]
             if part == "bias":
                 arrays = [_float(t).astype(np.float32) for t in parts]
             elif part == "scales":  # each block's first byte
-                arrays = [np.ascontiguousarray(a.reshape(*a.shape[:-1], -1, 17)[..., 0]) for a in stored]
+                arrays = [np.ascontiguousarray(r.reshape(*r.shape[:-1], -1, 17)[..., 0]) for r in rows]
             else:
-                arrays = [mxfp4_from_ggml(a)[0] for a in stored]
+                arrays = [mxfp4_from_ggml(r)[0] for r in rows]
             if len(arrays) == 1:
                 return arrays[0]
             out = np.empty((arrays[0].shape[0], 2 * arrays[0].shape[1], *arrays[0].shape[2:]), arrays[0].dtype)
