@@ -10,12 +10,12 @@ depth is reported as a projection (labelled so): the step time per MoE layer, de
 included, times the full model's MoE layers. The step runs where Placement.default puts it: on a GPU
 with the routed experts on the CPU behind the CUDA hand-off, else all on XLA:CPU.
 
-A GGUF format (q4_k, q5_k, q6_k, q8_0, q4_k_m: moe_cpu.py's names; a geometry whose family llama.cpp converts)
-writes the truncated geometry as a GGUF file laid out as llama.cpp's conversions are (hybridjit.synthetic_gguf:
-the routed experts random blocks of that format with the spread of real weights, the other tensors BF16) into
---gguf-dir (default a new temporary directory; a 5-layer DeepSeek-V3 in q4_k takes 21 GB), removed at exit unless
---keep-gguf, and loads it as any GGUF (hybridjit.load): its experts stay in the file's memory mapping, every page
-of it mapped before timing, and the floor counts their blocks' bytes. Its base (below) is the geometry's dense
+A GGUF format (q2_k, q3_k, q4_k, q5_k, q6_k, q8_0, q4_k_m, q2_k_m: moe_cpu.py's names; a geometry whose family llama.cpp
+converts) writes the truncated geometry as a GGUF file laid out as llama.cpp's conversions are
+(hybridjit.synthetic_gguf: the routed experts random blocks of that format with the spread of real weights, the other
+tensors BF16) into --gguf-dir (default a new temporary directory; a 5-layer DeepSeek-V3 in q4_k takes 21 GB), removed at
+exit unless --keep-gguf, and loads it as any GGUF (hybridjit.load): its experts stay in the file's memory mapping, every
+page of it mapped before timing, and the floor counts their blocks' bytes. Its base (below) is the geometry's dense
 layers in bf16, as the GGUF holds them (a GGUF without MoE layers is no model the loader takes).
 
 Split of a step: `expert_ms` is the CPU time in the routed-expert jobs (counted by the hand-off on a GPU;

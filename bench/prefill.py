@@ -13,14 +13,14 @@ then each link's rate while all N copy at once (measured alone too, and a copy f
 and the floors divide a layer's bytes over the N links and its FLOPs over the N GPUs. Compare with the same
 command at --devices 1 on the same machine.
 
-A geometry builds a random checkpoint of that model's real shapes in memory (--format: FP8 by default; gpt-oss's
-experts stay MXFP4 as released; a GGUF format (q4_k, q5_k, q6_k, q8_0, q4_k_m) writes the truncated geometry as a
-GGUF file, as bench/decode.py does, whose blocks are pinned as stored and dequantised on the GPU), loaded by the
-same loader with the routed experts in one pinned host copy (Placement(pinned_experts=True)), which both paths read.
-Any family: the attention core and the cache are the family's. With --layers the model is truncated; figures at full
-depth are projections, labelled so: the measured TTFT plus the missing layers at the steady per-layer time (the mean
-time between consecutive MoE layers' outputs after the first MoE layer: with gpt-oss's alternating sliding and full
-layers, give --layers an odd count so that the steady layers hold as many of each).
+A geometry builds a random checkpoint of that model's real shapes in memory (--format: FP8 by default; gpt-oss's experts
+stay MXFP4 as released; a GGUF format (q2_k, q3_k, q4_k, q5_k, q6_k, q8_0, q4_k_m, q2_k_m) writes the truncated geometry
+as a GGUF file, as bench/decode.py does, whose blocks are pinned as stored and dequantised on the GPU), loaded by the
+same loader with the routed experts in one pinned host copy (Placement(pinned_experts=True)), which both paths read. Any
+family: the attention core and the cache are the family's. With --layers the model is truncated; figures at full depth
+are projections, labelled so: the measured TTFT plus the missing layers at the steady per-layer time (the mean time
+between consecutive MoE layers' outputs after the first MoE layer: with gpt-oss's alternating sliding and full layers,
+give --layers an odd count so that the steady layers hold as many of each).
 
 Floors, measured by the same run: pinned host-to-device bandwidth (one 2 GiB copy, best of 5), a dense bf16
 GEMM (8192^3, best of 10 back-to-back), and the CPU expert kernels' rate (one routed-expert layer on a batch of
