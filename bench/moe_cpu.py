@@ -22,8 +22,8 @@ once per process can be 25% off the one a case saw).
 Formats: fp8 (E4M3FN, 128x128 block scales), bf16, int8 and int4 (one float32 scale per 128 input columns of
 a row), int8_row (one scale per row: AMX keeps int8 tiles), mxfp4 (as gpt-oss releases its experts: e2m1 with
 an e8m0 scale per 32, gate and up interleaved in one matrix, expert biases and the clamped SwiGLU); named only,
-the GGUF block formats q8_0, q2_k, q3_k, q4_k, q5_k, q6_k, q4_k_m (Q4_K gate/up, Q6_K down) and q2_k_m (Q2_K's
-mix: Q2_K gate/up, Q3_K down), e.g. `--formats q4_k_m q6_k
+the GGUF block formats q8_0, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_xs, q4_k_m (Q4_K gate/up, Q6_K down) and q2_k_m
+(Q2_K's mix: Q2_K gate/up, Q3_K down), e.g. `--formats q4_k_m q6_k
 q8_0 --hidden 4096 --inter 1536` for Qwen3-235B's experts; --ggml-peer runs llama.cpp's own MoE layer (MUL_MAT_ID,
 bench/ggml_moe_peer.c built against ggml's sources on this host) on the same blocks beside them. Baselines in
 the same process: NumPy (float32 weights, matmul per expert) and PyTorch CPU (bfloat16 weights, if torch is
@@ -78,7 +78,7 @@ FORMATS = ("fp8", "bf16", "int8", "int4", "int8_row", "mxfp4")
 # GGUF block formats (issue #24), benched when named: gate/up and down types; q4_k_m is Q4_K_M's experts.
 GGUF_FORMATS = {"q8_0": ("Q8_0", "Q8_0"), "q4_k": ("Q4_K", "Q4_K"), "q5_k": ("Q5_K", "Q5_K"),
                 "q6_k": ("Q6_K", "Q6_K"), "q4_k_m": ("Q4_K", "Q6_K"), "q2_k": ("Q2_K", "Q2_K"),
-                "q3_k": ("Q3_K", "Q3_K"), "q2_k_m": ("Q2_K", "Q3_K")}  # fmt: skip
+                "q3_k": ("Q3_K", "Q3_K"), "q2_k_m": ("Q2_K", "Q3_K"), "iq4_xs": ("IQ4_XS", "IQ4_XS")}  # fmt: skip
 GROUP = 128
 
 
@@ -86,7 +86,7 @@ def make_gguf_projection(rng, gguf_type: str, n: int, rows: int, cols: int) -> l
     """n experts' [rows, cols] matrices as random GGUF blocks with small finite fp16 scales (the codes are any)."""
     block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[gguf_type]]
     blocks = random_bytes(rng, n * rows * (cols // block) * nbytes).reshape(n, rows, cols // block, nbytes)
-    for at in {"Q8_0": [0], "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108]}.get(gguf_type, [0, 2]):
+    for at in {"Q8_0": [0], "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108], "IQ4_XS": [0]}.get(gguf_type, [0, 2]):
         d = rng.uniform(1e-4, 1e-3, blocks.shape[:3]).astype(np.float16)
         blocks[..., at : at + 2] = d.view(np.uint8).reshape(*blocks.shape[:3], 2)
     return list(blocks.reshape(n, rows, -1))

@@ -373,6 +373,23 @@ HJ_AMX void Q2KRow(const uint8_t* b, int64_t n_ksteps, char* dst) {
   }
 }
 
+// IQ4_XS: k-step j is sub-block j, 32 values looked up from their indices, times d * (sc - 32) (one rounding, as gguf's
+// dequantisation).
+HJ_AMX void Iq4XsRow(const uint8_t* b, int64_t n_ksteps, char* dst) {
+  const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4nlValues));
+  const __m128i low4 = _mm_set1_epi8(0x0f);
+  for (int64_t ks = 0; ks < n_ksteps; ks += 8, b += 136) {
+    const float d = HalfAt(b);
+    for (int j = 0; j < 8; ++j) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8 + 16 * j));
+      const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(v, low4));  // elements 0-15
+      const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(v, 4), low4));  // 16-31
+      const __m512 s = _mm512_set1_ps(d * static_cast<float>(Iq4XsScale(b, j) - 32));
+      _mm512_storeu_si512(dst + (ks + j) * kTileBytes, SignedBf16(_mm256_set_m128i(hi, lo), s, s));
+    }
+  }
+}
+
 HJ_AMX void Q80Row(const uint8_t* b, int64_t n_ksteps, char* dst) {
   for (int64_t ks = 0; ks < n_ksteps; ++ks, b += 34) {
     const __m512 d = _mm512_set1_ps(HalfAt(b));
@@ -421,6 +438,9 @@ HJ_AMX void GgufStrip(const LayerWeights& layer, const Projection& w, int64_t r0
           break;
         case WeightFormat::kQ3K:
           Q2KRow<true>(blocks, n_ksteps, dst);
+          break;
+        case WeightFormat::kIq4Xs:
+          Iq4XsRow(blocks, n_ksteps, dst);
           break;
         default:  // Q6_K
           Q6KRow(blocks, n_ksteps, dst);

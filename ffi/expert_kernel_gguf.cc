@@ -1,4 +1,5 @@
-// Kernels for routed experts stored in GGUF block formats (gguf_blocks.h): Q8_0, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K.
+// Kernels for routed experts stored in GGUF block formats (gguf_blocks.h): Q8_0, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K,
+// IQ4_XS.
 //
 // The fused operator of seed 000 §3.5.2: activations are quantised on the fly to int8 (per 32 elements in plain C++,
 // as every int8 kernel does, expert_kernels.h; per 256 with a K-quant in the layer in the avx512 family, as llama.cpp's
@@ -11,6 +12,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <iterator>
 #include <vector>
@@ -418,6 +420,54 @@ HJ_AVX512_VNNI inline void Q2KFused(const uint8_t* b, const char* const tok[N], 
   }
 }
 
+// IQ4_XS: each index looked up as its value + 128 (unsigned, for vpdpbusd; the 128 x the activations' sum is the
+// min term, as Q8_0's), then put in FusedLayout order: of 128 elements, a 64-byte load's low nibbles hold elements
+// 32j + l and its high ones 32j + 16 + l (byte 16j + l), and vector 2h takes elements 0-31 and 64-95, 2h + 1 32-63
+// and 96-127. A scale per 32-group (d * (sc - 32), its lanes' multipliers as Q8_0's d).
+template <int N>
+HJ_AVX512_VNNI inline void Iq4XsFused(const uint8_t* b, const char* const tok[N], int64_t block,
+                                      const FusedPicks& picks, FusedAcc<N>& acc) {
+  alignas(64) static const std::array<std::array<uint8_t, 64>, 2> kOrder = [] {
+    std::array<std::array<uint8_t, 64>, 2> o{};
+    for (int i = 0; i < 64; ++i) {  // operands: the low-nibble values (0-63), then the high ones (64-127)
+      const bool high = i / 16 % 2;
+      o[0][i] = static_cast<uint8_t>(high ? 64 + i - 16 : i);
+      o[1][i] = static_cast<uint8_t>(high ? 64 + i : i + 16);
+    }
+    return o;
+  }();
+  alignas(16) static const std::array<uint8_t, 16> kValues = [] {
+    std::array<uint8_t, 16> v{};
+    for (int i = 0; i < 16; ++i) v[i] = static_cast<uint8_t>(kIq4nlValues[i] + 128);
+    return v;
+  }();
+  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kValues.data())));
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  const __m512i order[2] = {_mm512_load_si512(kOrder[0].data()), _mm512_load_si512(kOrder[1].data())};
+  __m512i wq[4];
+  for (int h = 0; h < 2; ++h) {
+    const __m512i v = _mm512_loadu_si512(b + 8 + 64 * h);
+    const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low4));
+    const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+    wq[2 * h] = _mm512_permutex2var_epi8(lo, order[0], hi);
+    wq[2 * h + 1] = _mm512_permutex2var_epi8(lo, order[1], hi);
+  }
+  // The 8 scales: low 4 bits nibble j of the 32-bit word at byte 4, top 2 bits 2j of the 16-bit one at byte 2.
+  uint64_t head;
+  std::memcpy(&head, b, sizeof head);
+  const __m256i low = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(head >> 32)),
+                                        _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+  const __m256i top = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>((head >> 16) & 0xffff)),
+                                        _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+  const __m256i sc = _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi32(15)),
+                                     _mm256_slli_epi32(_mm256_and_si256(top, _mm256_set1_epi32(3)), 4));
+  const __m256 s = _mm256_mul_ps(_mm256_set1_ps(HalfAt(b)), _mm256_cvtepi32_ps(_mm256_sub_epi32(sc, _mm256_set1_epi32(32))));
+  const __m512 w = _mm512_insertf32x8(_mm512_castps256_ps512(s), _mm256_mul_ps(s, _mm256_set1_ps(128.0f)), 1);
+  __m512 p[N];
+  FusedScales32<N>(w, tok, block, p, acc);
+  FusedDots<N>(wq, p, picks.lanes, tok, block, acc);
+}
+
 // Eight Q8_0 blocks (the first `blocks` of them that the row holds), q + 128 unsigned: block j is 32-group j.
 template <int N, bool kWhole>
 HJ_AVX512_VNNI inline void Q80Fused(const uint8_t* b, int blocks, const char* const tok[N], int64_t block,
@@ -494,6 +544,9 @@ HJ_AVX512_VNNI void FusedRows(const LayerWeights& layer, const Projection& p, in
           break;
         case WeightFormat::kQ3K:
           Q2KFused<N, true>(data, tok, block, picks, acc);
+          break;
+        case WeightFormat::kIq4Xs:
+          Iq4XsFused<N>(data, tok, block, picks, acc);
           break;
         default:
           Q4KFused<N, false>(data, tok, block, picks, acc);

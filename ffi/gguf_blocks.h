@@ -12,6 +12,9 @@
 //         2-bit q (element 128h + 32j + l at bits 2j of byte 32h + l), fp16 d, fp16 dmin: w = d * sc * q - dmin * m
 //   Q3_K  110 bytes: 32 bytes of third bits (element 128h + 32j + l at bit 4h + j of byte l), 64 bytes of low 2
 //         bits (as Q2_K's q), 12 bytes of 6-bit scales for 16 sub-blocks of 16, fp16 d: w = d * (sc - 32) * (q - 4)
+//   IQ4_XS 136 bytes: fp16 d, 16 bits of the 6-bit scales' top 2 bits and 4 bytes of their low 4 (sub-blocks of 32),
+//         128 bytes of 4-bit indices (sub-block j: byte 16j + l holds element l, its high nibble element 16 + l) into
+//         the non-linear table kIq4nlValues: w = d * (sc - 32) * kIq4nlValues[q]
 //
 // Decoded form (DecodedRow): every format's element as w = lane_scale * q - sub_min, q an unsigned byte in
 // natural element order, lane_scale one float per 4 elements (one int32 lane of a u8 x s8 dot product),
@@ -38,6 +41,7 @@ inline bool IsGgufFormat(WeightFormat f) {
     case WeightFormat::kQ6K:
     case WeightFormat::kQ2K:
     case WeightFormat::kQ3K:
+    case WeightFormat::kIq4Xs:
       return true;
     default:
       return false;
@@ -60,6 +64,8 @@ inline int64_t GgufBlockBytes(WeightFormat f) {
       return 84;
     case WeightFormat::kQ3K:
       return 110;
+    case WeightFormat::kIq4Xs:
+      return 136;
     default:
       return 0;
   }
@@ -126,6 +132,16 @@ inline void Q3KScales(const uint8_t* s, uint8_t out[16]) {
   std::memcpy(out, r, 16);
 }
 
+// IQ4_NL's and IQ4_XS's values of the 16 indices (ggml's kvalues_iq4nl).
+inline constexpr int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// IQ4_XS's 6-bit scale of sub-block j (0-7) of block b, as stored (the scale is the value - 32): its low 4 bits in
+// nibble j % 2 of byte 4 + j / 2, its top 2 in bits 2j of the 16-bit word at byte 2.
+inline int Iq4XsScale(const uint8_t* b, int j) {
+  const int high = ((b[2] | (b[3] << 8)) >> (2 * j)) & 3;
+  return ((b[4 + j / 2] >> (4 * (j % 2))) & 0xf) | (high << 4);
+}
+
 // One block decoded: q[n], lane_scale[n / 4], sub_min[n / 16] for the block's n elements.
 inline void DecodeGgufBlock(WeightFormat f, const uint8_t* b, uint8_t* q, float* lane_scale, float* sub_min) {
   switch (f) {
@@ -172,6 +188,20 @@ inline void DecodeGgufBlock(WeightFormat f, const uint8_t* b, uint8_t* q, float*
         const float scale = d * static_cast<float>(scales[s]);
         for (int l = 0; l < 4; ++l) lane_scale[s * 4 + l] = scale;
         sub_min[s] = 32.0f * scale;
+      }
+      return;
+    }
+    case WeightFormat::kIq4Xs: {  // q = value + 128, unsigned
+      const float d = LoadHalf(b);
+      for (int j = 0; j < 8; ++j) {
+        const float scale = d * static_cast<float>(Iq4XsScale(b, j) - 32);
+        for (int l = 0; l < 16; ++l) {
+          const uint8_t packed = b[8 + 16 * j + l];
+          q[32 * j + l] = static_cast<uint8_t>(kIq4nlValues[packed & 0xf] + 128);
+          q[32 * j + 16 + l] = static_cast<uint8_t>(kIq4nlValues[packed >> 4] + 128);
+        }
+        for (int l = 0; l < 8; ++l) lane_scale[8 * j + l] = scale;
+        sub_min[2 * j] = sub_min[2 * j + 1] = 128.0f * scale;
       }
       return;
     }

@@ -49,8 +49,10 @@ WeightFormat ParseFormat(const std::string& name) {
   if (name == "q6_k") return WeightFormat::kQ6K;
   if (name == "q2_k") return WeightFormat::kQ2K;
   if (name == "q3_k") return WeightFormat::kQ3K;
+  if (name == "iq4_xs") return WeightFormat::kIq4Xs;
   throw std::invalid_argument("unknown weight format '" + name +
-                              "' (expected f32, bf16, fp8, int8, int4, mxfp4, q8_0, q4_k, q5_k, q6_k, q2_k or q3_k)");
+                              "' (expected f32, bf16, fp8, int8, int4, mxfp4, q8_0, q4_k, q5_k, q6_k, q2_k, q3_k or "
+                              "iq4_xs)");
 }
 
 GluActivation ParseActivation(const std::string& name, float alpha, float limit) {
@@ -146,7 +148,8 @@ nb::dict KernelInfo() {
   nb::dict formats;
   for (WeightFormat f : {WeightFormat::kF32, WeightFormat::kBf16, WeightFormat::kFp8E4M3Fn, WeightFormat::kInt8,
                          WeightFormat::kInt4, WeightFormat::kMxfp4, WeightFormat::kQ8_0, WeightFormat::kQ4K,
-                         WeightFormat::kQ5K, WeightFormat::kQ6K, WeightFormat::kQ2K, WeightFormat::kQ3K}) {
+                         WeightFormat::kQ5K, WeightFormat::kQ6K, WeightFormat::kQ2K, WeightFormat::kQ3K,
+                         WeightFormat::kIq4Xs}) {
     LayerWeights layer;
     layer.format = f;
     layer.hidden = layer.inter = 256;  // a multiple of every format's block (kIntGroupQuantum, 32, 256)

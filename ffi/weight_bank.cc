@@ -43,6 +43,8 @@ const char* WeightFormatName(WeightFormat format) {
       return "q2_k";
     case WeightFormat::kQ3K:
       return "q3_k";
+    case WeightFormat::kIq4Xs:
+      return "iq4_xs";
   }
   return "unknown";
 }

@@ -16,8 +16,8 @@
 
 namespace hybridjit {
 
-// kQ8_0 ... kQ3K: GGUF block formats as llama.cpp stores them, scales inside the blocks (gguf_blocks.h).
-enum class WeightFormat { kF32, kBf16, kFp8E4M3Fn, kInt8, kInt4, kMxfp4, kQ8_0, kQ4K, kQ5K, kQ6K, kQ2K, kQ3K };
+// kQ8_0 ... kIq4Xs: GGUF block formats as llama.cpp stores them, scales inside the blocks (gguf_blocks.h).
+enum class WeightFormat { kF32, kBf16, kFp8E4M3Fn, kInt8, kInt4, kMxfp4, kQ8_0, kQ4K, kQ5K, kQ6K, kQ2K, kQ3K, kIq4Xs };
 
 // int8/int4 scale groups run along the input dimension and hold a multiple of this many elements, so
 // that no SIMD chunk or AMX tile step of any kernel straddles two groups.

@@ -46,7 +46,7 @@ _POOL_BYTES = 1 << 26  # random blocks per (type, fan-in): a 64 MiB pool, made i
 _RMS_SAMPLE = 4096  # blocks dequantised to measure a pool's rms
 # Byte offsets of a block's fp16 d and, in the K-quants with mins, dmin (ggml-common.h's block_q8_0, block_q*_K).
 _SCALE_AT = {"Q8_0": (0, None), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None), "Q2_K": (80, 82),
-             "Q3_K": (108, None)}  # fmt: skip
+             "Q3_K": (108, None), "IQ4_XS": (0, None)}  # fmt: skip
 # The mean code of Q4_K (0..15), Q5_K (0..31) and Q2_K (0..3): dmin = that * d centres each sub-block's values on 0
 # where its scale and min are drawn alike, as a trained matrix's are. (Q3_K's signed scales and q - 4 need none.)
 _MEAN_CODE = {"Q4_K": 7.5, "Q5_K": 15.5, "Q2_K": 1.5}
@@ -73,7 +73,7 @@ def block_pool(gguf_type: str, fan_in: int, rng: np.random.Generator, n_bytes: i
     elif gguf_type == "Q8_0":  # llama.cpp's quantiser rounds to -127..127
         codes = blocks[:, 2:].view(np.int8)
         codes[codes == -128] = -127
-    # Q3_K: random 6-bit scales (-32..31) and codes as they come
+    # Q3_K and IQ4_XS: random 6-bit scales (-32..31) and codes as they come
     unit = rng.uniform(0.75, 1.25, len(blocks))  # d varies from block to block, as the weights' range does
     _set_scales(blocks, gguf_type, unit)
     rms = float(np.sqrt(np.mean(gguf.quants.dequantize(blocks[:_RMS_SAMPLE], Q[gguf_type]) ** 2)))

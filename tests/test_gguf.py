@@ -84,7 +84,8 @@ def random_blocks(qtype: Q, rows: int, cols: int, rng) -> np.ndarray:
     Q4_K and Q2_K mins) appears; a few blocks get zero scales."""
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     b = rng.integers(0, 256, size=(rows, cols // block, nbytes), dtype=np.uint8)
-    scale_at = {Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.Q2_K: [80, 82], Q.Q3_K: [108]}[qtype]
+    scale_at = {Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.Q2_K: [80, 82], Q.Q3_K: [108],
+                Q.IQ4_XS: [0]}[qtype]  # fmt: skip
     for at in scale_at:
         d = (rng.random((rows, cols // block)) * (0.0005 if qtype == Q.Q6_K else 0.02)).astype(np.float16)
         d[0, 0] = 0  # a zero scale
@@ -162,6 +163,8 @@ def check_gguf_layer(types, hidden, inter, tokens, seed, int8_tolerance=2e-5, n_
         ((Q.Q3_K, Q.Q3_K), 256, 512),
         ((Q.Q2_K, Q.Q3_K), 256, 256),  # Q2_K's and Q3_K_S's mixes: down a size up
         ((Q.Q3_K, Q.Q4_K), 512, 256),
+        ((Q.IQ4_XS, Q.IQ4_XS), 256, 512),
+        ((Q.IQ4_XS, Q.Q6_K), 512, 256),
     ],
 )
 @pytest.mark.parametrize("tokens", [1, 5, 40])  # VNNI: 1-4 tokens an expert in one pass; more, four at a time
@@ -183,6 +186,7 @@ def test_kernels_match_float64_on_gguf_dequantisation(cpu_kernel, amx_min_tokens
         ((Q.Q4_K, Q.Q6_K), 768, 512),
         ((Q.Q5_K, Q.Q5_K), 256, 768),
         ((Q.Q2_K, Q.Q3_K), 768, 512),
+        ((Q.IQ4_XS, Q.IQ4_XS), 1280, 768),
     ],  # fmt: skip
 )
 def test_gguf_kernels_at_blocking_sizes(cpu_kernel, amx_min_tokens, types, hidden, inter):

@@ -47,7 +47,7 @@ def _stored_matrices(fmt: str, experts: int, rows: int, cols: int, seed: int):
     return stored, gguf.quants.dequantize(stored, Q[fmt.upper()])
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "q5_k", "q6_k", "q2_k", "q3_k"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "q5_k", "q6_k", "q2_k", "q3_k", "iq4_xs"])
 def test_blocks_dequantise_on_the_device_as_gguf_does(fmt):
     stored, expected = _stored_matrices(fmt, 3, 5, 512, seed=1)
     got = jax.jit(ExpertStorage(fmt).matrix, static_argnums=(2, 3))(stored, None, 512, jnp.float32)

@@ -1,4 +1,4 @@
-"""Routed experts in GGUF block formats (Q8_0, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K), registered zero-copy with the C++ bank.
+"""Routed experts in GGUF block formats (Q8_0, Q2_K-Q6_K, IQ4_XS), registered zero-copy with the C++ bank.
 
 The weights are the blocks as llama.cpp stores them (np.memmap slices of a .gguf file): each matrix a
 C-contiguous uint8 array [rows, row bytes], a row being cols / block elements blocks (ffi/gguf_blocks.h).
@@ -15,7 +15,8 @@ import hybridjit_ffi as _ffi
 from hybridjit.ops.routed_experts import ExpertLayer, _check_matrix
 
 # GGUF type name -> the bank's format name.
-GGUF_EXPERT_FORMATS = {"Q8_0": "q8_0", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "Q2_K": "q2_k", "Q3_K": "q3_k"}
+GGUF_EXPERT_FORMATS = {"Q8_0": "q8_0", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "Q2_K": "q2_k", "Q3_K": "q3_k",
+                       "IQ4_XS": "iq4_xs"}  # fmt: skip
 
 
 def row_bytes(gguf_type: str, cols: int) -> int:
@@ -83,4 +84,3 @@ def mxfp4_from_ggml(stored: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     blocks, scales = np.empty((*groups, 16), np.uint8), np.empty(groups, np.uint8)
     _ffi.mxfp4_from_ggml(np.ascontiguousarray(stored).reshape(-1, 17), blocks.reshape(-1, 16), scales.reshape(-1))
     return blocks, scales
-

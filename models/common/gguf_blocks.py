@@ -21,6 +21,11 @@ matrix is uint8 [..., rows, row bytes]. The CPU kernels read the same bytes (ffi
   Q3_K 110 bytes per 256: 32 bytes of third bits (bit 4h + j of byte
                           l), 64 bytes of low 2 bits as Q2_K's, 12
                           bytes of 6-bit scales per 16, float16 d     w = d * (sc - 32) * (q - 4)
+  IQ4_XS 136 bytes per 256: float16 d, 16 bits of the 6-bit scales'
+                          top 2 bits, 4 bytes of their low 4 (per
+                          32), 128 bytes of 4-bit indices (byte 16j
+                          + l: elements 32j + l, + 16 in the high
+                          nibble) into IQ4_NL's table                w = d * (sc - 32) * table[q]
 """
 
 import jax
@@ -28,14 +33,18 @@ import jax.numpy as jnp
 
 # Format (the bank's name) -> (elements, bytes) of one block.
 BLOCKS = {"q8_0": (32, 34), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210), "q2_k": (256, 84),
-          "q3_k": (256, 110)}  # fmt: skip
+          "q3_k": (256, 110), "iq4_xs": (256, 136)}  # fmt: skip
+# IQ4_NL's and IQ4_XS's values of the 16 indices (ggml's kvalues_iq4nl).
+IQ4NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def dequantize(w: jax.Array, fmt: str, dtype) -> jax.Array:
     """uint8 [..., rows, row bytes] of `fmt` blocks -> dtype [..., rows, cols]."""
     elements, nbytes = BLOCKS[fmt]
     blocks = w.reshape(*w.shape[:-1], w.shape[-1] // nbytes, nbytes)
-    values = {"q8_0": _q8_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k, "q2_k": _q2_k, "q3_k": _q3_k}[fmt](blocks)
+    dequantizers = {"q8_0": _q8_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k, "q2_k": _q2_k, "q3_k": _q3_k,
+                    "iq4_xs": _iq4_xs}  # fmt: skip
+    values = dequantizers[fmt](blocks)
     return values.reshape(*w.shape[:-1], -1).astype(dtype)
 
 
@@ -119,4 +128,16 @@ def _q3_k(b):
     top = (s[..., None, 8:12] >> (2 * jnp.arange(4, dtype=jnp.uint8))[:, None]) & 3  # [..., 4, 4]: scale 4k + i
     scales = (low | (top.reshape(*b.shape[:-1], 16) << 4)).astype(jnp.float32) - 32
     w = _float16(b, 108)[..., None] * scales[..., None] * (q.astype(jnp.float32) - 4)
+    return w.reshape(*b.shape[:-1], 256)
+
+
+def _iq4_xs(b):
+    top = b[..., 2].astype(jnp.int32) | (b[..., 3].astype(jnp.int32) << 8)  # bits 2j: scale j's top 2
+    low = b[..., 4:8].astype(jnp.int32)
+    low = jnp.stack([low & 0xF, low >> 4], axis=-1).reshape(*b.shape[:-1], 8)  # nibble j % 2 of byte j / 2
+    scales = (low | (((top[..., None] >> (2 * jnp.arange(8))) & 3) << 4)) - 32
+    qs = b[..., 8:136].reshape(*b.shape[:-1], 8, 16)
+    q = jnp.concatenate([qs & 0xF, qs >> 4], axis=-1)  # [..., 8, 32]
+    dl = _float16(b, 0) * scales.astype(jnp.float32)  # [..., 8], rounded as gguf's d * (sc - 32)
+    w = dl[..., None] * jnp.asarray(IQ4NL_VALUES, jnp.float32)[q]
     return w.reshape(*b.shape[:-1], 256)
