@@ -16,7 +16,7 @@ the compute enqueued before the copy was issued. A loader thread racing a model 
 therefore serializes the copies behind the compute (measured: each MoE layer took its transfer time plus its
 compute time, bench/RESULTS.md). The loop instead keeps the compute queue short and issues copies first:
 
-  load     before each executable, copy the next expert blocks into every free ring slot (jax.device_put from
+  load     before each executable, copy the next expert blocks into every free ring slot (placement.copied from
            the pinned host copy: an asynchronous DMA that starts at once, the compute queue being empty);
   compute  dispatch one executable (attention with the dense MLP, or with the router and shared experts of a
            MoE layer; then the tokens grouped by expert, one executable per expert block, the combine) and wait
@@ -60,7 +60,7 @@ from hybridjit.models.common.routing import route
 from hybridjit.models.registry import ModelConfig, family_of
 from hybridjit.ops.async_experts import submit_routed_experts, wait_routed_experts
 from hybridjit.pinned_experts import ExpertBlock, PinnedExperts, pinned_layer
-from hybridjit.placement import PREFILL_AXIS, prefill_mesh
+from hybridjit.placement import PREFILL_AXIS, copied, prefill_mesh
 
 # Scores of one query chunk of ChunkedAttention ([b, h, chunk, s] float32, about three live copies) stay
 # under this many bytes when the chunk is not given.
@@ -573,9 +573,9 @@ class _Ring:
         where that stages it (the staged copy is freed once the copy on from it has run)."""
         arrays = block.arrays
         if (staging := self._staging.get(block.home)) is not None:
-            arrays = jax.device_put(arrays, staging)
+            arrays = copied(arrays, staging)
             self.staged_bytes += block.nbytes
-        return jax.device_put(arrays, target)
+        return tuple(copied(arrays, target))
 
     def take(self, step: Step) -> tuple[jax.Array, ...]:
         """The device copies of `step`, the next one in order, along the mesh axis (the copies may still be in

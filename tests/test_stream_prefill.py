@@ -48,7 +48,7 @@ from hybridjit.models.common.ring_cache import held_positions
 from hybridjit.models.registry import family_of
 from hybridjit.ops.routed_experts import register_layer, routed_experts
 from hybridjit.pinned_experts import host_view, pinned_layer, register_pinned
-from hybridjit.placement import Placement
+from hybridjit.placement import PREFILL_AXIS, Placement, copied, prefill_mesh
 from hybridjit.quant import dequantize_fp8_blocks, dequantize_int_groups, dequantize_mxfp4, quantize_fp8_blocks
 from hybridjit.sampling import SamplingParams
 from hybridjit.serving.engine import Engine
@@ -242,6 +242,24 @@ def test_stats_account_each_layer_by_phase(model, tokens):
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     assert stats.routed_pairs == moe_layers * tokens.size * cfg.num_experts_per_tok
     assert stats.routed_pairs <= stats.expert_slots
+
+
+def test_blocks_are_copied_whole_to_the_rings_sharding():
+    """placement.copied (the ring's copy of a block from pinned host memory): each array's values, dtype and shape
+    on the target's device and memory kind; a target over several devices is refused, not split."""
+    device = jax.devices()[0]
+    pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    arrays = [jax.device_put(np.arange(24, dtype=np.float32).reshape(2, 3, 4), pinned),
+              jax.device_put(np.ones((2, 5), ml_dtypes.float8_e4m3fn), pinned)]  # fmt: skip
+    target = jax.sharding.NamedSharding(prefill_mesh((device,)), jax.sharding.PartitionSpec(PREFILL_AXIS))
+    for source, copy in zip(arrays, copied(arrays, target), strict=True):
+        assert copy.sharding == target and copy.sharding.memory_kind == "device"
+        assert copy.dtype == source.dtype and copy.shape == source.shape
+        np.testing.assert_array_equal(np.asarray(copy), np.asarray(source))
+    twice = jax.sharding.Mesh(np.array([device, device]), ("x",))  # (one CPU device here: its size is what counts)
+    wide = jax.sharding.NamedSharding(twice, jax.sharding.PartitionSpec())
+    with pytest.raises(ValueError, match="one-device"):
+        copied(arrays, wide)
 
 
 @pytest.mark.parametrize(("capacity", "skip"), [(1, 0), (3, 0), (64, 0), (3, 2), (4, 8)])
@@ -718,6 +736,26 @@ def test_cudnn_gqa_core_equals_the_plain_core(window, with_sinks):
     expected = gqa.causal(*up, scale, sinks, window)
     got = jax.jit(gqa.CudnnAttention(), static_argnums=(3, 5))(q, k, v, scale, sinks, window)
     assert rel_rms(got, expected) < BFLOAT16_SLACK
+
+
+@on_gpu
+@pytest.mark.parametrize("window", [None, 5])
+def test_fused_decode_core_equals_the_plain_core(window):
+    """gqa.decode_core over FUSED_DECODE_ROWS rows in bfloat16, which runs cuDNN's fused core on a GPU, against
+    gqa.attend in float32 on the same inputs: each row at its own position, some cache positions not written yet
+    (negative, as a ring's), a window or none."""
+    rows, s, h, kv, e = gqa.FUSED_DECODE_ROWS, 40, 8, 2, 64
+    rng = np.random.default_rng(5)
+    shapes = ((rows, 1, h, e), (rows, s, kv, e), (rows, s, kv, e))
+    q, k, v = (rng.standard_normal(shape).astype(ml_dtypes.bfloat16) for shape in shapes)
+    keys = np.where(rng.random((rows, s)) < 0.1, -1, np.arange(s)).astype(np.int32)
+    positions = rng.integers(1, s, (rows, 1)).astype(np.int32)
+    visible = gqa.visibility(jnp.asarray(positions), jnp.asarray(keys), window)
+    scale = e**-0.5
+    expected = gqa.attend(*(a.astype(np.float32) for a in (q, k, v)), visible, scale, None)
+    fused = jax.jit(gqa.decode_core, static_argnums=4)
+    assert "cudnn" in fused.lower(q, k, v, visible, scale, None).compile().as_text()  # the fused core, not attend
+    assert rel_rms(fused(q, k, v, visible, scale, None), expected) < BFLOAT16_SLACK
 
 
 # ------------------------------------------------------------------------------- experts as stored
