@@ -89,24 +89,23 @@ def load(geometry: str, layers: int | None, dtype):
     return load_model(args, placement, "fp8", synthetic=PooledExperts)
 
 
-def measured_floors(model, memory: dict, tokens: list[int], co_executed_tokens: list[int]) -> Floors:
+def measured_floors(model, memory: dict, tokens: list[int]) -> Floors:
     """The model's Floors from this run's measurements (the GPU ones only on a GPU; the rest stay defaults): the CPU
     expert rate at each of `tokens` per call (the decode steps' slots, the prefill batches' tokens), at
     CO_EXECUTION_TOKENS and at 4096, the CPU attention kernels' rate at the model's shapes, and, as Floors.of_machine
-    measures it, the share of the CPU expert rate a co-executed step's CPU blocks get, at CO_EXECUTION_TOKENS and at
-    each of `co_executed_tokens` (the decode steps' slots)."""
+    measures it, the share of the CPU expert rate a co-executed step's CPU blocks get."""
     device = model.placement.device
-    by_tokens = tuple((t, cpu_expert_tflops(model, t)) for t in sorted({*tokens, *CO_EXECUTION_TOKENS, 4096}))
+    by_tokens = tuple((t, cpu_expert_tflops(model, t)) for t in sorted({*tokens, CO_EXECUTION_TOKENS, 4096}))
     figures = {"host_read_gbps": memory["read_gbps"], "cpu_expert_tflops": dict(by_tokens)[4096],
                "cpu_expert_tflops_by_tokens": by_tokens,
                "cpu_attention_gflops": cpu_attention_gflops(model.config, model.dtype)}  # fmt: skip
     if ON_GPU:
-        block, threads = default_block_experts(model.config.n_routed_experts), co_execution_threads()
-        shares = tuple((t, cpu_expert_tflops(model, t, threads=threads, copying_to=device, weighted=block)
-                        / dict(by_tokens)[t]) for t in sorted({*co_executed_tokens, *CO_EXECUTION_TOKENS}))  # fmt: skip
+        co_executed = cpu_expert_tflops(model, CO_EXECUTION_TOKENS, threads=co_execution_threads(), copying_to=device,
+                                        weighted=default_block_experts(model.config.n_routed_experts))
         figures |= {"pcie_gbps": h2d_gbps(device), "gpu_tflops": gemm_tflops(device),
                     "gpu_hbm_gbps": hbm_read_gbps(device), "device_free_bytes": free_device_memory(device),
-                    "host_free_bytes": host_kv_budget(model), "co_execution_shares": shares}  # fmt: skip
+                    "host_free_bytes": host_kv_budget(model),
+                    "co_execution_share": co_executed / dict(by_tokens)[CO_EXECUTION_TOKENS]}  # fmt: skip
     return dataclasses.replace(Floors(), **figures)
 
 
@@ -271,15 +270,14 @@ def bench_model(spec: str, args, memory: dict, rng, deadline: float) -> dict:
             return {"model": name, "error": f"only {placed.experts} routed experts fit the device: not all resident"}
         print(f"placed all {placed.experts} routed experts on the device")
     where = RESIDENT if resident else "cpu"  # where the prefill's predictions put the experts
-    floors = measured_floors(model, memory, [*args.slots, *(p * PROMPT for p in args.prefill)], args.slots)
+    floors = measured_floors(model, memory, [*args.slots, *(p * PROMPT for p in args.prefill)])
     work = Workload(args.requests, PROMPT, NEW, bucket(PROMPT + NEW))
     context = PROMPT + NEW // 2
     print(f"\n{name}: {cfg.num_hidden_layers} of {full.num_hidden_layers} layers; floors: read "
           f"{floors.host_read_gbps:.1f} GB/s, H2D {floors.pcie_gbps:.1f} GB/s, GEMM {floors.gpu_tflops:.0f} TFLOP/s, "
           f"HBM {floors.gpu_hbm_gbps:.0f} GB/s, "
           f"CPU experts {', '.join(f'{r:.2f} at {t}' for t, r in floors.cpu_expert_tflops_by_tokens)} TFLOP/s "
-          "(tokens per call; co-executed beside the link's copies at "
-          f"{', '.join(f'{share:.2f} at {t}' for t, share in floors.co_execution_shares) or '1.0'} of the rate), "
+          f"(tokens per call; co-executed beside the link's copies at {floors.co_execution_share:.2f} of the rate), "
           f"CPU attention {floors.cpu_attention_gflops:.0f} GFLOP/s, device free "
           + (f"{floors.device_free_bytes / 2**30:.1f} GiB" if floors.device_free_bytes else "unbounded"))  # fmt: skip
 

@@ -69,11 +69,9 @@ RESIDENT = "gpu"  # Policy.experts of a model holding every routed expert on the
 # Tokens per call at which of_machine measures the CPU expert rate (each measured once per machine and expert shape,
 # then cached): decode steps of tens to thousands of slots, and a prefill's worth.
 RATE_TOKENS = (16, 64, 256, 1024, 4096)
-# Tokens per call at which of_machine measures the co-executed CPU share's rate (Floors.co_execution_shares): decode
-# steps', whose tokens per expert a step's CPU blocks keep (they take whole experts). One point was not enough: the
-# share measured at 1,024 tokens (0.71) priced Qwen3-30B-A3B's co-executed step of 2,048 slots at 78 ms, which took
-# 100 (8 layers, 1x H200 with 16 cores, session 37).
-CO_EXECUTION_TOKENS = (1024, 4096)
+# Tokens per call at which of_machine measures the co-executed CPU share's rate (Floors.co_execution_share): a
+# decode step's, whose tokens per expert a step's CPU blocks keep (they take whole experts).
+CO_EXECUTION_TOKENS = 1024
 MAX_SLOTS = 1024
 # With the KV cache in host memory the device no longer bounds the slots: MoE-Gen's batches reach thousands.
 MAX_HOST_KV_SLOTS = 8192
@@ -111,12 +109,11 @@ class Floors:
     # over a cache larger than the CPU's caches (machine_floors.cpu_attention_gflops), measured where attention on
     # the CPU is asked for (choose_policy; offline.py always). None: not measured.
     cpu_attention_gflops: float | None = None
-    # Of the pool's CPU expert rate, what a co-executed streamed step's CPU share gets, by tokens per call:
-    # ((tokens, share), ...) ascending. of_machine measures it at CO_EXECUTION_TOKENS as the rate of a call with one
-    # block's experts weighted (as the step's call for one CPU block) on co_execution_threads() (the pool less
-    # HOST_LOOP_CPUS) while the link copies to the device back to back, over the whole layer's rate at those tokens
-    # alone. Empty: not measured (1.0).
-    co_execution_shares: tuple[tuple[int, float], ...] = ()
+    # Of the pool's CPU expert rate, what a co-executed streamed step's CPU share gets: of_machine measures it as
+    # the rate of a call at CO_EXECUTION_TOKENS with one block's experts weighted (as the step's call for one CPU
+    # block) on co_execution_threads() (the pool less HOST_LOOP_CPUS) while the link copies to the device back to
+    # back, over the whole layer's rate at those tokens alone. 1.0: not measured.
+    co_execution_share: float = 1.0
 
     def prefill_rates(self) -> PrefillRates:
         return PrefillRates(self.pcie_gbps, self.gpu_tflops, self.cpu_expert_tflops)
@@ -129,14 +126,6 @@ class Floors:
         points, rates = zip(*self.cpu_expert_tflops_by_tokens, strict=True)
         return math.exp(float(np.interp(math.log(max(tokens, 1)), np.log(points), np.log(rates))))
 
-    def co_execution_share(self, tokens: int) -> float:
-        """co_execution_shares at a call of `tokens` tokens: interpolated in log tokens, held at its ends; 1.0 where
-        not measured."""
-        if not self.co_execution_shares:
-            return 1.0
-        points, shares = zip(*self.co_execution_shares, strict=True)
-        return float(np.interp(math.log(max(tokens, 1)), np.log(points), shares))
-
     @classmethod
     def of_machine(cls, model) -> "Floors":
         """The floors of the machine `model` runs on (hybridjit.machine_floors: measured once, then cached) where it
@@ -148,10 +137,10 @@ class Floors:
                        pcie_gbps=rates.pcie_gbps, gpu_tflops=rates.gpu_tflops, gpu_hbm_gbps=floors.gpu_hbm_gbps)
         if not model.expert_layers:  # every routed expert on the device: no CPU rate to measure
             return measured
-        by_tokens = tuple((t, model.cpu_expert_tflops(t)) for t in sorted({*RATE_TOKENS, *CO_EXECUTION_TOKENS}))
-        shares = tuple((t, model.cpu_expert_tflops(t, co_execution_threads(), co_executed=True) / dict(by_tokens)[t])
-                       for t in CO_EXECUTION_TOKENS)  # fmt: skip
-        return dataclasses.replace(measured, cpu_expert_tflops_by_tokens=by_tokens, co_execution_shares=shares)
+        by_tokens = tuple((t, model.cpu_expert_tflops(t)) for t in RATE_TOKENS)
+        co_executed = model.cpu_expert_tflops(CO_EXECUTION_TOKENS, co_execution_threads(), co_executed=True)
+        return dataclasses.replace(measured, cpu_expert_tflops_by_tokens=by_tokens,
+                                   co_execution_share=co_executed / dict(by_tokens)[CO_EXECUTION_TOKENS])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,9 +328,9 @@ def decode_step(cfg: ModelConfig, floors: Floors, batch: int, context: float, mi
         else:
             copies += batch * kv_bytes_per_slot(cfg, host_kv_positions, itemsize) / (floors.pcie_gbps * 1e9)
             attention = 0.0
-        # The CPU's blocks, from each layer's router to its combine, on the pool's co-execution share at this many
-        # tokens: its compute rates scaled by it (the read floor is the host's, however few threads read).
-        share = floors.co_execution_share(batch)
+        # The CPU's blocks, from each layer's router to its combine, on the pool's co_execution_share: its compute
+        # rates scaled by it (the read floor is the host's, however few threads read).
+        share = floors.co_execution_share
         co = dataclasses.replace(sharing, cpu_expert_tflops=share * floors.cpu_expert_tflops,
                                  cpu_expert_tflops_by_tokens=tuple((t, share * r)
                                                                    for t, r in floors.cpu_expert_tflops_by_tokens))

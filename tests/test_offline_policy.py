@@ -315,9 +315,9 @@ def test_a_decode_steps_scores_span_the_widest_layers_positions():
 
 
 def test_on_a_gpu_machine_the_co_executed_share_is_the_rate_beside_the_links_copies_over_the_rate_alone(monkeypatch):
-    """Floors.of_machine measures co_execution_shares: the CPU expert rate at each of CO_EXECUTION_TOKENS of a
-    co-executed share's call (one block's experts, on co_execution_threads(), while the link copies), over the rate
-    at those tokens alone on the whole pool."""
+    """Floors.of_machine measures co_execution_share: the CPU expert rate at CO_EXECUTION_TOKENS of a co-executed
+    share's call (one block's experts, on co_execution_threads(), while the link copies), over the rate at those
+    tokens alone on the whole pool."""
     asked = []
 
     def rate(tokens=4096, threads=None, co_executed=False):
@@ -330,27 +330,17 @@ def test_on_a_gpu_machine_the_co_executed_share_is_the_rate_beside_the_links_cop
     machine = MachineFloors("a gpu", host_read_gbps=150.0, pcie_gbps=50.0, gpu_tflops=700.0, gpu_hbm_gbps=3e3)
     monkeypatch.setattr(machine_floors.FloorCache, "floors", lambda self, device: machine)
     floors = Floors.of_machine(model)
-    assert [t for t, _ in floors.co_execution_shares] == list(CO_EXECUTION_TOKENS)
-    for tokens in CO_EXECUTION_TOKENS:
-        assert floors.co_execution_share(tokens) == pytest.approx(0.3)
-        assert (tokens, co_execution_threads(), True) in asked
-        assert (tokens, None, False) in asked
-
-
-def test_the_co_executed_share_is_interpolated_in_log_tokens_and_held_at_its_ends():
-    floors = dataclasses.replace(FLOORS, co_execution_shares=((1024, 0.7), (4096, 0.5)))
-    assert floors.co_execution_share(2048) == pytest.approx(0.6)
-    assert floors.co_execution_share(256) == floors.co_execution_share(1024) == pytest.approx(0.7)
-    assert floors.co_execution_share(8192) == pytest.approx(0.5)
-    assert FLOORS.co_execution_share(2048) == 1.0  # not measured
+    assert floors.co_execution_share == pytest.approx(0.3)
+    assert (CO_EXECUTION_TOKENS, co_execution_threads(), True) in asked
+    assert (CO_EXECUTION_TOKENS, None, False) in asked
 
 
 def test_a_co_executed_steps_cpu_share_runs_at_the_pools_share_of_the_rate():
-    """The CPU's blocks of a co-executed streamed step are priced at the co-execution share of the kernels' compute rate
+    """The CPU's blocks of a co-executed streamed step are priced at co_execution_share of the kernels' compute rate
     (their pool leaves the host's loop its CPUs): with half the rate the CPU's part takes twice as long where compute
     binds it, while a step that streams every block is priced as before."""
     full = dataclasses.replace(FLOORS, cpu_expert_tflops_by_tokens=((64, 0.5), (4096, 3.8)))
-    half = dataclasses.replace(full, co_execution_shares=((1024, 0.5),))
+    half = dataclasses.replace(full, co_execution_share=0.5)
     # The link, the GPU and the host's reads all but free, so the CPU's compute is the step.
     free = {"host_read_gbps": 1e12, "pcie_gbps": 1e9, "gpu_tflops": 1e9, "gpu_hbm_gbps": 1e12, "gpu_layer_us": 0.0,
             "handoff_us": 0.0}
