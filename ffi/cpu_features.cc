@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <mutex>
 #include <stdexcept>
+#include <string>
 
 namespace hybridjit {
 namespace {
@@ -91,6 +92,7 @@ int64_t EnvInt(const char* name, int64_t fallback) {
 
 std::atomic<int> selected{-1};
 std::atomic<int64_t> amx_min_tokens{-1};  // -1: HYBRIDJIT_AMX_MIN_TOKENS not read yet
+std::atomic<int64_t> gguf_tile_min_tokens{-1};  // -1: HYBRIDJIT_GGUF_TILE_MIN_TOKENS not read yet
 constexpr int64_t kPrefetchUnset = -2;  // no SetWeightPrefetchOverride call: HYBRIDJIT_PREFETCH_BYTES decides
 std::atomic<int64_t> prefetch_bytes{kPrefetchUnset};
 std::mutex init_mutex;
@@ -170,13 +172,29 @@ void SetCpuKernel(CpuKernel kernel) {
   selected.store(static_cast<int>(kernel), std::memory_order_release);
 }
 
-int64_t AmxMinTokensOverride() {
-  int64_t value = amx_min_tokens.load(std::memory_order_relaxed);
+namespace {
+
+// A tokens-per-expert threshold override: set, or else read once from `variable` (0 when unset).
+int64_t MinTokensOverride(std::atomic<int64_t>& slot, const char* variable) {
+  int64_t value = slot.load(std::memory_order_relaxed);
   if (value >= 0) return value;
-  value = EnvInt("HYBRIDJIT_AMX_MIN_TOKENS", 0);
+  value = EnvInt(variable, 0);
   int64_t expected = -1;
-  amx_min_tokens.compare_exchange_strong(expected, value);
-  return amx_min_tokens.load(std::memory_order_relaxed);
+  slot.compare_exchange_strong(expected, value);
+  return slot.load(std::memory_order_relaxed);
+}
+
+void SetMinTokens(std::atomic<int64_t>& slot, int64_t tokens, const char* name) {
+  if (tokens < 0) throw std::invalid_argument(std::string(name) + " must be >= 0 (0: the measured defaults)");
+  slot.store(tokens, std::memory_order_relaxed);
+}
+
+}  // namespace
+
+int64_t AmxMinTokensOverride() { return MinTokensOverride(amx_min_tokens, "HYBRIDJIT_AMX_MIN_TOKENS"); }
+
+int64_t GgufTileMinTokensOverride() {
+  return MinTokensOverride(gguf_tile_min_tokens, "HYBRIDJIT_GGUF_TILE_MIN_TOKENS");
 }
 
 int64_t WeightPrefetchOverride() {
@@ -190,9 +208,8 @@ void SetWeightPrefetchOverride(int64_t bytes) {
   prefetch_bytes.store(bytes, std::memory_order_relaxed);
 }
 
-void SetAmxMinTokens(int64_t tokens) {
-  if (tokens < 0) throw std::invalid_argument("amx_min_tokens must be >= 0 (0: the per-layer defaults)");
-  amx_min_tokens.store(tokens, std::memory_order_relaxed);
-}
+void SetAmxMinTokens(int64_t tokens) { SetMinTokens(amx_min_tokens, tokens, "amx_min_tokens"); }
+
+void SetGgufTileMinTokens(int64_t tokens) { SetMinTokens(gguf_tile_min_tokens, tokens, "gguf_tile_min_tokens"); }
 
 }  // namespace hybridjit

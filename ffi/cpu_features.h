@@ -38,6 +38,10 @@ void SetCpuKernel(CpuKernel kernel);
 // its kind of AMX kernel (bench/RESULTS.md).
 int64_t AmxMinTokensOverride();
 void SetAmxMinTokens(int64_t tokens);
+// Likewise for the avx512 family's GGUF tile kernel (GgufTileMinTokens): HYBRIDJIT_GGUF_TILE_MIN_TOKENS or
+// SetGgufTileMinTokens; 0 (the default) leaves the measured crossover.
+int64_t GgufTileMinTokensOverride();
+void SetGgufTileMinTokens(int64_t tokens);
 
 // How far ahead (bytes, along each weight row) the AVX2 and AVX-512 kernels prefetch weights, for every format:
 // HYBRIDJIT_PREFETCH_BYTES (read at first use) or SetWeightPrefetchOverride (0: no software prefetch);

@@ -41,21 +41,11 @@ struct TokenLayout {
 
 size_t GgufPackedBytes(const LayerWeights&, int64_t tokens, int64_t cols) { return tokens * TokenLayout(cols).bytes; }
 
-// Token t's activations as float32 in x[cols].
-void TokenFloats(const ActivationRows& rows, int64_t t, int64_t cols, float* x) {
-  const void* src = rows.Row(t);
-  if (rows.bf16) {
-    for (int64_t c = 0; c < cols; ++c) x[c] = Bf16BitsToFloat(static_cast<const uint16_t*>(src)[c]);
-  } else {
-    std::copy_n(static_cast<const float*>(src), cols, x);
-  }
-}
-
 void GgufPack(const LayerWeights&, const ActivationRows& rows, int64_t cols, void* packed) {
   const TokenLayout layout(cols);
   std::vector<float> x(cols);
   for (int64_t t = 0; t < rows.count; ++t) {
-    TokenFloats(rows, t, cols, x.data());
+    GgufTokenFloats(rows, t, cols, x.data());
     char* token = static_cast<char*>(packed) + t * layout.bytes;
     auto* q = reinterpret_cast<int8_t*>(token);
     auto* lane_dx = reinterpret_cast<float*>(token + layout.lane_dx);
@@ -167,22 +157,13 @@ struct FusedLayout {
 // Where the 32-group g (0-7) of a 256-element block sits among its q: quarters 1 and 2 of each 128 swapped.
 constexpr int64_t FusedGroupOffset(int64_t g) { return g / 4 * 128 + (g % 4 == 1 ? 64 : g % 4 == 2 ? 32 : g % 4 * 32); }
 
-// The activations' quantisation group of the few-token kernels: 256 with a K-quant projection in the layer (its
-// integer sums need one scale per super-block), else 32 (Q8_0's arithmetic is the same with either, and 32 rounds
-// finer).
-int64_t FusedGroup(const LayerWeights& layer) {
-  const bool q8_0 = layer.ProjectionFormat(Matrix::kGate) == WeightFormat::kQ8_0 &&
-                    layer.ProjectionFormat(Matrix::kDown) == WeightFormat::kQ8_0;
-  return q8_0 ? kActBlock : FusedLayout::kBlock;
-}
-
 void GgufPackFused(const ActivationRows& rows, int64_t cols, int64_t group, void* packed) {
   const FusedLayout layout(cols);
   std::vector<float> x(cols);
   std::vector<int8_t> q(group);
   std::memset(packed, 0, rows.count * layout.bytes);  // a Q8_0 row's last block: zero past cols
   for (int64_t t = 0; t < rows.count; ++t) {
-    TokenFloats(rows, t, cols, x.data());
+    GgufTokenFloats(rows, t, cols, x.data());
     char* token = static_cast<char*>(packed) + t * layout.bytes;
     for (int64_t c0 = 0; c0 < cols; c0 += group) {
       const int64_t n = std::min(group, cols - c0);  // cols is a multiple of 32
@@ -568,7 +549,7 @@ HJ_AVX512_VNNI void FusedRows(const LayerWeights& layer, const Projection& p, in
 size_t GgufPackedBytesAvx512(const LayerWeights&, int64_t tokens, int64_t cols) { return tokens * FusedLayout(cols).bytes; }
 
 void GgufPackAvx512(const LayerWeights& layer, const ActivationRows& rows, int64_t cols, void* packed) {
-  GgufPackFused(rows, cols, FusedGroup(layer), packed);
+  GgufPackFused(rows, cols, GgufActivationGroup(layer), packed);
 }
 
 // Four tokens at a time over all the rows, then the one to three left: a task's rows (a few hundred KB) come back from
@@ -592,6 +573,21 @@ constexpr GemmKernel kGgufGeneric{"generic", 1, GgufPackedBytes, GgufPack, GgufG
 constexpr GemmKernel kGgufAvx512{"avx512", 1, GgufPackedBytesAvx512, GgufPackAvx512, GgufGemmAvx512};
 
 }  // namespace
+
+void GgufTokenFloats(const ActivationRows& rows, int64_t t, int64_t cols, float* x) {
+  const void* src = rows.Row(t);
+  if (rows.bf16) {
+    for (int64_t c = 0; c < cols; ++c) x[c] = Bf16BitsToFloat(static_cast<const uint16_t*>(src)[c]);
+  } else {
+    std::copy_n(static_cast<const float*>(src), cols, x);
+  }
+}
+
+int64_t GgufActivationGroup(const LayerWeights& layer) {
+  const bool q8_0 = layer.ProjectionFormat(Matrix::kGate) == WeightFormat::kQ8_0 &&
+                    layer.ProjectionFormat(Matrix::kDown) == WeightFormat::kQ8_0;
+  return q8_0 ? kActBlock : FusedLayout::kBlock;
+}
 
 const GemmKernel* GgufGenericKernel(const LayerWeights& layer) {
   return IsGgufFormat(layer.format) ? &kGgufGeneric : nullptr;

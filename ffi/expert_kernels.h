@@ -116,13 +116,24 @@ const GemmKernel* AmxKernel(const LayerWeights& layer);
 // The GGUF block formats' kernels (expert_kernel_gguf.cc); null for the other formats.
 const GemmKernel* GgufGenericKernel(const LayerWeights& layer);
 const GemmKernel* GgufAvx512Kernel(const LayerWeights& layer);
+// The GGUF register-tile kernel for many tokens an expert on AVX-512 hosts without AMX
+// (expert_kernel_gguf_tiles.cc); null for other formats and for rows that are not whole 256-element steps.
+const GemmKernel* GgufTileKernel(const LayerWeights& layer);
+// What both GGUF AVX-512 kernels share: token t's activations as float32 in x[cols], and the group the activations
+// are quantised in (256 with a K-quant projection in the layer, one scale per super-block; else 32).
+void GgufTokenFloats(const ActivationRows& rows, int64_t t, int64_t cols, float* x);
+int64_t GgufActivationGroup(const LayerWeights& layer);
+// With the avx512 family (a host without AMX), the tokens per expert from which GGUF experts run on the tile kernel:
+// the override if set (cpu_features.h), else the crossover measured against the few-token kernel.
+int64_t GgufTileMinTokens();
 
 // With the amx family, the tokens per expert from which a layer's experts run on AMX: the override if
 // set (cpu_features.h), else the crossover measured against AVX-512 for the layer's AMX kernel.
 int64_t AmxMinTokens(const LayerWeights& layer);
 
 // The kernel that `family` uses for an expert of `layer` with `tokens` tokens in a call: with amx,
-// the AMX kernel from AmxMinTokens(layer) tokens on and the AVX-512 one below.
+// the AMX kernel from AmxMinTokens(layer) tokens on and the AVX-512 one below; with avx512, GGUF experts on the tile
+// kernel from GgufTileMinTokens() tokens on.
 const GemmKernel& SelectKernel(CpuKernel family, const LayerWeights& layer, int64_t tokens);
 
 }  // namespace hybridjit

@@ -142,6 +142,7 @@ nb::dict KernelInfo() {
   info["submitter_cpu"] = pool->submitter_cpu();
   info["numa_forced"] = pool->nodes_forced();
   info["amx_min_tokens"] = AmxMinTokensOverride();
+  info["gguf_tile_min_tokens"] = GgufTileMinTokensOverride();
   info["prefetch_bytes"] = WeightPrefetchBytes();  // in effect: the override or the measured default
   // Per format (fp8 with 128 x 128 blocks, int8/int4 with 128-column groups), the kernel that runs an expert with
   // one token and one with very many; layer_kernel answers for a registered layer and a token count.
@@ -409,6 +410,8 @@ NB_MODULE(hybridjit_ffi, m) {
         "Selects the kernel family (generic, avx2, avx512, amx); ValueError if the host lacks it.");
   m.def("set_amx_min_tokens", &SetAmxMinTokens, nb::arg("tokens"),
         "With the amx family, experts with at least this many tokens use AMX, the others AVX-512 (0: per-layer defaults).");
+  m.def("set_gguf_tile_min_tokens", &SetGgufTileMinTokens, nb::arg("tokens"),
+        "With the avx512 family, GGUF experts with at least this many tokens use the tile kernel (0: the default).");
   m.def("set_prefetch_bytes", &SetWeightPrefetchOverride, nb::arg("bytes"),
         "How far ahead along each weight row the AVX2 and AVX-512 kernels prefetch (0: off; -1: the default).");
   m.def("configure_threads", &ConfigureThreads, nb::arg("threads"), nb::arg("numa_nodes"),

@@ -60,7 +60,19 @@ int64_t AmxMinTokens(const LayerWeights& layer) {
   }
 }
 
+int64_t GgufTileMinTokens() {
+  if (const int64_t tokens = GgufTileMinTokensOverride(); tokens > 0) return tokens;
+  // 2-core Zen 5 (session 37, moe_cpu.py at DeepSeek-V3 shapes, tiles / few-token kernel TFLOP/s): 32 tokens an
+  // expert Q4_K 0.265 / 0.273, Q6_K 0.224 / 0.231, IQ4_XS 0.251 / 0.204; 64: 0.303 / 0.267, 0.301 / 0.222,
+  // 0.273 / 0.190; 256: 0.317 / 0.246, 0.367 / 0.219, 0.331 / 0.188.
+  return 32;
+}
+
 const GemmKernel& SelectKernel(CpuKernel family, const LayerWeights& layer, int64_t tokens) {
+  // The tile kernel only where AVX-512 is the host's best: with AMX, AMX takes those token counts.
+  if (family == CpuKernel::kAvx512 && tokens >= GgufTileMinTokens()) {
+    if (const GemmKernel* tiles = GgufTileKernel(layer)) return *tiles;
+  }
   if (family == CpuKernel::kAmx && tokens < AmxMinTokens(layer)) family = CpuKernel::kAvx512;
   for (int level = static_cast<int>(family); level > 0; --level) {
     const GemmKernel* kernel = nullptr;

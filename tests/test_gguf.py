@@ -60,10 +60,10 @@ def rel_rms(a, b) -> float:
 
 
 def activation_group(types, kernel: str) -> int:
-    """The activations' quantisation group of an expert run by `kernel` (FusedGroup): the avx512
-    family splits the blocks in registers and, with a K-quant in the layer, quantises per 256 (as llama.cpp's Q8_K);
-    the others per 32."""
-    return 256 if kernel == "avx512" and set(types) != {Q.Q8_0} else 32
+    """The activations' quantisation group of an expert run by `kernel` (GgufActivationGroup): the avx512 family's
+    kernels (blocks split in registers, or register tiles) with a K-quant in the layer quantise per 256 (as
+    llama.cpp's Q8_K); the others per 32."""
+    return 256 if kernel in ("avx512", "avx512_tiles") and set(types) != {Q.Q8_0} else 32
 
 
 def quantized_activations(x: np.ndarray, group: int = 32) -> np.ndarray:
@@ -175,6 +175,26 @@ def test_kernels_match_float64_on_gguf_dequantisation(cpu_kernel, amx_min_tokens
         assert set(kernels.values()) == {"amx_bf16"}
 
 
+@pytest.mark.skipif("avx512" not in KERNELS, reason="the tile kernel is the avx512 family's")
+@pytest.mark.parametrize(
+    "types, hidden, inter",
+    [
+        ((Q.Q8_0, Q.Q8_0), 512, 256),
+        ((Q.Q4_K, Q.Q6_K), 256, 512),
+        ((Q.Q5_K, Q.Q5_K), 512, 256),
+        ((Q.Q2_K, Q.Q3_K), 256, 512),
+        ((Q.IQ4_XS, Q.IQ4_XS), 512, 256),
+    ],
+)
+@pytest.mark.parametrize("tokens", [1, 17, 70])  # one token a 16-token tile; tiles with padded lanes; several
+def test_the_tile_kernel_at_any_token_count_matches_float64(types, hidden, inter, tokens):
+    """The avx512 family's register-tile kernel forced at every token count: padding lanes of a partial 16-token
+    tile contribute nothing, every format's codes, scales and mins as the few-token kernel's."""
+    with kernel_family("avx512", gguf_tile_min_tokens=1):
+        kernels = check_gguf_layer(types, hidden, inter, tokens, hash((types, tokens)) % 2**32, int8_tolerance=5e-5)
+    assert set(kernels.values()) == {"avx512_tiles"}
+
+
 # AMX at sizes that take its blocking apart: rows in several 128-row strips with a partial last one (Q8_0's 352 and
 # 1120: multiples of 32 only), rows of several 512-element strips with a partial last one (1120 = 2 x 512 + 96, 352,
 # 768 = 512 + one super-block), and more tokens per expert than one 32-token block.
@@ -194,7 +214,9 @@ def test_gguf_kernels_at_blocking_sizes(cpu_kernel, amx_min_tokens, types, hidde
         # int8: at these sizes some silu(g) * u lands on the other side of an int8 rounding boundary than in float64
         # (one costs ~3e-5 here), as tests/test_cpu_kernels.py's int8 tolerance allows for
         kernels = check_gguf_layer(types, hidden, inter, 150, hash((types, hidden)) % 2**32, int8_tolerance=2e-4)
-    assert set(kernels.values()) == {"amx_bf16" if cpu_kernel == "amx" else "avx512"}
+    # 150 tokens an expert: on AVX-512 the register-tile kernel where the rows are whole 256-element steps
+    tiles = hidden % 256 == 0 and inter % 256 == 0
+    assert set(kernels.values()) == {"amx_bf16" if cpu_kernel == "amx" else "avx512_tiles" if tiles else "avx512"}
 
 
 @pytest.mark.skipif("amx" not in KERNELS, reason="this host has no AMX; the switch runs on the AMX machine")

@@ -375,7 +375,8 @@ def kernel_info() -> dict:
     {"kernel": family in use ("generic", "avx2", "avx512" or "amx"), "best": the host's best family,
     "supported": the families the host can run, "threads", "numa_nodes", "numa_forced", "pool_spin_us" (how long
     an idle worker spins before sleeping: HYBRIDJIT_POOL_SPIN_US),
-    "amx_min_tokens" (the override, 0 if none), "prefetch_bytes" (the distance in effect), "formats":
+    "amx_min_tokens" and "gguf_tile_min_tokens" (the overrides, 0 if none), "prefetch_bytes" (the distance in
+    effect), "formats":
     {format: {"few_tokens": kernel, "many_tokens": kernel}}} for one token and for very many tokens routed to
     an expert in one call.
     """
@@ -394,6 +395,13 @@ def set_amx_min_tokens(tokens: int) -> None:
     (HYBRIDJIT_AMX_MIN_TOKENS). 0 (the default) gives each layer the crossover measured for its kind of AMX
     kernel: 8 tokens for bf16 weights, 16 for int8 with one scale per row, 32 for fp8, 64 for grouped int8/int4."""
     _ffi.set_amx_min_tokens(operator.index(tokens))
+
+
+def set_gguf_tile_min_tokens(tokens: int) -> None:
+    """With the avx512 family (a host without AMX): GGUF experts with at least `tokens` tokens in a call use the
+    register-tile kernel (a tile of 4 weight rows x 16 tokens), the others the few-token kernel
+    (HYBRIDJIT_GGUF_TILE_MIN_TOKENS). 0 (the default): the crossover measured between the two."""
+    _ffi.set_gguf_tile_min_tokens(operator.index(tokens))
 
 
 def set_prefetch_bytes(bytes_ahead: int | None) -> None:
