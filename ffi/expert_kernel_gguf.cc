@@ -417,12 +417,7 @@ HJ_AVX512_VNNI inline void Iq4XsFused(const uint8_t* b, const char* const tok[N]
     }
     return o;
   }();
-  alignas(16) static const std::array<uint8_t, 16> kValues = [] {
-    std::array<uint8_t, 16> v{};
-    for (int i = 0; i < 16; ++i) v[i] = static_cast<uint8_t>(kIq4nlValues[i] + 128);
-    return v;
-  }();
-  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kValues.data())));
+  const __m512i table = _mm512_broadcast_i32x4(Iq4XsUnsignedValues());
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   const __m512i order[2] = {_mm512_load_si512(kOrder[0].data()), _mm512_load_si512(kOrder[1].data())};
   __m512i wq[4];

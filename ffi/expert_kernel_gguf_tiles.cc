@@ -13,7 +13,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <array>
 #include <cstring>
 #include <vector>
 
@@ -151,12 +150,7 @@ HJ_AVX512_VNNI void DecodeRowStep(WeightFormat format, const uint8_t* b, __m512i
       return;
     }
     case WeightFormat::kIq4Xs: {  // q = value + 128
-      alignas(16) static const std::array<uint8_t, 16> kValues = [] {
-        std::array<uint8_t, 16> v{};
-        for (int i = 0; i < 16; ++i) v[i] = static_cast<uint8_t>(kIq4nlValues[i] + 128);
-        return v;
-      }();
-      const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kValues.data()));
+      const __m128i table = Iq4XsUnsignedValues();
       const __m128i low4 = _mm_set1_epi8(0x0f);
       const float d = HalfAt(b);
       alignas(64) uint8_t bytes[kBlock];

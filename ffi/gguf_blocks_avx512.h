@@ -6,6 +6,7 @@
 
 #include <immintrin.h>
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 
@@ -54,6 +55,16 @@ HJ_AVX512_VNNI inline __m256i Q2KQuarter(const uint8_t* b, bool three, int h, in
     v = _mm256_or_si256(v, _mm256_slli_epi16(bit, 2));
   }
   return v;
+}
+
+// IQ4_XS's 16 values + 128 (unsigned bytes), looked up by index with vpshufb.
+HJ_AVX512_VNNI inline __m128i Iq4XsUnsignedValues() {
+  alignas(16) static const std::array<uint8_t, 16> kValues = [] {
+    std::array<uint8_t, 16> v{};
+    for (int i = 0; i < 16; ++i) v[i] = static_cast<uint8_t>(kIq4nlValues[i] + 128);
+    return v;
+  }();
+  return _mm_load_si128(reinterpret_cast<const __m128i*>(kValues.data()));
 }
 
 HJ_AVX512_VNNI inline float HalfAt(const uint8_t* p) {
