@@ -206,31 +206,47 @@ HJ_AVX512_VNNI void DecodeTile(WeightFormat format, const uint8_t* const blocks[
   }
 }
 
-// acc[16 r ..] (row r's 16 tokens) += row r of the tile . the token group's record at this column step.
+// acc[16 r ..] (row r's 16 tokens) += row r of the tile . the token group's record at this column step, the integer
+// dot products summed over kSpan columns (16, or 32 where the format's S and M hold over 32: Q4_K, Q5_K, IQ4_XS, Q8_0)
+// before each rescale.
+template <int64_t kSpan>
 HJ_AVX512_VNNI inline void MultiplyTile(const DecodedTile& tile, const char* record, float* sums_of_rows) {
+  constexpr int64_t kHalves = kSpan / 16, kQuads = kSpan / 4;
   const auto* scales = reinterpret_cast<const float*>(record + TileLayout::kScale);
   const auto* sums = reinterpret_cast<const float*>(record + TileLayout::kSums);
   const auto* offsets = reinterpret_cast<const int32_t*>(record + TileLayout::kOffsets);
   __m512 acc[kRows];
   for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_loadu_ps(sums_of_rows + r * kTokens);
-  for (int64_t sub = 0; sub < kSubs; ++sub) {
-    __m512i x[4];
-    for (int k = 0; k < 4; ++k) x[k] = _mm512_loadu_si512(record + (4 * sub + k) * 64);
+  for (int64_t sub = 0; sub < kSubs; sub += kHalves) {
+    __m512i x[kQuads];
+    for (int k = 0; k < kQuads; ++k) x[k] = _mm512_loadu_si512(record + (4 * sub + k) * 64);
     const __m512 xs = _mm512_loadu_ps(scales + sub / 2 * kTokens);
-    const __m512 xsum = _mm512_loadu_ps(sums + sub * kTokens);
-    const __m512i offset = _mm512_loadu_si512(offsets + sub * kTokens);
+    __m512 xsum = _mm512_loadu_ps(sums + sub * kTokens);
+    __m512i offset = _mm512_loadu_si512(offsets + sub * kTokens);
+    if constexpr (kHalves == 2) {
+      xsum = _mm512_add_ps(xsum, _mm512_loadu_ps(sums + (sub + 1) * kTokens));
+      offset = _mm512_add_epi32(offset, _mm512_loadu_si512(offsets + (sub + 1) * kTokens));
+    }
     for (int64_t r = 0; r < kRows; ++r) {
-      // Each 4 codes broadcast straight from the tile (vpdpbusd's m32bcst operand): through a general register,
-      // each took a load, a shift and a vpbroadcastd more.
+      // Each 4 codes broadcast straight from the tile (a broadcast load): through a general register, each took a
+      // load, a shift and a vpbroadcastd more.
       const auto* w = reinterpret_cast<const Int32Alias*>(tile.code[r] + 16 * sub);
-      __m512i dot = _mm512_add_epi32(offset, _mm512_set1_epi32(tile.corr[r][sub]));
-      for (int k = 0; k < 4; ++k) dot = _mm512_dpbusd_epi32(dot, x[k], _mm512_set1_epi32(w[k]));
+      int32_t corr = tile.corr[r][sub];
+      if constexpr (kHalves == 2) corr += tile.corr[r][sub + 1];
+      __m512i dot = _mm512_add_epi32(offset, _mm512_set1_epi32(corr));
+      for (int k = 0; k < kQuads; ++k) dot = _mm512_dpbusd_epi32(dot, x[k], _mm512_set1_epi32(w[k]));
       const __m512 scaled = _mm512_mul_ps(_mm512_set1_ps(tile.scale[r][sub]), xs);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scaled, acc[r]);
       acc[r] = _mm512_fnmadd_ps(_mm512_set1_ps(tile.min[r][sub]), xsum, acc[r]);
     }
   }
   for (int64_t r = 0; r < kRows; ++r) _mm512_storeu_ps(sums_of_rows + r * kTokens, acc[r]);
+}
+
+// Whether a format's S and M hold over 32 columns (its sub-blocks, or Q8_0's blocks, are 32 wide).
+bool ScalesPer32(WeightFormat format) {
+  return format == WeightFormat::kQ4K || format == WeightFormat::kQ5K || format == WeightFormat::kIq4Xs ||
+         format == WeightFormat::kQ8_0;
 }
 
 HJ_AVX512_VNNI void TileGemm(const LayerWeights& layer, const Projection* w, int n_proj, int64_t row0, int64_t rows,
@@ -243,6 +259,7 @@ HJ_AVX512_VNNI void TileGemm(const LayerWeights& layer, const Projection* w, int
     const WeightFormat format = layer.ProjectionFormat(w[p].which);
     const int64_t step_bytes = GgufBlockBytes(format) * (kBlock / GgufBlockElements(format));
     const int64_t row_bytes = layer.RowBytes(cols, w[p].which);
+    const auto multiply = ScalesPer32(format) ? MultiplyTile<32> : MultiplyTile<16>;
     for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
       const int64_t n = std::min(kRows, rows - r0);
       std::fill(acc.begin(), acc.end(), 0.0f);
@@ -254,7 +271,7 @@ HJ_AVX512_VNNI void TileGemm(const LayerWeights& layer, const Projection* w, int
         DecodeTile(format, blocks, n, tile);
         for (int64_t r = 0; r < kRows; ++r) blocks[r] += step_bytes;
         for (int64_t g = 0; g < groups; ++g) {
-          MultiplyTile(tile, static_cast<const char*>(packed) + g * layout.group_bytes + s * TileLayout::kBytes,
+          multiply(tile, static_cast<const char*>(packed) + g * layout.group_bytes + s * TileLayout::kBytes,
                        acc.data() + g * kRows * kTokens);
         }
       }
