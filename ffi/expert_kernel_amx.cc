@@ -28,6 +28,7 @@
 #include "fp8_bf16.h"
 #include "gguf_blocks.h"
 #include "gguf_blocks_avx512.h"
+#include "int8_quantize_avx512.h"
 #include "numeric_formats.h"
 
 #define HJ_AMX                                                                                                   \
@@ -626,30 +627,6 @@ struct GroupLayout {
 size_t GroupPackedBytes(const LayerWeights& layer, int64_t tokens, int64_t cols) {
   const GroupLayout l(layer, tokens, cols);
   return l.scale_bytes + l.padded_tokens / kTileRows * l.ksteps * kTileBytes;
-}
-
-// QuantizeInt8 in AVX-512, bit for bit: the same amax (float bits compared as integers, so a NaN wins), the
-// same float32 product x * (127 / amax), rounded to nearest even by the default MXCSR mode. q holds n values.
-HJ_AMX float QuantizeInt8Avx512(const float* x, int64_t n, int8_t* q) {
-  __m512i amax_bits = _mm512_setzero_si512();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m512i v = _mm512_maskz_loadu_epi32(FirstLanes16(n - i), x + i);
-    amax_bits = _mm512_max_epu32(amax_bits, _mm512_and_si512(v, _mm512_set1_epi32(0x7fffffff)));
-  }
-  const uint32_t bits = _mm512_reduce_max_epu32(amax_bits);
-  float amax;
-  std::memcpy(&amax, &bits, sizeof amax);
-  if (amax == 0.0f || !std::isfinite(amax)) {
-    std::memset(q, 0, n);
-    return amax == 0.0f ? 0.0f : amax;
-  }
-  const __m512 inv = _mm512_set1_ps(127.0f / amax);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 k = FirstLanes16(n - i);
-    const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), inv));
-    _mm_mask_storeu_epi8(q + i, k, _mm512_cvtsepi32_epi8(r));
-  }
-  return Int8Scale(amax);
 }
 
 HJ_AMX void GroupPack(const LayerWeights& layer, const ActivationRows& rows, int64_t cols, void* packed) {

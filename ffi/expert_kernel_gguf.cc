@@ -20,6 +20,7 @@
 #include "expert_kernels.h"
 #include "gguf_blocks.h"
 #include "gguf_blocks_avx512.h"
+#include "int8_quantize_avx512.h"
 #include "numeric_formats.h"
 #include "weight_prefetch.h"
 
@@ -157,7 +158,7 @@ struct FusedLayout {
 // Where the 32-group g (0-7) of a 256-element block sits among its q: quarters 1 and 2 of each 128 swapped.
 constexpr int64_t FusedGroupOffset(int64_t g) { return g / 4 * 128 + (g % 4 == 1 ? 64 : g % 4 == 2 ? 32 : g % 4 * 32); }
 
-void GgufPackFused(const ActivationRows& rows, int64_t cols, int64_t group, void* packed) {
+HJ_AVX512_VNNI void GgufPackFused(const ActivationRows& rows, int64_t cols, int64_t group, void* packed) {
   const FusedLayout layout(cols);
   std::vector<float> x(cols);
   std::vector<int8_t> q(group);
@@ -167,7 +168,7 @@ void GgufPackFused(const ActivationRows& rows, int64_t cols, int64_t group, void
     char* token = static_cast<char*>(packed) + t * layout.bytes;
     for (int64_t c0 = 0; c0 < cols; c0 += group) {
       const int64_t n = std::min(group, cols - c0);  // cols is a multiple of 32
-      const float scale = QuantizeInt8(x.data() + c0, n, q.data());
+      const float scale = QuantizeInt8Avx512(x.data() + c0, n, q.data());
       for (int64_t c = c0; c < c0 + n; c += kActBlock) {
         char* block = token + c / FusedLayout::kBlock * FusedLayout::kBytes;
         const int64_t g = c % FusedLayout::kBlock / kActBlock;

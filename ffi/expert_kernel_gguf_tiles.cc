@@ -19,6 +19,7 @@
 #include "expert_kernels.h"
 #include "gguf_blocks.h"
 #include "gguf_blocks_avx512.h"
+#include "int8_quantize_avx512.h"
 #include "numeric_formats.h"
 
 namespace hybridjit {
@@ -47,42 +48,39 @@ size_t TilePackedBytes(const LayerWeights&, int64_t tokens, int64_t cols) {
   return TileLayout::Groups(tokens) * TileLayout(cols).group_bytes;
 }
 
-void TilePack(const LayerWeights& layer, const ActivationRows& rows, int64_t cols, void* packed) {
+HJ_AVX512_VNNI void TilePack(const LayerWeights& layer, const ActivationRows& rows, int64_t cols, void* packed) {
   const TileLayout layout(cols);
   const int64_t group = GgufActivationGroup(layer);
+  // Padding tokens stay zero: their scales are 0, so whatever their bytes they add nothing.
   std::memset(packed, 0, TilePackedBytes(layer, rows.count, cols));
   std::vector<float> x(cols), scale(cols / 32);
   std::vector<int8_t> q(cols);
-  for (int64_t t = 0; t < TileLayout::Groups(rows.count) * kTokens; ++t) {
+  for (int64_t t = 0; t < rows.count; ++t) {
     char* records = static_cast<char*>(packed) + t / kTokens * layout.group_bytes;
     const int64_t lane = t % kTokens;
-    if (t < rows.count) {
-      GgufTokenFloats(rows, t, cols, x.data());
-      for (int64_t c0 = 0; c0 < cols; c0 += group) {
-        const float s = QuantizeInt8(x.data() + c0, std::min(group, cols - c0), q.data() + c0);
-        std::fill_n(scale.data() + c0 / 32, std::min(group, cols - c0) / 32, s);
-      }
-    } else {
-      std::fill(q.begin(), q.end(), int8_t{0});  // a padding token: x + 128 = 128 against any weights, scale 0
-      std::fill(scale.begin(), scale.end(), 0.0f);
+    GgufTokenFloats(rows, t, cols, x.data());
+    for (int64_t c0 = 0; c0 < cols; c0 += group) {
+      const int64_t n = std::min(group, cols - c0);
+      std::fill_n(scale.data() + c0 / 32, n / 32, QuantizeInt8Avx512(x.data() + c0, n, q.data() + c0));
     }
     for (int64_t b = 0; b < cols / kBlock; ++b) {
       char* record = records + b * TileLayout::kBytes;
-      const int8_t* qb = q.data() + b * kBlock;
-      for (int64_t quad = 0; quad < kBlock / 4; ++quad) {
-        for (int i = 0; i < 4; ++i) {
-          record[quad * 64 + lane * 4 + i] = static_cast<char>(static_cast<uint8_t>(qb[4 * quad + i] + 128));
-        }
+      alignas(64) uint8_t biased[kBlock];  // q + 128
+      alignas(64) uint64_t sums8[kBlock / 8];  // sum of q + 128 over each 8
+      for (int k = 0; k < 4; ++k) {
+        const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(q.data() + b * kBlock + 64 * k), _mm512_set1_epi8(-128));
+        _mm512_store_si512(biased + 64 * k, v);
+        _mm512_store_si512(sums8 + 8 * k, _mm512_sad_epu8(v, _mm512_setzero_si512()));
       }
+      for (int64_t quad = 0; quad < kBlock / 4; ++quad) std::memcpy(record + quad * 64 + lane * 4, biased + 4 * quad, 4);
       auto* scales = reinterpret_cast<float*>(record + TileLayout::kScale);
       auto* sums = reinterpret_cast<float*>(record + TileLayout::kSums);
       auto* offsets = reinterpret_cast<int32_t*>(record + TileLayout::kOffsets);
       for (int64_t g = 0; g < 8; ++g) scales[g * kTokens + lane] = scale[b * 8 + g];
-      for (int64_t s = 0; s < kSubs; ++s) {
-        int sum = 0;
-        for (int64_t i = 16 * s; i < 16 * s + 16; ++i) sum += qb[i];
-        sums[s * kTokens + lane] = scale[b * 8 + s / 2] * static_cast<float>(sum);
-        offsets[s * kTokens + lane] = 128 * sum;
+      for (int64_t sub = 0; sub < kSubs; ++sub) {
+        const int sum = static_cast<int>(sums8[2 * sub] + sums8[2 * sub + 1]) - 16 * 128;
+        sums[sub * kTokens + lane] = scale[b * 8 + sub / 2] * static_cast<float>(sum);
+        offsets[sub * kTokens + lane] = 128 * sum;
       }
     }
   }

@@ -63,8 +63,8 @@ int64_t AmxMinTokens(const LayerWeights& layer) {
 int64_t GgufTileMinTokens() {
   if (const int64_t tokens = GgufTileMinTokensOverride(); tokens > 0) return tokens;
   // 2-core Zen 5 (session 37, moe_cpu.py at DeepSeek-V3 shapes, tiles / few-token kernel TFLOP/s): 32 tokens an
-  // expert Q4_K 0.281 / 0.265, Q6_K 0.216 / 0.233, IQ4_XS 0.236 / 0.204 (they tie); 64: 0.374 / 0.268, 0.295 / 0.231,
-  // 0.314 / 0.200; 256: 0.364 / 0.275, 0.345 / 0.230, 0.351 / 0.201 (bench/RESULTS.md).
+  // expert Q4_K 0.313 / 0.277, Q6_K 0.231 / 0.226, IQ4_XS 0.257 / 0.202 (in another run Q6_K 0.216 / 0.233); 64:
+  // 0.361 / 0.254, 0.317 / 0.238, 0.367 / 0.190; 256: 0.389 / 0.278, 0.360 / 0.243, 0.382 / 0.202 (bench/RESULTS.md).
   return 32;
 }
 
