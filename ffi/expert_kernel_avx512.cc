@@ -29,6 +29,7 @@
 #include "fp8_shift_expansion.h"
 #include "fp8_special.h"
 #include "gguf_blocks.h"
+#include "int8_quantize_avx512.h"
 #include "numeric_formats.h"
 #include "weight_prefetch.h"
 
@@ -311,37 +312,6 @@ size_t IntPackedBytes(const LayerWeights& layer, int64_t tokens, int64_t cols) {
   return tokens * MakeIntLayout(layer, cols).token_bytes;
 }
 
-HJ_AVX512 float AbsMaxAvx512(const float* x, int64_t n) {
-  __m512i m = _mm512_setzero_si512();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m512i bits = _mm512_maskz_loadu_epi32(FirstLanes16(n - i), x + i);
-    m = _mm512_max_epu32(m, _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)));
-  }
-  const uint32_t amax = _mm512_reduce_max_epu32(m);
-  float value;
-  std::memcpy(&value, &amax, sizeof value);
-  return value;
-}
-
-// As QuantizeInt8 (same scale and rounding); returns the scale, and the sum of q in *sum.
-HJ_AVX512 float QuantizeGroup(const float* x, int64_t n, int8_t* q, int32_t* sum) {
-  const float amax = AbsMaxAvx512(x, n);
-  if (amax == 0.0f || !std::isfinite(amax)) {
-    *sum = 0;
-    return QuantizeInt8(x, n, q);
-  }
-  const __m512 inv = _mm512_set1_ps(127.0f / amax);
-  __m512i total = _mm512_setzero_si512();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 k = FirstLanes16(n - i);
-    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), inv));
-    total = _mm512_add_epi32(total, v);
-    _mm_mask_storeu_epi8(q + i, k, _mm512_cvtsepi32_epi8(v));
-  }
-  *sum = _mm512_reduce_add_epi32(total);
-  return Int8Scale(amax);
-}
-
 HJ_AVX512 void IntPack(const LayerWeights& layer, const ActivationRows& rows, int64_t cols, void* packed) {
   const IntLayout l = MakeIntLayout(layer, cols);
   const bool int4 = layer.format == WeightFormat::kInt4;
@@ -358,7 +328,8 @@ HJ_AVX512 void IntPack(const LayerWeights& layer, const ActivationRows& rows, in
     for (int64_t g = 0; g < l.groups; ++g) {
       const int64_t begin = g * layer.block_cols;
       int32_t sum;
-      scales[g] = QuantizeGroup(x.data() + begin, std::min(layer.block_cols, cols - begin), q.data() + begin, &sum);
+      scales[g] = QuantizeInt8Avx512(x.data() + begin, std::min(layer.block_cols, cols - begin), q.data() + begin,
+                                     &sum);
       corr[g] = -offset * sum;
     }
     auto* out = reinterpret_cast<int8_t*>(token + l.q);
