@@ -188,8 +188,7 @@ HJ_AVX512_VNNI void DecodeTile(WeightFormat format, const uint8_t* const blocks[
       continue;
     }
     __m512i q[4];
-    float s[kSubs], m[kSubs];
-    DecodeRowStep(format, blocks[r], q, s, m);
+    DecodeRowStep(format, blocks[r], q, tile.scale[r], tile.min[r]);
     alignas(64) uint64_t sums[4][8];  // sum of q over each 8 bytes
     for (int k = 0; k < 4; ++k) {
       _mm512_store_si512(tile.code[r] + 64 * k, _mm512_xor_si512(q[k], _mm512_set1_epi8(-128)));
@@ -198,8 +197,6 @@ HJ_AVX512_VNNI void DecodeTile(WeightFormat format, const uint8_t* const blocks[
     for (int64_t sub = 0; sub < kSubs; ++sub) {
       const uint64_t* eight = sums[sub / 4] + 2 * (sub % 4);
       tile.corr[r][sub] = 262144 - 128 * static_cast<int32_t>(eight[0] + eight[1]);
-      tile.scale[r][sub] = s[sub];
-      tile.min[r][sub] = m[sub];
     }
   }
 }
